@@ -1,0 +1,76 @@
+"""The per-forward context: what attention and the layer loop need besides the hidden state.
+
+The runner builds one ``ForwardContext`` per forward. Attention reads positions, masks and the
+KV cache from it; strategies (token eviction, early skipping) enter through ``hooks`` and shrink
+the active token set with ``shrink``. Model files never grow a per-method argument.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class LayerHooks(Protocol):
+    """What a strategy may do inside the layer loop. Each returns ``None`` to change nothing,
+    or ``(keep_index [B, K], keep_valid [B, K])`` to continue with that subset of tokens."""
+
+    def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: "ForwardContext"
+                 ) -> tuple[Tensor, Tensor] | None: ...
+
+    def after_layer(self, layer_idx: int, hidden: Tensor, ctx: "ForwardContext"
+                    ) -> tuple[Tensor, Tensor] | None: ...
+
+
+@dataclass
+class ForwardContext:
+    positions: Tensor  # [B, T] position id (= canvas index) of each query token
+    token_valid: Tensor  # [B, T] False for row padding
+    key_limit: Tensor | None = None  # [B, T] query t sees cache keys with index < key_limit
+    attn_mask: Tensor | None = None  # [B, 1, T, S] bool, used when there is no cache
+    cache: object | None = None  # KVCache: write(layer, k, v, positions, valid) / read(layer, S)
+    hooks: LayerHooks | None = None
+    token_index: Tensor | None = None  # [B, T] index of each live token in the original query set
+    processed: Tensor | None = None  # [B] query tokens computed, summed over layers
+    cos: Tensor | None = None
+    sin: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_index is None:
+            b, t = self.positions.shape
+            self.token_index = torch.arange(t, device=self.positions.device).expand(b, t)
+
+    def count_layer(self) -> None:
+        """Add the live tokens of one layer to ``processed`` (SPEC: processed_tokens)."""
+        if self.processed is not None:
+            self.processed += self.token_valid.sum(1).to(self.processed.dtype)
+
+    def attention_mask(self, num_keys: int) -> Tensor:
+        """[B, 1, T, S] bool: which keys each query attends to."""
+        if self.cache is None:
+            return self.attn_mask
+        keys = torch.arange(num_keys, device=self.positions.device)
+        return (keys[None, None, None, :] < self.key_limit[:, None, :, None])
+
+    def gather(self, x: Tensor, index: Tensor) -> Tensor:
+        """Select tokens ``index`` [B, K] along dim 1 of ``x`` [B, T, ...]."""
+        shape = index.shape + x.shape[2:]
+        idx = index.reshape(index.shape + (1,) * (x.dim() - 2)).expand(shape)
+        return torch.gather(x, 1, idx)
+
+    def shrink(self, keep_index: Tensor, keep_valid: Tensor) -> None:
+        """Continue with tokens ``keep_index`` [B, K] only (FOCUS eviction, ES-dLLM skipping)."""
+        self.positions = self.gather(self.positions, keep_index)
+        self.token_valid = self.gather(self.token_valid, keep_index) & keep_valid
+        self.token_index = self.gather(self.token_index, keep_index)
+        if self.key_limit is not None:
+            self.key_limit = self.gather(self.key_limit, keep_index)
+        if self.attn_mask is not None:
+            idx = keep_index[:, None, :, None].expand(-1, self.attn_mask.shape[1], -1,
+                                                      self.attn_mask.shape[-1])
+            self.attn_mask = torch.gather(self.attn_mask, 2, idx)
+        if self.cos is not None:
+            self.cos = self.gather(self.cos, keep_index)
+            self.sin = self.gather(self.sin, keep_index)

@@ -1,0 +1,192 @@
+"""The one transformer stack every family uses: RMSNorm, RoPE, attention, MLP and the layer loop.
+
+Family files only say how their checkpoint names map onto these modules, which attention pattern
+they use and whether logits are shifted. Strategies never edit this file's call signatures: they
+enter through ``ForwardContext`` (positions, masks, KV cache, hooks).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import ModelConfig
+from .context import ForwardContext
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # normalise in fp32, cast back, then scale (LLaDA and Qwen agree on this order)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin [B, T, head_dim] in fp32 for non-interleaved rotate-half RoPE."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [B, H, T, D] in fp32 (as LLaDA does), return in x's dtype."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    out = xf * cos[:, None] + rotated * sin[:, None]
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        if cfg.qk_norm:  # Qwen3 / SDAR: per-head RMSNorm before RoPE
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin), v
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor | None]:
+        """Returns the attention output of the live tokens and, when a hook shrank the token
+        set after Q/K/V, the kept index [B, K] (the caller gathers its residual with it)."""
+        q, k, v = self.project(x, ctx)
+        if ctx.cache is not None:
+            # K/V of every token are written before any eviction (FOCUS step 6)
+            ctx.cache.write(self.layer_idx, k, v, ctx.positions, ctx.token_valid)
+        keep = ctx.hooks.after_qk(self.layer_idx, q, k, ctx) if ctx.hooks is not None else None
+        if keep is not None:
+            q = torch.gather(q, 2, keep[0][:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
+            ctx.shrink(*keep)
+        if ctx.cache is not None:
+            num_keys = int(ctx.key_limit.max())
+            k, v = ctx.cache.read(self.layer_idx, num_keys)
+        mask = ctx.attention_mask(k.shape[2])
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, D]
+        out = out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+        return self.o_proj(out), (keep[0] if keep is not None else None)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: Tensor, ctx: ForwardContext) -> Tensor:
+        attn_out, keep = self.self_attn(self.input_layernorm(h), ctx)
+        if keep is not None:
+            h = ctx.gather(h, keep)
+        h = h + attn_out
+        ctx.count_layer()
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DiffusionLM(nn.Module):
+    """Embedding, the shared layer loop, final norm and LM head.
+
+    ``forward(input_ids, attention_mask)`` is the plain HF-like call (used by parity tests and
+    training); ``forward_context`` is what the engine uses, with a KV cache and hooks.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward_context(self, input_ids: Tensor, ctx: ForwardContext) -> Tensor:
+        """Final normed hidden states [B, T', d] of the tokens still live at the end
+        (``ctx.token_index`` says which); call ``logits`` on what you need."""
+        ctx.cos, ctx.sin = rope_cos_sin(ctx.positions, self.config.head_dim, self.config.rope_theta)
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ctx)
+            keep = ctx.hooks.after_layer(i, h, ctx) if ctx.hooks is not None else None
+            if keep is not None:
+                h = ctx.gather(h, keep[0])
+                ctx.shrink(*keep)
+        return self.norm(h)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None) -> Tensor:
+        """Logits [B, T, V] with the family's shift applied.
+
+        ``attention_mask``: None, a 2-D [B, T] padding mask (1 = token; padding gets no position
+        and is never attended to), or a 4-D bool [B, 1, T, T] mask used as given."""
+        ctx = self.plain_context(input_ids, attention_mask)
+        if position_ids is not None:
+            ctx.positions = position_ids.expand_as(input_ids)
+        logits = self.logits(self.forward_context(input_ids, ctx))
+        if self.config.logit_shift:
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        return logits
+
+    def plain_context(self, input_ids: Tensor, attention_mask: Tensor | None) -> ForwardContext:
+        b, t = input_ids.shape
+        dev = input_ids.device
+        if attention_mask is None or attention_mask.dim() == 4:
+            positions = torch.arange(t, device=dev).expand(b, t)
+            valid = torch.ones(b, t, dtype=torch.bool, device=dev)
+        else:
+            valid = attention_mask.bool()
+            positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            mask = attention_mask.bool()
+        else:
+            mask = self.pattern_mask(positions, valid)
+        return ForwardContext(positions=positions, token_valid=valid, attn_mask=mask)
+
+    def pattern_mask(self, positions: Tensor, valid: Tensor) -> Tensor:
+        """[B, 1, T, T] bool: the family's attention pattern over one padded canvas."""
+        mask = valid[:, None, None, :].expand(-1, 1, positions.shape[1], -1)
+        if self.config.is_block_causal:
+            blk = positions // self.config.block_size
+            mask = mask & (blk[:, None, None, :] <= blk[:, None, :, None])
+        return mask

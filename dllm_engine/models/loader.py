@@ -1,0 +1,136 @@
+"""Load and save checkpoints in the family's real layout: ``config.json`` with the family's own
+keys, ``model.safetensors`` or shards with ``model.safetensors.index.json``, tensors under the
+family's own names. The same code loads a real 8B checkpoint and the embedded tiny ones."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .family import Family
+from .layers import DiffusionLM
+from .registry import get_family
+from ..config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def read_config(path: str | Path) -> tuple[dict, Family, ModelConfig]:
+    """The raw config.json, its family and the normalised ModelConfig."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {str(folder)!r} does not exist")
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{str(folder)!r} has no config.json; is it a Hugging Face checkpoint?")
+    hf = json.loads(cfg_file.read_text())
+    family = get_family(hf.get("model_type"))
+    return hf, family, family.config_from_hf(hf)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{INDEX_FILE} in {str(folder)!r} names missing shards: {missing}")
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {str(folder)!r}")
+    return files
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in weight_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def expected_names(model: DiffusionLM, family: Family) -> dict[str, str]:
+    """checkpoint tensor name -> our parameter name (tied heads appear once, as the embedding)."""
+    names = {}
+    for name, _ in model.named_parameters():  # named_parameters skips the tied duplicate
+        names[family.checkpoint_name(name)] = name
+    return names
+
+
+def check_tensors(tensors: dict, model: DiffusionLM, family: Family, folder: Path) -> dict:
+    names = expected_names(model, family)
+    missing = sorted(set(names) - set(tensors))
+    extra = sorted(set(tensors) - set(names))
+    if missing or extra:
+        raise ValueError(f"checkpoint {str(folder)!r} does not match its config "
+                         f"({family.model_type}): missing tensors {missing[:8]}, unexpected tensors {extra[:8]}")
+    params = dict(model.named_parameters())
+    for ckpt, ours in names.items():
+        if tuple(tensors[ckpt].shape) != tuple(params[ours].shape):
+            raise ValueError(f"tensor {ckpt} has shape {tuple(tensors[ckpt].shape)} but the config "
+                             f"implies {tuple(params[ours].shape)}")
+    return {ours: tensors[ckpt] for ckpt, ours in names.items()}
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu") -> DiffusionLM:
+    """Build the family's model from a local checkpoint folder."""
+    folder = Path(path)
+    _, family, cfg = read_config(folder)
+    with torch.device("meta"):
+        model = DiffusionLM(cfg)
+    state = check_tensors(read_tensors(folder), model, family, folder)
+    model.to_empty(device=device)
+    model.load_state_dict(state, strict=False, assign=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.family = family
+    return model.to(parse_dtype(dtype)).eval()
+
+
+def save_model(model: DiffusionLM, path: str | Path, family: Family,
+               max_shard_bytes: int | None = None) -> None:
+    """Write config.json and safetensors (sharded with an index when max_shard_bytes is set)."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(family.config_to_hf(model.config), indent=2) + "\n")
+    state = {family.checkpoint_name(n): p.detach().contiguous().cpu()
+             for n, p in model.named_parameters()}
+    if max_shard_bytes is None:
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    save_shards(state, folder, max_shard_bytes)
+
+
+def save_shards(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

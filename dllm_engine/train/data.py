@@ -1,0 +1,104 @@
+"""Training batches for the two objectives the embedded checkpoints are trained with.
+
+- masked diffusion (LLaDA SFT): t ~ U(0, 1), response tokens masked with probability t, loss on
+  masked tokens weighted 1/t, prompt never masked, response padded with EOS so the model learns
+  EOS padding (and where the answer ends);
+- block diffusion (SDAR / BD3-LM): the noisy copy and the clean copy are concatenated; a noisy block
+  attends to itself and to the clean blocks before it, the clean copy is block-causal.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..tasks import Example
+
+MAX_CANVAS = 256  # longest response canvas trained on (the ODB benchmarks run 256 new tokens)
+
+
+@dataclass
+class Batch:
+    input_ids: Tensor  # [B, L'] what the model reads (L' = 2L for block diffusion)
+    targets: Tensor  # [B, L] clean tokens of the noisy part
+    is_masked: Tensor  # [B, L] positions the loss is taken on
+    weight: Tensor  # [B] 1/t
+    attention_mask: Tensor | None  # [1, 1, L', L'] bool for block diffusion, None = full
+    position_ids: Tensor | None  # [1, L'] for block diffusion
+
+
+@dataclass
+class Encoder:
+    """Turns task examples into (prompt ids, response ids) with the checkpoint's chat template."""
+    tokenizer: object  # transformers tokenizer
+    end_of_turn_id: int
+    eos_id: int
+    mask_id: int
+
+    def encode(self, ex: Example) -> tuple[list[int], list[int]]:
+        prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}],
+                                                    add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False)
+        answer = self.tokenizer.encode(ex.answer, add_special_tokens=False)
+        return list(prompt), answer + [self.end_of_turn_id]
+
+
+def response_length(rng: random.Random, longest: int, long_tails: bool) -> int:
+    """Canvas length for responses: mostly a short EOS tail, sometimes up to MAX_CANVAS, so the
+    model learns that the answer's end is not tied to the canvas end. Block diffusion stops after
+    the block holding EOS, so it never needs long tails."""
+    if long_tails and rng.random() < 0.2:
+        return rng.randint(longest, MAX_CANVAS)
+    return min(MAX_CANVAS, longest + rng.randint(0, 32))
+
+
+def pack_rows(rows: list[tuple[list[int], list[int]]], eos_id: int, rng: random.Random,
+              multiple: int = 1, long_tails: bool = True) -> tuple[Tensor, Tensor]:
+    """Rows all ending at one canvas length L (a multiple of ``multiple``): prompt, response,
+    EOS padding. Returns ids [B, L] and is_response [B, L]."""
+    longest = max(len(r) for _, r in rows)
+    total = max(len(p) for p, _ in rows) + response_length(rng, longest, long_tails)
+    total = -(-total // multiple) * multiple
+    ids, is_resp = [], []
+    for prompt, resp in rows:
+        pad = total - len(prompt) - len(resp)
+        ids.append(prompt + resp + [eos_id] * pad)
+        is_resp.append([False] * len(prompt) + [True] * (len(resp) + pad))
+    return torch.tensor(ids), torch.tensor(is_resp)
+
+
+def noise(ids: Tensor, is_resp: Tensor, mask_id: int, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    t = torch.rand(ids.shape[0], 1, generator=gen).clamp(min=1e-3)
+    is_masked = (torch.rand(ids.shape, generator=gen) < t) & is_resp
+    return torch.where(is_masked, torch.full_like(ids, mask_id), ids), is_masked, 1.0 / t[:, 0]
+
+
+def masked_diffusion_batch(enc: Encoder, examples: list[Example], seed: int) -> Batch:
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    ids, is_resp = pack_rows([enc.encode(e) for e in examples], enc.eos_id, rng)
+    noisy, is_masked, weight = noise(ids, is_resp, enc.mask_id, gen)
+    return Batch(noisy, ids, is_masked, weight, None, None)
+
+
+def block_diffusion_mask(length: int, block_size: int) -> Tensor:
+    """[1, 1, 2L, 2L] bool over [noisy ; clean]."""
+    blk = torch.arange(length) // block_size
+    same = blk[:, None] == blk[None, :]
+    before = blk[None, :] < blk[:, None]
+    causal = blk[None, :] <= blk[:, None]
+    top = torch.cat([same, before], dim=1)  # noisy queries: own noisy block + earlier clean blocks
+    bottom = torch.cat([torch.zeros_like(same), causal], dim=1)  # clean queries: block-causal
+    return torch.cat([top, bottom], dim=0)[None, None]
+
+
+def block_diffusion_batch(enc: Encoder, examples: list[Example], seed: int, block_size: int) -> Batch:
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    ids, is_resp = pack_rows([enc.encode(e) for e in examples], enc.eos_id, rng, block_size,
+                             long_tails=False)
+    noisy, is_masked, weight = noise(ids, is_resp, enc.mask_id, gen)
+    length = ids.shape[1]
+    positions = torch.arange(length).repeat(2)[None]
+    return Batch(torch.cat([noisy, ids], dim=1), ids, is_masked, weight,
+                 block_diffusion_mask(length, block_size), positions)

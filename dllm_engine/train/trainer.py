@@ -1,0 +1,186 @@
+"""Train the embedded tiny checkpoints on the task suite (CPU, seeded, resumable).
+
+Every step's examples and noise are drawn from seeds derived from (seed, step), so a run killed
+midway resumes from its last saved state and continues exactly as if it had never stopped.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..config import ModelConfig
+from ..models import DiffusionLM, get_family, save_model
+from ..tasks import train_examples
+from ..tokenizer import save_tokenizer
+from .data import Batch, Encoder, block_diffusion_batch, masked_diffusion_batch
+
+FAMILY_SPECIALS = {  # family -> (model_type, mask token, end-of-turn token)
+    "llada": ("llada", "<|mdm_mask|>", "<|eot_id|>"),
+    "sdar": ("sdar", "<|MASK|>", "<|im_end|>"),
+}
+
+
+@dataclass
+class TrainConfig:
+    family: str
+    out: str
+    work: str
+    steps: int = 1500
+    batch_size: int = 32
+    lr: float = 2e-3
+    warmup: int = 100
+    seed: int = 0
+    hidden_size: int = 128
+    num_layers: int = 12
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 384
+    block_size: int = 32  # SDAR: trained block size
+    max_new_tokens: int = 128  # written to generation_config.json
+    save_every: int = 50
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILY_SPECIALS:
+            raise ValueError(f"family must be one of {sorted(FAMILY_SPECIALS)}, got {self.family!r}")
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError("steps and batch_size must be >= 1")
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        from transformers import AutoTokenizer
+        self.cfg = cfg
+        self.work = Path(cfg.work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        save_tokenizer(self.work / "tokenizer", cfg.family)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.work / "tokenizer")
+        model_type, mask_tok, eot_tok = FAMILY_SPECIALS[cfg.family]
+        ids = self.tokenizer.convert_tokens_to_ids
+        self.encoder = Encoder(self.tokenizer, ids(eot_tok), self.tokenizer.eos_token_id, ids(mask_tok))
+        self.model = DiffusionLM(self.model_config(model_type))
+        self.family = get_family(model_type)
+        self.init_weights()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                     weight_decay=0.01)
+        self.step = 0
+
+    def model_config(self, model_type: str) -> ModelConfig:
+        c, tok = self.cfg, self.tokenizer
+        return ModelConfig(
+            model_type=model_type, vocab_size=len(tok), hidden_size=c.hidden_size,
+            num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+            intermediate_size=c.intermediate_size, rope_theta=10000.0,
+            rms_norm_eps=1e-5 if model_type == "llada" else 1e-6, qk_norm=model_type == "sdar",
+            max_position_embeddings=1024, mask_token_id=self.encoder.mask_id,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+            attention="block_causal" if model_type == "sdar" else "full",
+            block_size=c.block_size if model_type == "sdar" else None)
+
+    def init_weights(self) -> None:
+        torch.manual_seed(self.cfg.seed)
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.num_layers)
+        for name, p in self.model.named_parameters():
+            if p.dim() == 2:
+                std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                torch.nn.init.normal_(p, 0.0, std)
+
+    def lr_at(self, step: int) -> float:
+        c = self.cfg
+        if step < c.warmup:
+            return c.lr * (step + 1) / c.warmup
+        progress = (step - c.warmup) / max(1, c.steps - c.warmup)
+        return c.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+    def batch(self, step: int) -> Batch:
+        seed = self.cfg.seed * 1_000_003 + step
+        examples = list(itertools.islice(train_examples(seed), self.cfg.batch_size))
+        if self.cfg.family == "sdar":
+            return block_diffusion_batch(self.encoder, examples, seed, self.cfg.block_size)
+        return masked_diffusion_batch(self.encoder, examples, seed)
+
+    def loss(self, b: Batch) -> torch.Tensor:
+        ctx = self.model.plain_context(b.input_ids, b.attention_mask)
+        if b.position_ids is not None:
+            ctx.positions = b.position_ids.expand_as(b.input_ids)
+        hidden = self.model.forward_context(b.input_ids, ctx)[:, : b.targets.shape[1]]
+        logits = self.model.logits(hidden[b.is_masked])
+        ce = F.cross_entropy(logits, b.targets[b.is_masked], reduction="none")
+        weight = b.weight[:, None].expand_as(b.targets)[b.is_masked]
+        # LLaDA SFT normalises by the response length; every row is the same length here
+        return (ce * weight).sum() / max(1, int(b.is_masked.numel()))
+
+    # -- persistence ---------------------------------------------------------------------
+    def save_state(self) -> None:
+        tmp = self.work / "state.pt.tmp"
+        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                    "step": self.step, "config": asdict(self.cfg)}, tmp)
+        os.replace(tmp, self.work / "state.pt")
+
+    def load_state(self) -> None:
+        path = self.work / "state.pt"
+        if not path.is_file():
+            return
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.step = state["step"]
+        self.trim_log()
+
+    def trim_log(self) -> None:
+        """Drop log lines after the saved step: they are recomputed identically on resume."""
+        log = self.work / "loss.jsonl"
+        if log.is_file():
+            lines = [l for l in log.read_text().splitlines() if json.loads(l)["step"] < self.step]
+            log.write_text("".join(l + "\n" for l in lines))
+
+    def export(self) -> Path:
+        out = Path(self.cfg.out)
+        save_model(self.model, out, self.family)
+        save_tokenizer(out, self.cfg.family)
+        gen = {"block_length": self.cfg.block_size, "max_new_tokens": self.cfg.max_new_tokens,
+               "eos_token_id": [self.encoder.eos_id, self.encoder.end_of_turn_id],
+               "mask_token_id": self.encoder.mask_id, "pad_token_id": self.encoder.eos_id,
+               "bos_token_id": self.tokenizer.bos_token_id}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        return out
+
+    # -- loop ------------------------------------------------------------------------------
+    def train(self) -> Path:
+        self.load_state()
+        self.model.train()
+        log = (self.work / "loss.jsonl").open("a")
+        bar = tqdm(range(self.step, self.cfg.steps), initial=self.step, total=self.cfg.steps,
+                   desc=f"train {self.cfg.family}")
+        start = time.time()
+        for step in bar:
+            loss = self.train_step(step)
+            log.write(json.dumps({"step": step, "loss": round(loss, 5), "lr": self.lr_at(step),
+                                  "elapsed_s": round(time.time() - start, 1)}) + "\n")
+            log.flush()
+            bar.set_postfix(loss=f"{loss:.4f}")
+            self.step = step + 1
+            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
+                self.save_state()
+        log.close()
+        self.model.eval()
+        return self.export()
+
+    def train_step(self, step: int) -> float:
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr_at(step)
+        loss = self.loss(self.batch(step))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        return loss.item()

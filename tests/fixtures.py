@@ -1,0 +1,50 @@
+"""Tiny random checkpoints in each family's real layout, written by tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dllm_engine.config import ModelConfig
+from dllm_engine.models import DiffusionLM, get_family, save_model
+
+VOCAB = 64
+IDS = dict(mask_token_id=60, eos_token_id=61, pad_token_id=62, bos_token_id=63)
+
+
+def tiny_config(model_type: str, **overrides) -> ModelConfig:
+    family = get_family(model_type)
+    base = dict(model_type=model_type, vocab_size=VOCAB, hidden_size=32, num_layers=3, num_heads=4,
+                num_kv_heads=4 if model_type == "llada" else 2, intermediate_size=48,
+                rope_theta=500000.0 if model_type == "llada" else 10000.0,
+                rms_norm_eps=1e-5 if model_type == "llada" else 1e-6, **IDS)
+    base.update(overrides)
+    # round-trip through the family's real config keys, as a loaded checkpoint would be
+    return family.config_from_hf(family.config_to_hf(ModelConfig(**base)))
+
+
+def random_model(model_type: str, seed: int = 0, scale: float = 0.3, **overrides) -> DiffusionLM:
+    """Random weights large enough that logits are peaked (greedy decoding is then stable)."""
+    cfg = tiny_config(model_type, **overrides)
+    if model_type == "sdar":
+        cfg.block_size = overrides.get("block_size", 4)
+    torch.manual_seed(seed)
+    model = DiffusionLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, scale)
+            elif name.endswith("weight"):
+                p.uniform_(0.8, 1.2)
+    model.family = get_family(model_type)
+    return model.eval()
+
+
+def write_checkpoint(folder: Path, model_type: str, seed: int = 0, shard_bytes: int | None = None,
+                     tokenizer: bool = True, **overrides) -> Path:
+    model = random_model(model_type, seed, **overrides)
+    save_model(model, folder, model.family, max_shard_bytes=shard_bytes)
+    if tokenizer:
+        from dllm_engine.tokenizer import save_tokenizer
+        save_tokenizer(folder, "sdar" if model_type == "sdar" else "llada")
+    return folder
