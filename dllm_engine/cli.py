@@ -3,6 +3,70 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+DEFAULT_MODEL = CHECKPOINTS / "tiny-llada"
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default=None, help="reference | prefix-cache | dual-cache | block "
+                   "(default: dual-cache for full attention, block for block diffusion)")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--block-length", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="denoising steps per block")
+    p.add_argument("--threshold", type=float, default=None)
+    p.add_argument("--factor", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--remasking", default="low_confidence")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def sampling_params(args: argparse.Namespace, llm) -> "SamplingParams":
+    from . import SamplingParams
+    method = args.method or ("block" if "block" in llm.model.family.methods else "dual-cache")
+    threshold = args.threshold
+    if threshold is None and args.method is None and args.factor is None:
+        threshold = 0.9  # the default method is a parallel decoder
+    return SamplingParams(method=method, max_new_tokens=args.max_new_tokens,
+                          block_length=args.block_length, steps=args.steps, threshold=threshold,
+                          factor=args.factor, temperature=args.temperature,
+                          remasking=args.remasking, seed=args.seed)
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate from one prompt and print the text and stats")
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: tiny-llada)")
+    p.add_argument("--prompt", default=None, help="default: a held-out prompt of the task suite")
+    p.add_argument("--chat", action="store_true", help="apply the chat template (default prompt: on)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    add_sampling_args(p)
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from . import LLM
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    params = sampling_params(args, llm)
+    expected = None
+    if args.prompt is None:
+        from .tasks import load_split
+        example = load_split(["sort"], limit=1)[0]
+        args.prompt, args.chat, expected = example.prompt, True, example.answer
+    if args.chat:
+        out = llm.chat([[{"role": "user", "content": args.prompt}]], params)
+    else:
+        out = llm.generate([args.prompt], params)
+    print(f"model: {args.model}  method: {params.method}")
+    print(f"prompt: {args.prompt}")
+    print(f"output: {out[0].text}")
+    if expected is not None:
+        print(f"expected: {expected}  ({'correct' if out[0].text.strip() == expected else 'wrong'})")
+    s = out.stats
+    print(f"stats: nfe={s.nfe} decoded_tokens={s.decoded_tokens} output_tokens={s.output_tokens} "
+          f"processed_tokens={s.processed_tokens:.1f} prefill_tokens={s.prefill_tokens} "
+          f"redundancy={s.redundancy:.2f} tokens_per_step={s.decoded_tokens / max(1, s.nfe):.2f} "
+          f"seconds={s.seconds:.3f} throughput={s.output_tokens / max(s.seconds, 1e-9):.1f} tok/s")
 
 
 def add_train(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +94,7 @@ def run_train(args: argparse.Namespace) -> None:
     print(f"checkpoint written to {Trainer(cfg).train()}")
 
 
-COMMANDS = {"train": (add_train, run_train)}
+COMMANDS = {"generate": (add_generate, run_generate), "train": (add_train, run_train)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,8 @@ import torch
 from dllm_engine.config import ModelConfig
 from dllm_engine.models import DiffusionLM, get_family, save_model
 
-VOCAB = 64
-IDS = dict(mask_token_id=60, eos_token_id=61, pad_token_id=62, bos_token_id=63)
+VOCAB = 96  # the project tokenizer's 95 ids (+1), so text prompts work on the fixtures too
+IDS = dict(mask_token_id=4, eos_token_id=3, pad_token_id=3, bos_token_id=2)
 
 
 def tiny_config(model_type: str, **overrides) -> ModelConfig:

@@ -1,0 +1,66 @@
+"""The base decoders: which canvas positions each step computes (the cache policy) and which
+masked positions it commits (the commit rule).
+
+| decoder      | step 0 of a block        | later steps               | commit rule                 |
+|--------------|--------------------------|---------------------------|-----------------------------|
+| reference    | whole canvas             | whole canvas              | fixed-k / threshold / factor|
+| prefix-cache | whole canvas             | block + suffix            | same                        |
+| dual-cache   | whole canvas             | block only                | same                        |
+| block        | positions not yet cached | positions not yet cached  | low_confidence_dynamic/static|
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..engine.sequence import Sequence
+from .rules import factor_select, threshold_select, topk_select
+
+
+@dataclass
+class StepPlan:
+    positions: Tensor  # [T] canvas positions computed this step (ascending)
+    key_limit: Tensor  # [T] each position attends to canvas keys below this index
+    logit_positions: Tensor  # [N] masked block positions to predict
+
+    def __len__(self) -> int:
+        return self.positions.numel()
+
+
+def compute_range(seq: Sequence, shift: int) -> tuple[int, int]:
+    method = seq.params.base_method
+    start, end = seq.block
+    if method == "block":
+        return seq.committed_len, end
+    if method == "reference" or seq.step == 0:
+        return 0, seq.canvas_len
+    # Dream reads position p's logits at p - 1, so the token before the block is recomputed too
+    return start - shift, (seq.canvas_len if method == "prefix-cache" else end)
+
+
+def plan_step(seq: Sequence, shift: int) -> StepPlan:
+    lo, hi = compute_range(seq, shift)
+    positions = torch.arange(lo, hi, device=seq.canvas.device)
+    if seq.params.base_method == "block":  # block-causal: see your own block and all before it
+        bl = seq.params.block_length
+        limit = (positions // bl + 1) * bl
+    else:
+        limit = torch.full_like(positions, seq.canvas_len)
+    return StepPlan(positions, limit, seq.masked_positions())
+
+
+def select(seq: Sequence, conf: Tensor) -> Tensor:
+    """bool [N] over the candidate positions: which to commit this step."""
+    p = seq.params
+    k = seq.tokens_this_step()
+    if p.base_method == "block":
+        if p.unmasking == "low_confidence_static":
+            return topk_select(conf, max(k, 1))
+        return threshold_select(conf, p.threshold, min_k=max(k, 1))
+    if p.threshold is not None:
+        return threshold_select(conf, p.threshold, min_k=1)
+    if p.factor is not None:
+        return factor_select(conf, p.factor)
+    return topk_select(conf, k)

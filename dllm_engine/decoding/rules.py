@@ -1,0 +1,76 @@
+"""Sampling, confidence and the commit rules of the reference samplers.
+
+- fixed-k (LLaDA ``generate``): the block's mask count is split evenly over its steps, the
+  remainder going to the first steps; each step commits the top-k by confidence;
+- threshold (Fast-dLLM; LMDeploy/SDAR ``low_confidence_dynamic``): every masked position with
+  confidence >= threshold, and at least the top ``min_k`` (1 for Fast-dLLM and LMDeploy);
+- factor (Fast-dLLM): the largest n such that the n-th highest confidence >= 1 - factor / (n + 1).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def num_transfer_tokens(num_masked: int, steps: int) -> list[int]:
+    """Tokens to commit at each of ``steps`` steps: an even split, remainder to the first steps."""
+    base, rem = divmod(num_masked, steps)
+    return [base + (1 if i < rem else 0) for i in range(steps)]
+
+
+def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+    """x0 [N] from logits [N, V]: argmax at T = 0, else Gumbel-max in float64 (LLaDA's
+    exp(logits) / (-log U) ** T, i.e. a sample from softmax(logits / T))."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits64 = logits.double()
+    u = torch.rand(logits64.shape, generator=generator, dtype=torch.float64, device=logits.device)
+    gumbel = (-torch.log(u.clamp_min(1e-300))) ** temperature
+    return (logits64.exp() / gumbel).argmax(-1)
+
+
+def confidence(logits: Tensor, x0: Tensor, rule: str, generator: torch.Generator | None) -> Tensor:
+    """Confidence [N] of choosing x0 at each position (higher = commit sooner).
+
+    ``low_confidence``/``maskgit_plus``: softmax probability of x0 (untempered, as LLaDA);
+    ``topk_margin``: top-1 minus top-2 probability; ``entropy``: sum p log p (Dream);
+    ``random``: uniform draws (LLaDA's random remasking)."""
+    if rule == "random":
+        return torch.rand(x0.shape, generator=generator, device=x0.device, dtype=torch.float64).float()
+    probs = torch.softmax(logits.float(), dim=-1)
+    if rule in ("low_confidence", "maskgit_plus"):
+        return probs.gather(-1, x0[:, None])[:, 0]
+    if rule == "topk_margin":
+        top2 = probs.topk(2, dim=-1).values
+        return top2[:, 0] - top2[:, 1]
+    if rule == "entropy":
+        return (probs * torch.log(probs.clamp_min(1e-10))).sum(-1)
+    raise ValueError(f"unknown confidence rule {rule!r}")
+
+
+def topk_select(conf: Tensor, k: int) -> Tensor:
+    """bool [N]: the k most confident positions (ties broken by the lower index)."""
+    k = max(0, min(k, conf.numel()))
+    chosen = torch.zeros_like(conf, dtype=torch.bool)
+    if k:
+        order = torch.sort(conf, descending=True, stable=True).indices
+        chosen[order[:k]] = True
+    return chosen
+
+
+def threshold_select(conf: Tensor, threshold: float, min_k: int = 1) -> Tensor:
+    """bool [N]: every position with conf >= threshold, or the top ``min_k`` if fewer pass."""
+    passed = conf >= threshold
+    if int(passed.sum()) >= min(min_k, conf.numel()):
+        return passed
+    return topk_select(conf, min_k)
+
+
+def factor_select(conf: Tensor, factor: float) -> Tensor:
+    """bool [N]: the top n for the largest n with n-th highest conf >= 1 - factor / (n + 1);
+    at least the top-1."""
+    ranked = torch.sort(conf, descending=True, stable=True).values
+    n = torch.arange(1, conf.numel() + 1, device=conf.device, dtype=ranked.dtype)
+    ok = (ranked >= 1 - factor / (n + 1)).nonzero()
+    count = int(ok.max()) + 1 if ok.numel() else 1
+    return topk_select(conf, count)

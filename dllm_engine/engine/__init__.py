@@ -1,0 +1,1 @@
+"""Engine: sequences, KV cache, runner, the step loop and the offline API."""

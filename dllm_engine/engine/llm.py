@@ -1,0 +1,149 @@
+"""Offline API: ``LLM(path).generate(prompts, SamplingParams(...))``."""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..models import load_model
+from ..sampling_params import SamplingParams
+from .engine import Engine
+from .sequence import Sequence, SequenceStats, TokenIds
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    stats: SequenceStats
+    finish_reason: str  # "stop" (a stop token) or "length"
+
+
+class GenerateResult(list):
+    """The outputs, in prompt order, plus ``stats``: the call's summed SPEC §1 metrics."""
+    stats: SequenceStats
+
+
+def ids_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+class LLM:
+    def __init__(self, model: str | Path, dtype: str = "float32", device: str = "cpu",
+                 max_num_seqs: int = 256) -> None:
+        self.path = Path(model)
+        self.model = load_model(self.path, dtype=dtype, device=device)
+        self.device = torch.device(device)
+        self.tokenizer = self.load_tokenizer()
+        gen_file = self.path / "generation_config.json"
+        self.generation_config = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        self.token_ids = self.resolve_ids()
+        self.engine = Engine(self.model, max_num_seqs=max_num_seqs)
+        self.counter = itertools.count()
+
+    def load_tokenizer(self):
+        if not (self.path / "tokenizer.json").is_file() and not (self.path / "tokenizer_config.json").is_file():
+            return None  # token-id prompts still work
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # it warns that it does not know our model_type: expected
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+
+    def resolve_ids(self) -> TokenIds:
+        """mask / eos / stop ids from config.json, generation_config.json, then the tokenizer."""
+        cfg, gen, tok = self.model.config, self.generation_config, self.tokenizer
+        mask = cfg.mask_token_id if cfg.mask_token_id >= 0 else gen.get("mask_token_id", -1)
+        if mask < 0 and tok is not None and getattr(tok, "mask_token_id", None) is not None:
+            mask = tok.mask_token_id
+        if mask is None or mask < 0:
+            raise ValueError(f"{self.path}: no mask_token_id in config.json, generation_config.json "
+                             f"or the tokenizer")
+        stops = ids_list(gen.get("eos_token_id")) + ([cfg.eos_token_id] if cfg.eos_token_id >= 0 else [])
+        if tok is not None and tok.eos_token_id is not None:
+            stops.append(tok.eos_token_id)
+        if not stops:
+            raise ValueError(f"{self.path}: no eos_token_id in config.json or the tokenizer")
+        eos = cfg.eos_token_id if cfg.eos_token_id >= 0 else stops[0]
+        return TokenIds(mask_id=mask, eos_id=eos, stop_ids=frozenset(stops))
+
+    # -- prompts ---------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"{self.path} has no tokenizer; pass token-id prompts")
+            return self.check_ids(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return self.check_ids(list(prompt))
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise ValueError("prompt is empty")
+        if any((not isinstance(i, int)) or i < 0 or i >= vocab for i in ids):
+            raise ValueError(f"prompt has token ids outside [0, {vocab}), the model's vocabulary")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"{self.path} has no chat template in its tokenizer_config.json")
+        if not messages:
+            raise ValueError("conversation is empty")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                       tokenize=True, return_dict=False))
+
+    def make_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        p = params.resolve(self.generation_config, self.model.family.methods,
+                           self.model.config.max_position_embeddings, len(prompt_ids))
+        ids = self.token_ids
+        if p.stop_token_ids:
+            ids = TokenIds(ids.mask_id, ids.eos_id, ids.stop_ids | frozenset(p.stop_token_ids))
+        return Sequence(next(self.counter), prompt_ids, p, ids, self.device)
+
+    # -- generation ------------------------------------------------------------------------
+    def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
+                 use_tqdm: bool = False) -> GenerateResult:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self.run([self.encode(p) for p in prompts], params or SamplingParams(), use_tqdm)
+
+    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> GenerateResult:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.run([self.check_ids(self.apply_chat_template(c)) for c in conversations],
+                        params or SamplingParams(), use_tqdm)
+
+    def run(self, prompt_ids: list[list[int]], params: SamplingParams, use_tqdm: bool) -> GenerateResult:
+        if not prompt_ids:
+            raise ValueError("no prompts given")
+        seqs = [self.make_sequence(ids, params) for ids in prompt_ids]  # validate all first
+        start = time.perf_counter()
+        for seq in seqs:
+            self.engine.add(seq)
+        bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm)
+        while self.engine.has_work():
+            bar.update(len(self.engine.step()))
+        bar.close()
+        result = GenerateResult(self.output(s) for s in seqs)
+        result.stats = SequenceStats.total([s.stats for s in seqs], time.perf_counter() - start)
+        return result
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        ids = seq.output_ids()
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+        return RequestOutput(prompt_token_ids=seq.canvas[: seq.prompt_len].tolist(), token_ids=ids,
+                             text=text, stats=seq.stats,
+                             finish_reason="stop" if len(ids) < seq.params.max_new_tokens else "length")

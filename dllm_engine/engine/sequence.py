@@ -1,0 +1,146 @@
+"""One request: its canvas, block cursor, random generator and stats."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..decoding import num_transfer_tokens
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class SequenceStats:
+    """SPEC §1 metrics of one sequence (or, summed, of a call)."""
+    nfe: int = 0
+    decoded_tokens: int = 0
+    output_tokens: int = 0
+    processed_tokens: float = 0.0
+    prefill_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def redundancy(self) -> float:
+        return self.processed_tokens / self.decoded_tokens if self.decoded_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {"nfe": self.nfe, "decoded_tokens": self.decoded_tokens,
+                "output_tokens": self.output_tokens,
+                "processed_tokens": round(self.processed_tokens, 2),
+                "prefill_tokens": self.prefill_tokens, "redundancy": round(self.redundancy, 4),
+                "seconds": round(self.seconds, 4)}
+
+    @staticmethod
+    def total(stats: list["SequenceStats"], seconds: float) -> "SequenceStats":
+        out = SequenceStats(seconds=seconds)
+        for s in stats:
+            out.nfe += s.nfe
+            out.decoded_tokens += s.decoded_tokens
+            out.output_tokens += s.output_tokens
+            out.processed_tokens += s.processed_tokens
+            out.prefill_tokens += s.prefill_tokens
+        return out
+
+
+@dataclass
+class TokenIds:
+    mask_id: int
+    eos_id: int
+    stop_ids: frozenset[int]
+
+
+class Sequence:
+    """Canvas = prompt + generation slots (``mask_id`` until committed), decoded block by block.
+
+    Semi-AR decoders (LLaDA/Dream) put block 0 right after the prompt; block diffusion (SDAR)
+    aligns blocks to position 0, so the prompt's tail shares the first block with masks."""
+
+    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, ids: TokenIds,
+                 device: torch.device | str = "cpu") -> None:
+        self.seq_id = seq_id
+        self.params = params
+        self.ids = ids
+        self.prompt_len = len(prompt_ids)
+        bl = params.block_length
+        if params.base_method == "block":
+            end = -(-(self.prompt_len + params.max_new_tokens) // bl) * bl
+            starts = range((self.prompt_len // bl) * bl, end, bl)
+        else:
+            end = self.prompt_len + params.max_new_tokens
+            starts = range(self.prompt_len, end, bl)
+        self.blocks: list[tuple[int, int]] = [(s, s + bl) for s in starts]
+        self.canvas = torch.full((end,), ids.mask_id, dtype=torch.long, device=device)
+        self.canvas[: self.prompt_len] = torch.tensor(prompt_ids, dtype=torch.long)
+        self.block_idx = 0
+        self.step = 0  # step inside the current block
+        self.committed_len = 0  # block diffusion: cache K/V are final below this position
+        self.prefilled = False
+        self.finished = False
+        self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        self.stats = SequenceStats()
+        self.start_time = 0.0
+        self.schedule = self.block_schedule()
+        self.strategy_state: dict = {}  # per-sequence state owned by strategies
+
+    # -- geometry ----------------------------------------------------------------------------
+    @property
+    def canvas_len(self) -> int:
+        return self.canvas.shape[0]
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.blocks[self.block_idx]
+
+    def masked_positions(self) -> Tensor:
+        start, end = self.block
+        return (self.canvas[start:end] == self.ids.mask_id).nonzero()[:, 0] + start
+
+    def block_schedule(self) -> list[int]:
+        return num_transfer_tokens(len(self.masked_positions()), self.params.steps)
+
+    def tokens_this_step(self) -> int:
+        return self.schedule[self.step] if self.step < len(self.schedule) else 1
+
+    # -- progress ----------------------------------------------------------------------------
+    def commit(self, positions: Tensor, tokens: Tensor) -> None:
+        self.canvas[positions] = tokens
+        self.stats.decoded_tokens += int(positions.numel())
+
+    def advance(self) -> None:
+        """After a step's commits: next step, next block, or finish."""
+        self.step += 1
+        if len(self.masked_positions()):
+            return
+        start, end = self.block
+        generated = self.canvas[max(start, self.prompt_len):end]
+        has_stop = bool(torch.isin(generated, self.stop_tensor()).any())
+        if (has_stop and self.params.stop_at_eos) or self.block_idx == len(self.blocks) - 1:
+            self.finish()
+            return
+        self.block_idx += 1
+        self.step = 0
+        self.schedule = self.block_schedule()
+
+    def stop_tensor(self) -> Tensor:
+        return torch.tensor(sorted(self.ids.stop_ids), dtype=torch.long, device=self.canvas.device)
+
+    def finish(self) -> None:
+        """Fill what is left of the canvas with EOS, as the reference sampler's output has it."""
+        rest = self.canvas[self.prompt_len:]
+        rest[rest == self.ids.mask_id] = self.ids.eos_id
+        self.finished = True
+
+    def truncate(self, new_len: int) -> None:
+        """Cut the canvas (adaptive length): blocks past ``new_len`` disappear."""
+        self.canvas = self.canvas[:new_len]
+        self.blocks = [b for b in self.blocks if b[1] <= new_len]
+
+    def output_ids(self) -> list[int]:
+        """Generated tokens up to, not including, the first stop token."""
+        # block diffusion rounds the canvas up to whole blocks; the user asked for max_new_tokens
+        gen = self.canvas[self.prompt_len: self.prompt_len + self.params.max_new_tokens].tolist()
+        for i, tok in enumerate(gen):
+            if tok in self.ids.stop_ids:
+                return gen[:i]
+        return gen

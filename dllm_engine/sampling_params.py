@@ -1,0 +1,92 @@
+"""Per-request decoding options. Fields left as ``None`` are filled from the checkpoint's
+``generation_config.json``, then from family defaults (``resolve``)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+BASE_METHODS = ("reference", "prefix-cache", "dual-cache", "block")
+REMASKING = ("low_confidence", "maskgit_plus", "random", "topk_margin", "entropy")
+UNMASKING = ("low_confidence_dynamic", "low_confidence_static")
+
+
+@dataclass
+class SamplingParams:
+    method: str = "reference"  # base decoder, optionally "+strategy" (later issues)
+    max_new_tokens: int | None = None
+    block_length: int | None = None
+    steps: int | None = None  # denoising steps per block (fixed-step rules); None = block_length
+    threshold: float | None = None  # commit every masked position with confidence >= threshold
+    factor: float | None = None  # Fast-dLLM factor rule
+    temperature: float = 0.0
+    remasking: str = "low_confidence"
+    unmasking: str | None = None  # block: low_confidence_dynamic (default) | low_confidence_static
+    cfg_scale: float = 0.0
+    seed: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_at_eos: bool = True  # end a sequence after a finished block that holds a stop token
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or not self.method:
+            raise ValueError("method must be a non-empty string such as 'dual-cache'")
+        if self.base_method not in BASE_METHODS:
+            raise ValueError(f"unknown method {self.base_method!r}; base decoders: {', '.join(BASE_METHODS)}")
+        for name in ("max_new_tokens", "block_length"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
+            raise ValueError(f"steps must be >= 1, got {self.steps!r}")
+        if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+        if self.factor is not None and self.factor <= 0:
+            raise ValueError(f"factor must be > 0, got {self.factor}")
+        if self.threshold is not None and self.factor is not None:
+            raise ValueError("set either threshold or factor, not both")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.remasking not in REMASKING:
+            raise ValueError(f"remasking must be one of {', '.join(REMASKING)}, got {self.remasking!r}")
+        if self.unmasking is not None and self.unmasking not in UNMASKING:
+            raise ValueError(f"unmasking must be one of {', '.join(UNMASKING)}, got {self.unmasking!r}")
+        if self.cfg_scale < 0:
+            raise ValueError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
+        if self.cfg_scale > 0 and self.base_method != "reference":
+            raise ValueError("cfg_scale > 0 is supported by the 'reference' decoder only")
+
+    @property
+    def base_method(self) -> str:
+        return self.method.split("+")[0]
+
+    @property
+    def strategies(self) -> list[str]:
+        return self.method.split("+")[1:]
+
+    def replace(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+    def resolve(self, defaults: dict, family_methods: tuple[str, ...], max_context: int,
+                prompt_len: int) -> "SamplingParams":
+        """Fill unset fields and check what depends on the model and the prompt."""
+        p = self.replace(
+            max_new_tokens=self.max_new_tokens or defaults.get("max_new_tokens", 128),
+            block_length=self.block_length or defaults.get("block_length", 32))
+        if p.base_method not in family_methods:
+            raise ValueError(f"method {p.base_method!r} cannot run on this model's attention "
+                             f"pattern; use one of {', '.join(family_methods)}")
+        if p.steps is None:
+            p.steps = p.block_length
+        if p.steps > p.block_length:
+            raise ValueError(f"steps {p.steps} must be <= block_length {p.block_length}")
+        if p.base_method == "block":
+            p.unmasking = p.unmasking or "low_confidence_dynamic"
+            if p.unmasking == "low_confidence_dynamic" and p.threshold is None:
+                p.threshold = defaults.get("threshold", 0.85)
+        elif p.max_new_tokens % p.block_length:
+            raise ValueError(f"block_length {p.block_length} must divide max_new_tokens {p.max_new_tokens}")
+        if prompt_len < 1:
+            raise ValueError("prompt is empty")
+        if prompt_len + p.max_new_tokens > max_context:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({p.max_new_tokens}) "
+                             f"exceeds the model's context of {max_context} tokens")
+        return p

@@ -1,0 +1,150 @@
+"""Baseline decoders: equal to plain re-implementations of the reference samplers."""
+import pytest
+import torch
+
+from dllm_engine import LLM, SamplingParams
+from dllm_engine.decoding import factor_select, num_transfer_tokens, threshold_select, topk_select
+from fixtures import write_checkpoint
+
+PROMPTS = [[42, 13, 14, 15, 16, 17, 18], [20, 21, 22], [30, 31, 32, 33, 34]]
+
+
+@pytest.fixture(scope="module")
+def llms(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {mt: LLM(write_checkpoint(root / mt, mt)) for mt in ("llada", "Dream", "sdar")}
+
+
+def llada_reference(model, prompt, gen_length, block_length, steps, mask_id):
+    """LLaDA generate.py as SPEC §3 states it: full forward each step, fixed-k low confidence."""
+    x = torch.tensor(prompt + [mask_id] * gen_length)
+    p = len(prompt)
+    for b in range(gen_length // block_length):
+        lo, hi = p + b * block_length, p + (b + 1) * block_length
+        schedule = num_transfer_tokens(int((x[lo:hi] == mask_id).sum()), steps)
+        for k in schedule:
+            with torch.no_grad():
+                logits = model(x[None])[0]
+            x0 = logits.argmax(-1)
+            conf = torch.softmax(logits, -1).gather(-1, x0[:, None])[:, 0]
+            cand = torch.full_like(conf, -float("inf"))
+            cand[lo:hi] = torch.where(x[lo:hi] == mask_id, conf[lo:hi], -float("inf"))
+            idx = torch.topk(cand, k).indices
+            x[idx] = x0[idx]
+    return x[p:].tolist()
+
+
+def sdar_reference(model, prompt, gen_length, block_length, threshold, mask_id, stop_ids):
+    """SDAR block_diffusion_generate without a cache: every step recomputes the whole prefix."""
+    total = -(-(len(prompt) + gen_length) // block_length) * block_length
+    x = torch.tensor(prompt + [mask_id] * (total - len(prompt)))
+    for lo in range((len(prompt) // block_length) * block_length, total, block_length):
+        hi = lo + block_length
+        while (x[lo:hi] == mask_id).any():
+            with torch.no_grad():
+                logits = model(x[None, :hi])[0, lo:hi]  # block-causal mask from the model
+            x0 = logits.argmax(-1)
+            conf = torch.softmax(logits, -1).gather(-1, x0[:, None])[:, 0]
+            masked = x[lo:hi] == mask_id
+            chosen = masked & (conf >= threshold)
+            if not chosen.any():
+                chosen[torch.where(masked, conf, -1.0).argmax()] = True
+            x[lo:hi] = torch.where(chosen, x0, x[lo:hi])
+        if any(t in stop_ids for t in x[max(lo, len(prompt)):hi].tolist()):
+            x[hi:] = stop_ids[0]
+            break
+    return x[len(prompt):len(prompt) + gen_length].tolist()
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_reference_decoder_equals_plain_llada_sampler(llms, model_type):
+    llm = llms[model_type]
+    params = SamplingParams(method="reference", max_new_tokens=16, block_length=8, steps=4,
+                            stop_at_eos=False)
+    for prompt in PROMPTS:
+        want = llada_reference(llm.model, prompt, 16, 8, 4, llm.token_ids.mask_id)
+        got = llm.generate([prompt], params)[0]
+        seq_canvas = got.token_ids
+        assert want[: len(seq_canvas)] == seq_canvas
+        assert len(seq_canvas) == 16 or want[len(seq_canvas)] in llm.token_ids.stop_ids
+
+
+def test_block_decoder_with_cache_equals_recomputing_the_prefix(llms):
+    llm = llms["sdar"]
+    stop = sorted(llm.token_ids.stop_ids)
+    for prompt in PROMPTS:
+        for threshold in (0.3, 0.9):
+            params = SamplingParams(method="block", max_new_tokens=12, block_length=4, threshold=threshold)
+            want = sdar_reference(llm.model, prompt, 12, 4, threshold, llm.token_ids.mask_id,
+                                  [llm.token_ids.eos_id] + stop)
+            got = llm.generate([prompt], params)[0].token_ids
+            cut = next((i for i, t in enumerate(want) if t in llm.token_ids.stop_ids), len(want))
+            assert got == want[:cut]
+
+
+@pytest.mark.parametrize("method", ["prefix-cache", "dual-cache"])
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_cached_decoders_match_reference_on_the_first_step_of_every_block(llms, method, model_type):
+    """With one step per block every step is a block's first step: tokens must be identical."""
+    llm = llms[model_type]
+    ref = llm.generate(PROMPTS, SamplingParams(method="reference", max_new_tokens=16, block_length=4, steps=1))
+    got = llm.generate(PROMPTS, SamplingParams(method=method, max_new_tokens=16, block_length=4, steps=1))
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+@pytest.mark.parametrize("method,model_type", [("reference", "llada"), ("prefix-cache", "llada"),
+                                               ("dual-cache", "llada"), ("dual-cache", "Dream"),
+                                               ("block", "sdar")])
+@pytest.mark.parametrize("threshold", [None, 0.5])
+def test_batch_invariance(llms, method, model_type, threshold):
+    llm = llms[model_type]
+    params = SamplingParams(method=method, max_new_tokens=16, block_length=8, threshold=threshold)
+    batched = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, batched):
+        assert llm.generate([prompt], params)[0].token_ids == out.token_ids
+
+
+def test_sampling_is_seeded_and_batch_invariant(llms):
+    llm = llms["llada"]
+    params = SamplingParams(method="dual-cache", max_new_tokens=16, block_length=8, temperature=1.0, seed=7)
+    a = llm.generate(PROMPTS, params)
+    b = llm.generate(PROMPTS[:1], params)
+    assert a[0].token_ids == b[0].token_ids
+    c = llm.generate(PROMPTS[:1], params.replace(seed=8))
+    assert c[0].token_ids != b[0].token_ids
+
+
+def test_stats_follow_the_spec(llms):
+    llm = llms["llada"]
+    out = llm.generate(PROMPTS, SamplingParams(method="reference", max_new_tokens=16, block_length=8,
+                                               stop_at_eos=False))
+    for prompt, o in zip(PROMPTS, out):
+        s = o.stats
+        assert s.nfe == 16 and s.decoded_tokens == 16
+        assert s.prefill_tokens == len(prompt)
+        # every reference step computes the whole canvas; the first pass over the prompt is prefill
+        assert s.processed_tokens == 16 * (len(prompt) + 16) - len(prompt)
+        assert s.redundancy == pytest.approx(s.processed_tokens / 16)
+        assert s.output_tokens == len(o.token_ids)
+    assert out.stats.decoded_tokens == 48 and out.stats.nfe == 48
+
+
+def test_dual_cache_processes_only_the_block_after_the_first_step(llms):
+    llm = llms["llada"]
+    out = llm.generate([PROMPTS[0]], SamplingParams(method="dual-cache", max_new_tokens=16,
+                                                    block_length=8, stop_at_eos=False))[0]
+    canvas = len(PROMPTS[0]) + 16
+    # per block: one full forward + 7 block-only forwards
+    assert out.stats.processed_tokens == 2 * canvas + 14 * 8 - len(PROMPTS[0])
+
+
+def test_commit_rules_on_hand_computed_examples():
+    conf = torch.tensor([0.95, 0.2, 0.91, 0.5, 0.89])
+    assert threshold_select(conf, 0.9).tolist() == [True, False, True, False, False]
+    assert threshold_select(conf, 0.99).tolist() == [True, False, False, False, False]  # top-1 kept
+    assert threshold_select(conf, 0.99, min_k=2).tolist() == [True, False, True, False, False]
+    # factor 1: n=1 needs >= 0.5, n=2 >= 0.667, n=3 >= 0.75 (0.89 ok), n=4 >= 0.8 (0.5 fails)
+    assert factor_select(conf, 1.0).tolist() == [True, False, True, False, True]
+    assert factor_select(torch.tensor([0.3, 0.2]), 0.5).tolist() == [True, False]
+    assert topk_select(conf, 2).tolist() == [True, False, True, False, False]
+    assert num_transfer_tokens(10, 4) == [3, 3, 2, 2]

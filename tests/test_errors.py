@@ -1,0 +1,132 @@
+"""Bad input gets a clear error that says what was wrong."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dllm_engine import LLM, SamplingParams
+from dllm_engine.models import load_model
+from fixtures import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llada(tmp_path_factory):
+    return LLM(write_checkpoint(tmp_path_factory.mktemp("llada"), "llada"))
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path)
+
+
+def test_missing_weights(tmp_path):
+    write_checkpoint(tmp_path, "llada", tokenizer=False)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*.safetensors"):
+        load_model(tmp_path)
+
+
+def test_missing_shard(tmp_path):
+    write_checkpoint(tmp_path, "sdar", tokenizer=False, shard_bytes=20_000)
+    next(tmp_path.glob("model-*.safetensors")).unlink()
+    with pytest.raises(FileNotFoundError, match="missing shards"):
+        load_model(tmp_path)
+
+
+def test_unknown_model_type(tmp_path):
+    write_checkpoint(tmp_path, "llada", tokenizer=False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unknown model_type 'gpt2'.*llada"):
+        load_model(tmp_path)
+
+
+def edit_tensors(folder, fn):
+    tensors = load_file(str(folder / "model.safetensors"))
+    fn(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_missing_and_extra_tensors_are_named(tmp_path):
+    write_checkpoint(tmp_path, "llada", tokenizer=False)
+
+    def rename(t):
+        t["model.transformer.blocks.0.q_proj.weigh"] = t.pop("model.transformer.blocks.0.q_proj.weight")
+    edit_tensors(tmp_path, rename)
+    with pytest.raises(ValueError, match=r"missing tensors \['model.transformer.blocks.0.q_proj.weight'\]"
+                                         r".*unexpected tensors \['model.transformer.blocks.0.q_proj.weigh'\]"):
+        load_model(tmp_path)
+
+
+def test_wrong_shape_is_named(tmp_path):
+    write_checkpoint(tmp_path, "sdar", tokenizer=False)
+
+    def shrink(t):
+        t["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    edit_tensors(tmp_path, shrink)
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight has shape \(3, 3\)"):
+        load_model(tmp_path)
+
+
+def test_bad_dtype(tmp_path):
+    write_checkpoint(tmp_path, "llada", tokenizer=False)
+    with pytest.raises(ValueError, match="dtype 'float8'"):
+        load_model(tmp_path, dtype="float8")
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", []])
+def test_empty_prompt(llada, prompt):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llada.generate([prompt], SamplingParams(max_new_tokens=8, block_length=8))
+
+
+def test_out_of_vocab_prompt(llada):
+    with pytest.raises(ValueError, match=r"outside \[0, 96\)"):
+        llada.generate([[1, 999]], SamplingParams(max_new_tokens=8, block_length=8))
+
+
+def test_prompt_beyond_context(llada):
+    with pytest.raises(ValueError, match="exceeds the model's context of 4096"):
+        llada.generate([[1] * 4000], SamplingParams(max_new_tokens=128, block_length=32))
+
+
+def test_block_length_must_divide(llada):
+    with pytest.raises(ValueError, match="block_length 48 must divide max_new_tokens 128"):
+        llada.generate([[1, 2]], SamplingParams(max_new_tokens=128, block_length=48))
+
+
+@pytest.mark.parametrize("steps,msg", [(0, "steps must be >= 1"), (9, "steps 9 must be <= block_length 8")])
+def test_steps_bounds(llada, steps, msg):
+    with pytest.raises(ValueError, match=msg):
+        llada.generate([[1, 2]], SamplingParams(max_new_tokens=8, block_length=8, steps=steps))
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("threshold", 0.0, r"threshold must be in \(0, 1\]"),
+    ("threshold", 1.5, r"threshold must be in \(0, 1\]"),
+    ("temperature", -0.1, "temperature must be >= 0"),
+    ("method", "fast", "unknown method 'fast'"),
+    ("remasking", "best", "remasking must be one of"),
+    ("max_new_tokens", 0, "max_new_tokens must be a positive integer"),
+    ("factor", -1.0, "factor must be > 0"),
+])
+def test_bad_sampling_params(field, value, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**{field: value})
+
+
+def test_method_the_family_cannot_run(llada):
+    with pytest.raises(ValueError, match="method 'block' cannot run on this model's attention pattern"):
+        llada.generate([[1, 2]], SamplingParams(method="block", max_new_tokens=8, block_length=8))
+
+
+def test_chat_needs_a_conversation(llada):
+    with pytest.raises(ValueError, match="conversation is empty"):
+        llada.chat([[]])
