@@ -25,6 +25,7 @@ def llada_reference(model, prompt, gen_length, block_length, steps, mask_id):
         for k in schedule:
             with torch.no_grad():
                 logits = model(x[None])[0]
+            logits[:, mask_id] = -float("inf")  # the engine never predicts a mask
             x0 = logits.argmax(-1)
             conf = torch.softmax(logits, -1).gather(-1, x0[:, None])[:, 0]
             cand = torch.full_like(conf, -float("inf"))
@@ -43,6 +44,7 @@ def sdar_reference(model, prompt, gen_length, block_length, threshold, mask_id, 
         while (x[lo:hi] == mask_id).any():
             with torch.no_grad():
                 logits = model(x[None, :hi])[0, lo:hi]  # block-causal mask from the model
+            logits[:, mask_id] = -float("inf")
             x0 = logits.argmax(-1)
             conf = torch.softmax(logits, -1).gather(-1, x0[:, None])[:, 0]
             masked = x[lo:hi] == mask_id

@@ -48,6 +48,7 @@ class Engine:
             self.cache.reshape_rows(list(range(len(self.running))), len(new), need)
             self.running += new
 
+    @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """One denoising step for every running sequence; returns those that finished."""
         self.admit()
@@ -64,6 +65,8 @@ class Engine:
         if p.base_method == "block":  # this forward wrote the final K/V of everything before the block
             seq.committed_len = seq.block[0]
         if positions.numel():
+            # a mask is never a valid prediction; committing one would leave the slot masked forever
+            logits[:, seq.ids.mask_id] = -float("inf")
             x0 = sample_tokens(logits, p.temperature, seq.generator)
             conf = confidence(logits, x0, p.remasking, seq.generator)
             chosen = select(seq, conf)

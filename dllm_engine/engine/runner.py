@@ -23,7 +23,6 @@ class Runner:
         self.shift = model.config.logit_shift
         self.num_layers = model.config.num_layers
 
-    @torch.inference_mode()
     def forward(self, seqs: list[Sequence], plans: list[StepPlan], cache: KVCache,
                 hooks: LayerHooks | None = None) -> list[tuple[Tensor, Tensor]]:
         """One batched forward. Returns per sequence (positions [n], logits [n, V]) for the
