@@ -49,7 +49,7 @@ def response_length(rng: random.Random, longest: int, long_tails: bool) -> int:
     """Canvas length for responses: mostly a short EOS tail, sometimes up to MAX_CANVAS, so the
     model learns that the answer's end is not tied to the canvas end. Block diffusion stops after
     the block holding EOS, so it never needs long tails."""
-    if long_tails and rng.random() < 0.2:
+    if long_tails and rng.random() < 0.15:
         return rng.randint(longest, MAX_CANVAS)
     return min(MAX_CANVAS, longest + rng.randint(0, 32))
 

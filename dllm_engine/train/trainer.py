@@ -23,6 +23,8 @@ from ..tasks import train_examples
 from ..tokenizer import save_tokenizer
 from .data import Batch, Encoder, block_diffusion_batch, masked_diffusion_batch
 
+POOL = 4  # batches per length-sorted pool
+
 FAMILY_SPECIALS = {  # family -> (model_type, mask token, end-of-turn token)
     "llada": ("llada", "<|mdm_mask|>", "<|eot_id|>"),
     "sdar": ("sdar", "<|MASK|>", "<|im_end|>"),
@@ -102,8 +104,15 @@ class Trainer:
         return c.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
     def batch(self, step: int) -> Batch:
+        """Length bucketing: a pool of POOL batches is drawn per POOL steps and sorted by answer
+        length, so each batch's canvas is tight (padding a 10-token answer to a 120-token
+        neighbour's canvas would waste most of the step)."""
         seed = self.cfg.seed * 1_000_003 + step
-        examples = list(itertools.islice(train_examples(seed), self.cfg.batch_size))
+        pool_seed = self.cfg.seed * 1_000_003 + (step // POOL) * POOL
+        pool = list(itertools.islice(train_examples(pool_seed), POOL * self.cfg.batch_size))
+        pool.sort(key=lambda e: len(e.answer.split()))
+        lo = (step % POOL) * self.cfg.batch_size
+        examples = pool[lo: lo + self.cfg.batch_size]
         if self.cfg.family == "sdar":
             return block_diffusion_batch(self.encoder, examples, seed, self.cfg.block_size)
         return masked_diffusion_batch(self.encoder, examples, seed)

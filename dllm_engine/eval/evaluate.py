@@ -1,0 +1,100 @@
+"""Run a decoding method over the held-out split with the chat template; grade exactly."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from tqdm import tqdm
+
+from ..engine.llm import LLM
+from ..engine.sequence import SequenceStats
+from ..sampling_params import SamplingParams
+from ..tasks import Example, grade, load_split
+
+
+@dataclass
+class TaskResult:
+    task: str
+    num_prompts: int = 0
+    correct: int = 0
+    output_tokens: int = 0
+    nfe: int = 0
+    decoded_tokens: int = 0
+    processed_tokens: float = 0.0
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.num_prompts if self.num_prompts else 0.0
+
+    def add(self, ok: bool, stats: SequenceStats) -> None:
+        self.num_prompts += 1
+        self.correct += int(ok)
+        self.output_tokens += stats.output_tokens
+        self.nfe += stats.nfe
+        self.decoded_tokens += stats.decoded_tokens
+        self.processed_tokens += stats.processed_tokens
+
+    def row(self) -> dict:
+        return {"task": self.task, "num_prompts": self.num_prompts, "accuracy": round(self.accuracy, 4),
+                "mean_output_tokens": round(self.output_tokens / max(1, self.num_prompts), 2),
+                "nfe": self.nfe, "tokens_per_step": round(self.decoded_tokens / max(1, self.nfe), 3),
+                "redundancy": round(self.processed_tokens / max(1, self.decoded_tokens), 3)}
+
+
+@dataclass
+class EvalReport:
+    method: str
+    tasks: dict[str, TaskResult] = field(default_factory=dict)
+    stats: SequenceStats = field(default_factory=SequenceStats)
+
+    @property
+    def accuracy(self) -> float:
+        """Mean of the per-task accuracies."""
+        return sum(t.accuracy for t in self.tasks.values()) / max(1, len(self.tasks))
+
+    @property
+    def throughput(self) -> float:
+        return self.stats.output_tokens / self.stats.seconds if self.stats.seconds else 0.0
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "accuracy": round(self.accuracy, 4),
+                "throughput": round(self.throughput, 2), **self.stats.as_dict(),
+                "tasks": [t.row() for t in self.tasks.values()]}
+
+    def table(self) -> str:
+        lines = [f"{'task':<10} {'n':>4} {'acc':>7} {'out_len':>8} {'nfe':>6} {'tok/step':>9} {'redund':>7}"]
+        for t in self.tasks.values():
+            r = t.row()
+            lines.append(f"{t.task:<10} {t.num_prompts:>4} {t.accuracy:>7.1%} {r['mean_output_tokens']:>8} "
+                         f"{t.nfe:>6} {r['tokens_per_step']:>9} {r['redundancy']:>7}")
+        s = self.stats
+        lines.append(f"{'mean':<10} {sum(t.num_prompts for t in self.tasks.values()):>4} {self.accuracy:>7.1%}"
+                     f"   throughput {self.throughput:.1f} tok/s, redundancy {s.redundancy:.2f}, "
+                     f"tokens/step {s.decoded_tokens / max(1, s.nfe):.2f}, {s.seconds:.1f} s")
+        return "\n".join(lines)
+
+
+def chat_prompt(example: Example) -> list[dict]:
+    return [{"role": "user", "content": example.prompt}]
+
+
+def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, limit: int | None = None,
+             batch_size: int = 32, use_tqdm: bool = True, examples: list[Example] | None = None) -> EvalReport:
+    """Accuracy and SPEC §1 stats of ``params`` on the held-out split (or ``examples``)."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    examples = examples if examples is not None else load_split(tasks, limit=limit)
+    report = EvalReport(method=params.method)
+    all_stats: list[SequenceStats] = []
+    bar = tqdm(total=len(examples), desc=f"eval {params.method}", disable=not use_tqdm)
+    start = time.perf_counter()
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        outs = llm.chat([chat_prompt(e) for e in chunk], params)
+        for ex, out in zip(chunk, outs):
+            report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(grade(ex, out.text), out.stats)
+            all_stats.append(out.stats)
+        bar.update(len(chunk))
+    bar.close()
+    report.stats = SequenceStats.total(all_stats, time.perf_counter() - start)
+    return report
