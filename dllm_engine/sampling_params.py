@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .strategies.registry import REGISTRY
+
 BASE_METHODS = ("reference", "prefix-cache", "dual-cache", "block")
 REMASKING = ("low_confidence", "maskgit_plus", "random", "topk_margin", "entropy")
 UNMASKING = ("low_confidence_dynamic", "low_confidence_static")
@@ -25,6 +27,18 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     stop_at_eos: bool = True  # end a sequence after a finished block that holds a stop token
+    # FOCUS token eviction (strategies/focus.py)
+    focus_alpha: float = 1.5
+    # ES-dLLM early skipping (strategies/early_skip.py)
+    keep_fractions: tuple[float, ...] = (1.0, 0.5, 0.25)
+    skip_depths: tuple[float, ...] = (0.0, 0.125, 0.25)
+    skip_alpha: float = 0.5
+    prompt_refresh: int | None = None  # steps between full-canvas cache rebuilds
+    block_refresh: int | None = None  # steps between steps that skip nothing
+    # ODB-dLLM adaptive length (strategies/adaptive_length.py) and jump-share (jump_share.py)
+    eos_threshold: float = 0.9
+    min_length: int = 0
+    max_copies: int = 8
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:
@@ -53,6 +67,37 @@ class SamplingParams:
             raise ValueError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
         if self.cfg_scale > 0 and self.base_method != "reference":
             raise ValueError("cfg_scale > 0 is supported by the 'reference' decoder only")
+        for name in self.strategies:
+            if name not in REGISTRY:
+                raise ValueError(f"unknown strategy {name!r} in method {self.method!r}; "
+                                 f"available: {', '.join(REGISTRY)}")
+        if len(set(self.strategies)) != len(self.strategies):
+            raise ValueError(f"method {self.method!r} names a strategy twice")
+        self.check_strategy_options()
+
+    def check_strategy_options(self) -> None:
+        if self.focus_alpha < 1:
+            raise ValueError(f"focus_alpha must be >= 1, got {self.focus_alpha}")
+        self.keep_fractions = tuple(float(x) for x in self.keep_fractions)
+        self.skip_depths = tuple(float(x) for x in self.skip_depths)
+        if len(self.keep_fractions) != len(self.skip_depths) or not self.keep_fractions:
+            raise ValueError("keep_fractions and skip_depths must be non-empty and of equal length")
+        if any(not 0 < f <= 1 for f in self.keep_fractions):
+            raise ValueError(f"keep_fractions must be in (0, 1], got {self.keep_fractions}")
+        if list(self.skip_depths) != sorted(self.skip_depths) or any(not 0 <= d < 1 for d in self.skip_depths):
+            raise ValueError(f"skip_depths must be ascending in [0, 1), got {self.skip_depths}")
+        if not 0 <= self.skip_alpha <= 1:
+            raise ValueError(f"skip_alpha must be in [0, 1], got {self.skip_alpha}")
+        for name in ("prompt_refresh", "block_refresh"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.eos_threshold <= 0:
+            raise ValueError(f"eos_threshold must be > 0 (> 1 never cuts), got {self.eos_threshold}")
+        if self.min_length < 0:
+            raise ValueError(f"min_length must be >= 0, got {self.min_length}")
+        if self.max_copies not in (1, 2, 4, 8):
+            raise ValueError(f"max_copies must be 1, 2, 4 or 8, got {self.max_copies}")
 
     @property
     def base_method(self) -> str:
@@ -74,6 +119,11 @@ class SamplingParams:
         if p.base_method not in family_methods:
             raise ValueError(f"method {p.base_method!r} cannot run on this model's attention "
                              f"pattern; use one of {', '.join(family_methods)}")
+        from .strategies.base import strategy_class
+        for name in p.strategies:
+            bases = strategy_class(name).bases
+            if p.base_method not in bases:
+                raise ValueError(f"strategy {name!r} runs on {', '.join(bases)}, not on {p.base_method!r}")
         if p.steps is None:
             p.steps = p.block_length
         if p.steps > p.block_length:

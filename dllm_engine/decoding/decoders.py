@@ -21,12 +21,28 @@ from .rules import factor_select, threshold_select, topk_select
 
 @dataclass
 class StepPlan:
-    positions: Tensor  # [T] canvas positions computed this step (ascending)
-    key_limit: Tensor  # [T] each position attends to canvas keys below this index
-    logit_positions: Tensor  # [N] masked block positions to predict
+    """What one sequence computes in one forward. Strategies may rewrite any field."""
+    positions: Tensor  # [T] RoPE positions of the computed tokens
+    key_limit: Tensor  # [T] each token attends to cache indices below this
+    logit_positions: Tensor  # [N] canvas positions to predict (candidates to commit)
+    logit_slots: Tensor | None = None  # [N] cache slot whose output predicts each (default below)
+    slots: Tensor | None = None  # [T] cache index each token's K/V goes to (default: positions)
+    token_ids: Tensor | None = None  # [T] tokens fed (default: the canvas at positions)
+    key_mask: Tensor | None = None  # [T, S] bool, overrides key_limit (e.g. isolated copies)
 
     def __len__(self) -> int:
         return self.positions.numel()
+
+    def finalize(self, seq: Sequence, shift: int) -> "StepPlan":
+        """Fill the defaults: slots = positions, tokens from the canvas, and Dream's shift
+        (position p is predicted by the output at p - 1)."""
+        if self.slots is None:
+            self.slots = self.positions
+        if self.token_ids is None:
+            self.token_ids = seq.canvas[self.positions]
+        if self.logit_slots is None:
+            self.logit_slots = self.logit_positions - shift
+        return self
 
 
 def compute_range(seq: Sequence, shift: int) -> tuple[int, int]:

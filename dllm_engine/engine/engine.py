@@ -1,17 +1,21 @@
-"""The engine loop: admit waiting sequences, plan, forward once for the whole batch, commit.
+"""The engine loop: admit waiting sequences, plan, forward once per method group, commit.
 
 Sequences join and leave at step boundaries, each with its own block cursor, so the same loop
-serves offline ``LLM.generate`` and the server's continuous batching."""
+serves offline ``LLM.generate`` and the server's continuous batching. Running sequences are kept
+ordered by method so each group's cache rows are one contiguous, copy-free slice."""
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 
 import torch
+from torch import Tensor
 
 from ..decoding import confidence, sample_tokens
 from ..decoding.decoders import plan_step, select
 from ..models.layers import DiffusionLM
+from ..strategies.base import Pipeline
 from .kv_cache import KVCache
 from .runner import Runner
 from .sequence import Sequence
@@ -30,12 +34,22 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.pipelines: dict[str, Pipeline] = {}
+
+    def pipeline(self, method: str) -> Pipeline:
+        if method not in self.pipelines:
+            self.pipelines[method] = Pipeline(method.split("+")[1:], self.model)
+        return self.pipelines[method]
 
     def add(self, seq: Sequence) -> None:
+        self.pipeline(seq.params.method).setup(seq)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def cache_len(self, seq: Sequence) -> int:
+        return seq.canvas_len + self.pipeline(seq.params.method).extra_cache_slots(seq)
 
     def admit(self) -> None:
         new = []
@@ -44,34 +58,58 @@ class Engine:
             seq.start_time = time.perf_counter()
             new.append(seq)
         if new:
-            need = max(s.canvas_len for s in self.running + new)
+            need = max(self.cache_len(s) for s in self.running + new)
             self.cache.reshape_rows(list(range(len(self.running))), len(new), need)
             self.running += new
+            self.reorder()
+
+    def reorder(self) -> None:
+        """Sort rows by method so each group is contiguous (new rows were appended at the end)."""
+        merged = sorted(range(len(self.running)), key=lambda i: self.running[i].params.method)
+        if merged != list(range(len(self.running))):
+            self.cache.reshape_rows(merged, 0, 0)
+            self.running = [self.running[i] for i in merged]
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """One denoising step for every running sequence; returns those that finished."""
         self.admit()
-        if not self.running:
-            return []
-        plans = [plan_step(s, self.runner.shift) for s in self.running]
-        outputs = self.runner.forward(self.running, plans, self.cache)
-        for seq, (positions, logits) in zip(self.running, outputs):
-            self.commit(seq, positions, logits)
+        row = 0
+        for method, group in itertools.groupby(self.running, key=lambda s: s.params.method):
+            group = list(group)
+            self.step_group(self.pipeline(method), group, self.cache.view(row, row + len(group)))
+            row += len(group)
         return self.release_finished()
 
-    def commit(self, seq: Sequence, positions: torch.Tensor, logits: torch.Tensor) -> None:
+    def step_group(self, pipeline: Pipeline, seqs: list[Sequence], cache) -> None:
+        plans = [pipeline.plan(s, plan_step(s, self.runner.shift)) for s in seqs]
+        hooks = pipeline.layer_hooks(seqs, plans)
+        outputs = self.runner.forward(seqs, plans, cache, hooks)
+        for seq, (positions, logits) in zip(seqs, outputs):
+            if seq.params.base_method == "block":  # this forward made everything before the block final
+                seq.committed_len = seq.block[0]
+            out = pipeline.after_forward(seq, positions, logits)
+            if out is None:  # the strategy committed and advanced by itself
+                continue
+            pipeline.after_commit(seq, self.commit(seq, *out))
+            seq.advance()
+
+    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor) -> Tensor:
+        """Apply the base commit rule; returns the committed positions."""
+        if not positions.numel():
+            return positions
         p = seq.params
-        if p.base_method == "block":  # this forward wrote the final K/V of everything before the block
-            seq.committed_len = seq.block[0]
-        if positions.numel():
-            # a mask is never a valid prediction; committing one would leave the slot masked forever
-            logits[:, seq.ids.mask_id] = -float("inf")
-            x0 = sample_tokens(logits, p.temperature, seq.generator)
-            conf = confidence(logits, x0, p.remasking, seq.generator)
-            chosen = select(seq, conf)
-            seq.commit(positions[chosen], x0[chosen])
-        seq.advance()
+        # a mask is never a valid prediction; committing one would leave the slot masked forever
+        logits[:, seq.ids.mask_id] = -float("inf")
+        x0 = sample_tokens(logits, p.temperature, seq.generator)
+        conf = confidence(logits, x0, p.remasking, seq.generator)
+        chosen = select(seq, conf)
+        seq.commit(positions[chosen], x0[chosen])
+        return positions[chosen]
+
+    def release(self, keep: list[int]) -> None:
+        self.running = [self.running[i] for i in keep]
+        self.cache.reshape_rows(keep, 0, 0)
 
     def release_finished(self) -> list[Sequence]:
         done = [s for s in self.running if s.finished]
@@ -80,9 +118,7 @@ class Engine:
             for s in done:
                 s.stats.seconds = now - s.start_time
                 s.stats.output_tokens = len(s.output_ids())
-            keep = [i for i, s in enumerate(self.running) if not s.finished]
-            self.running = [self.running[i] for i in keep]
-            self.cache.reshape_rows(keep, 0, 0)
+            self.release([i for i, s in enumerate(self.running) if not s.finished])
         return done
 
     def cancel(self, seq_id: int) -> bool:
@@ -93,8 +129,6 @@ class Engine:
                 return True
         for i, s in enumerate(self.running):
             if s.seq_id == seq_id:
-                keep = [j for j in range(len(self.running)) if j != i]
-                self.running = [self.running[j] for j in keep]
-                self.cache.reshape_rows(keep, 0, 0)
+                self.release([j for j in range(len(self.running)) if j != i])
                 return True
         return False

@@ -46,13 +46,37 @@ class KVCache:
                     new[: len(keep), :, : old.shape[2] - 1] = old.index_select(0, idx)[:, :, :-1]
                 store[layer] = new
 
-    def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor) -> None:
-        """Store k, v [B, Hkv, T, D] at ``positions`` [B, T]; padding goes to the sink column."""
-        idx = torch.where(valid, positions, torch.full_like(positions, self.capacity))
+    def view(self, start: int, end: int) -> "KVCacheView":
+        """Rows [start, end) without copying (one forward group of the batch)."""
+        return KVCacheView(self, start, end)
+
+    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor, valid: Tensor,
+              rows: slice = slice(None)) -> None:
+        """Store k, v [B, Hkv, T, D] at cache index ``slots`` [B, T]; padding goes to the sink."""
+        idx = torch.where(valid, slots, torch.full_like(slots, self.capacity))
         idx = idx[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        self.k[layer].scatter_(2, idx, k.to(self.dtype))
-        self.v[layer].scatter_(2, idx, v.to(self.dtype))
+        self.k[layer][rows].scatter_(2, idx, k.to(self.dtype))
+        self.v[layer][rows].scatter_(2, idx, v.to(self.dtype))
+
+    def read(self, layer: int, length: int, rows: slice = slice(None)) -> tuple[Tensor, Tensor]:
+        """K, V [B, Hkv, length, D] of every row's first ``length`` positions (views)."""
+        return self.k[layer][rows, :, :length], self.v[layer][rows, :, :length]
+
+
+class KVCacheView:
+    """A contiguous range of a KVCache's rows with the same write/read API."""
+
+    def __init__(self, cache: KVCache, start: int, end: int) -> None:
+        self.cache, self.rows = cache, slice(start, end)
+
+    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor, valid: Tensor) -> None:
+        self.cache.write(layer, k, v, slots, valid, self.rows)
 
     def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
-        """K, V [B, Hkv, length, D] of every row's first ``length`` positions (views)."""
-        return self.k[layer][:, :, :length], self.v[layer][:, :, :length]
+        return self.cache.read(layer, length, self.rows)
+
+    def k(self, layer: int) -> Tensor:
+        return self.cache.k[layer][self.rows]
+
+    def v(self, layer: int) -> Tensor:
+        return self.cache.v[layer][self.rows]

@@ -27,16 +27,33 @@ class Runner:
                 hooks: LayerHooks | None = None) -> list[tuple[Tensor, Tensor]]:
         """One batched forward. Returns per sequence (positions [n], logits [n, V]) for the
         planned logit positions that are still live at the last layer (a strategy may evict)."""
+        plans = [p.finalize(s, self.shift) for s, p in zip(seqs, plans)]
         positions = pad_stack([p.positions for p in plans], 0)
         lengths = torch.tensor([len(p) for p in plans], device=positions.device)
         valid = torch.arange(positions.shape[1], device=positions.device)[None] < lengths[:, None]
         limit = pad_stack([p.key_limit for p in plans], 1)
-        input_ids = pad_stack([s.canvas[p.positions] for s, p in zip(seqs, plans)], 0)
+        input_ids = pad_stack([p.token_ids for p in plans], 0)
         ctx = ForwardContext(positions=positions, token_valid=valid, key_limit=limit, cache=cache,
-                             hooks=hooks, processed=torch.zeros(len(seqs), dtype=torch.float64))
+                             hooks=hooks, processed=torch.zeros(len(seqs), dtype=torch.float64),
+                             slots=pad_stack([p.slots for p in plans], 0),
+                             attn_mask=self.dense_mask(plans, limit))
         hidden = self.model.forward_context(input_ids, ctx)
         self.account(seqs, ctx)
         return self.logits(seqs, plans, hidden, ctx)
+
+    @staticmethod
+    def dense_mask(plans: list[StepPlan], limit: Tensor) -> Tensor | None:
+        """[B, 1, T, S] when some plan gives an explicit key mask; None keeps the cheap limits."""
+        if all(p.key_mask is None for p in plans):
+            return None
+        width = max(int(p.key_limit.max()) if p.key_mask is None else p.key_mask.shape[1] for p in plans)
+        keys = torch.arange(width, device=limit.device)
+        mask = keys[None, None, :] < limit[:, :, None]  # [B, T, S]
+        for i, p in enumerate(plans):
+            if p.key_mask is not None:
+                mask[i, : len(p)] = False
+                mask[i, : len(p), : p.key_mask.shape[1]] = p.key_mask
+        return mask[:, None]
 
     def account(self, seqs: list[Sequence], ctx: ForwardContext) -> None:
         """nfe, processed_tokens (layer-averaged), and the prompt's first pass as prefill."""
@@ -53,10 +70,11 @@ class Runner:
                ctx: ForwardContext) -> list[tuple[Tensor, Tensor]]:
         rows, picked, wanted = [], [], []
         for i, (seq, plan) in enumerate(zip(seqs, plans)):
-            where = torch.full((seq.canvas_len + 1,), -1, dtype=torch.long, device=hidden.device)
             live = ctx.token_valid[i]
-            where[ctx.positions[i][live]] = live.nonzero()[:, 0]
-            src = where[plan.logit_positions - self.shift]  # Dream: position p reads p - 1
+            size = int(torch.cat([ctx.slots[i], plan.logit_slots]).max()) + 1
+            where = torch.full((size,), -1, dtype=torch.long, device=hidden.device)
+            where[ctx.slots[i][live]] = live.nonzero()[:, 0]
+            src = where[plan.logit_slots]
             ok = src >= 0
             rows.append(torch.full_like(src[ok], i))
             picked.append(src[ok])

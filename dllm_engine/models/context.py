@@ -29,7 +29,8 @@ class ForwardContext:
     positions: Tensor  # [B, T] position id (= canvas index) of each query token
     token_valid: Tensor  # [B, T] False for row padding
     key_limit: Tensor | None = None  # [B, T] query t sees cache keys with index < key_limit
-    attn_mask: Tensor | None = None  # [B, 1, T, S] bool, used when there is no cache
+    attn_mask: Tensor | None = None  # [B, 1, T, S] bool; overrides key_limit when given
+    slots: Tensor | None = None  # [B, T] cache index each token's K/V is written to (= positions)
     cache: object | None = None  # KVCache: write(layer, k, v, positions, valid) / read(layer, S)
     hooks: LayerHooks | None = None
     token_index: Tensor | None = None  # [B, T] index of each live token in the original query set
@@ -41,16 +42,24 @@ class ForwardContext:
         if self.token_index is None:
             b, t = self.positions.shape
             self.token_index = torch.arange(t, device=self.positions.device).expand(b, t)
+        if self.slots is None:
+            self.slots = self.positions
 
     def count_layer(self) -> None:
         """Add the live tokens of one layer to ``processed`` (SPEC: processed_tokens)."""
         if self.processed is not None:
             self.processed += self.token_valid.sum(1).to(self.processed.dtype)
 
+    def num_keys(self) -> int:
+        """How many cache positions attention reads this forward."""
+        if self.attn_mask is not None:
+            return self.attn_mask.shape[-1]
+        return int(self.key_limit.max())
+
     def attention_mask(self, num_keys: int) -> Tensor:
         """[B, 1, T, S] bool: which keys each query attends to."""
-        if self.cache is None:
-            return self.attn_mask
+        if self.attn_mask is not None:
+            return self.attn_mask[..., :num_keys]
         keys = torch.arange(num_keys, device=self.positions.device)
         return (keys[None, None, None, :] < self.key_limit[:, None, :, None])
 
@@ -65,6 +74,7 @@ class ForwardContext:
         self.positions = self.gather(self.positions, keep_index)
         self.token_valid = self.gather(self.token_valid, keep_index) & keep_valid
         self.token_index = self.gather(self.token_index, keep_index)
+        self.slots = self.gather(self.slots, keep_index)
         if self.key_limit is not None:
             self.key_limit = self.gather(self.key_limit, keep_index)
         if self.attn_mask is not None:

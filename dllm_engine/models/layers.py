@@ -76,14 +76,13 @@ class Attention(nn.Module):
         q, k, v = self.project(x, ctx)
         if ctx.cache is not None:
             # K/V of every token are written before any eviction (FOCUS step 6)
-            ctx.cache.write(self.layer_idx, k, v, ctx.positions, ctx.token_valid)
+            ctx.cache.write(self.layer_idx, k, v, ctx.slots, ctx.token_valid)
         keep = ctx.hooks.after_qk(self.layer_idx, q, k, ctx) if ctx.hooks is not None else None
         if keep is not None:
             q = torch.gather(q, 2, keep[0][:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
             ctx.shrink(*keep)
         if ctx.cache is not None:
-            num_keys = int(ctx.key_limit.max())
-            k, v = ctx.cache.read(self.layer_idx, num_keys)
+            k, v = ctx.cache.read(self.layer_idx, ctx.num_keys())
         mask = ctx.attention_mask(k.shape[2])
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads

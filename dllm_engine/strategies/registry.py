@@ -1,0 +1,8 @@
+"""Strategy names as used in ``method`` strings -> "module:Class" (imported on first use)."""
+
+REGISTRY: dict[str, str] = {
+    "focus": "dllm_engine.strategies.focus:TokenEviction",
+    "early-skip": "dllm_engine.strategies.early_skip:EarlySkip",
+    "adaptive-length": "dllm_engine.strategies.adaptive_length:AdaptiveLength",
+    "jump-share": "dllm_engine.strategies.jump_share:JumpShare",
+}
