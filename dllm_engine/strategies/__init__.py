@@ -1,4 +1,6 @@
-"""Accelerations, one file each, entering the engine through ``base.Strategy``'s hooks."""
-from .base import REGISTRY, Pipeline, Strategy, strategy_class
+"""Accelerations, one file each, entering the engine through ``base.Strategy``'s hooks.
 
-__all__ = ["REGISTRY", "Pipeline", "Strategy", "strategy_class"]
+This package init stays import-light: ``sampling_params`` reads the registry from here."""
+from .registry import REGISTRY
+
+__all__ = ["REGISTRY"]
