@@ -69,6 +69,73 @@ def run_generate(args: argparse.Namespace) -> None:
           f"seconds={s.seconds:.3f} throughput={s.output_tokens / max(s.seconds, 1e-9):.1f} tok/s")
 
 
+def split_ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def split_tasks(text: str) -> list[str] | None:
+    return None if text == "all" else [t for t in text.split(",") if t]
+
+
+def add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="accuracy and speed of one method on the held-out task split")
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--tasks", default="all", type=split_tasks, help="comma-separated task names or 'all'")
+    p.add_argument("--limit", type=int, default=None, help="prompts per task")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--json", default=None, help="write the report as JSON here")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    add_sampling_args(p)
+
+
+def run_eval(args: argparse.Namespace) -> None:
+    import json
+    from . import LLM
+    from .eval import evaluate
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    params = sampling_params(args, llm)
+    report = evaluate(llm, params, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size)
+    print(f"model: {args.model}  method: {params.method}")
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="compare method specs on the same prompts; JSON + plot")
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--methods", nargs="+", required=True,
+                   help="specs method[:field=value,...], e.g. dual-cache:threshold=0.9")
+    p.add_argument("--batch-sizes", type=split_ints, default=[1, 8, 32])
+    p.add_argument("--tasks", default="all", type=split_tasks)
+    p.add_argument("--limit", type=int, default=None, help="prompts per task")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
+    p.add_argument("--block-length", type=int, default=None, help="for every spec that does not set it")
+    p.add_argument("--out", required=True, help="folder for results.json and throughput.png")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    from . import LLM
+    from .bench.offline import HEADER, run_bench as bench, table
+    from .tasks import load_split
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    examples = load_split(args.tasks, limit=args.limit)
+    defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
+                                  ("block_length", args.block_length)) if v is not None}
+    print(f"model: {args.model}  prompts: {len(examples)}  device: {args.device}")
+    print(HEADER)
+    records = bench(llm, args.methods, args.batch_sizes, examples, args.out, defaults)
+    print()
+    print(table(records))
+    print(f"\nwrote {args.out}/results.json and {args.out}/throughput.png")
+
+
 def add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train an embedded tiny checkpoint on the task suite (CPU)")
     p.add_argument("--family", required=True, choices=["llada", "sdar"])
@@ -94,7 +161,8 @@ def run_train(args: argparse.Namespace) -> None:
     print(f"checkpoint written to {Trainer(cfg).train()}")
 
 
-COMMANDS = {"generate": (add_generate, run_generate), "train": (add_train, run_train)}
+COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eval),
+            "bench": (add_bench, run_bench), "train": (add_train, run_train)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -143,7 +143,6 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
         self.step = state["step"]
-        self.trim_log()
 
     def trim_log(self) -> None:
         """Drop log lines after the saved step: they are recomputed identically on resume."""
@@ -166,6 +165,7 @@ class Trainer:
     # -- loop ------------------------------------------------------------------------------
     def train(self) -> Path:
         self.load_state()
+        self.trim_log()
         self.model.train()
         log = (self.work / "loss.jsonl").open("a")
         bar = tqdm(range(self.step, self.cfg.steps), initial=self.step, total=self.cfg.steps,

@@ -1,0 +1,197 @@
+"""Offline benchmark: accuracy, throughput, redundancy and memory of each method spec.
+
+A spec is ``method[:field=value,...]`` setting SamplingParams fields, e.g.
+``dual-cache:threshold=0.9`` or ``dual-cache+early-skip:keep_fractions=1/0.5/0.25``
+(list values are separated by ``/``). Specs run interleaved per batch size on the same prompts,
+so drift of a shared machine hits every method alike."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..engine.llm import LLM
+from ..eval import evaluate
+from ..sampling_params import SamplingParams
+from ..tasks import Example
+
+FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
+
+
+def convert(name: str, raw: str):
+    kind = str(FIELD_TYPES[name])
+    if raw.lower() == "none":
+        return None
+    if "tuple" in kind:
+        return tuple(float(x) for x in raw.split("/"))
+    if "list[int]" in kind:
+        return [int(x) for x in raw.split("/")]
+    if "bool" in kind:
+        return raw.lower() in ("1", "true", "yes")
+    if "float" in kind:
+        return float(raw)
+    if "int" in kind:
+        return int(raw)
+    return raw
+
+
+def parse_spec(spec: str, **defaults) -> SamplingParams:
+    """``method[:field=value,...]`` -> SamplingParams (``defaults`` fill fields the spec omits)."""
+    method, _, rest = spec.partition(":")
+    fields = dict(defaults)
+    for item in filter(None, rest.split(",")):
+        name, eq, raw = item.partition("=")
+        if not eq or name not in FIELD_TYPES or name == "method":
+            raise ValueError(f"bad field {item!r} in spec {spec!r}; expected field=value with a "
+                             f"SamplingParams field")
+        try:
+            fields[name] = convert(name, raw)
+        except ValueError:
+            raise ValueError(f"bad value {raw!r} for {name} in spec {spec!r}") from None
+    return SamplingParams(method=method, **fields)
+
+
+class PeakMemory:
+    """Peak resident memory (CPU, sampled from /proc) or peak allocated device memory (CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peak, self.running = device, 0, False
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.005)
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif os.path.exists("/proc/self/statm"):
+            self.running = True
+            self.thread = threading.Thread(target=self.sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        elif self.running:
+            self.running = False
+            self.thread.join()
+
+    @property
+    def mb(self) -> float:
+        return round(self.peak / 2**20, 1)
+
+
+@dataclass
+class BenchRecord:
+    method: str
+    batch_size: int
+    num_prompts: int
+    accuracy: float
+    throughput: float
+    seconds: float
+    nfe: int
+    decoded_tokens: int
+    output_tokens: int
+    processed_tokens: float
+    redundancy: float
+    prefill_tokens: int
+    peak_memory_mb: float
+
+
+def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Example],
+              batch_size: int) -> BenchRecord:
+    evaluate(llm, params, examples=examples[:1], batch_size=1, use_tqdm=False)  # warm-up
+    with PeakMemory(llm.device) as mem:
+        report = evaluate(llm, params, examples=examples, batch_size=batch_size, use_tqdm=False)
+    s = report.stats
+    return BenchRecord(method=spec, batch_size=batch_size, num_prompts=len(examples),
+                       accuracy=round(report.accuracy, 4), throughput=round(report.throughput, 2),
+                       seconds=round(s.seconds, 3), nfe=s.nfe, decoded_tokens=s.decoded_tokens,
+                       output_tokens=s.output_tokens, processed_tokens=round(s.processed_tokens, 1),
+                       redundancy=round(s.redundancy, 3), prefill_tokens=s.prefill_tokens,
+                       peak_memory_mb=mem.mb)
+
+
+def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
+              out_dir: str | Path, defaults: dict | None = None, progress=print) -> list[BenchRecord]:
+    """Run every spec at every batch size (interleaved), write results.json and throughput.png."""
+    if not specs:
+        raise ValueError("give at least one method spec")
+    if any(b < 1 for b in batch_sizes) or not batch_sizes:
+        raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
+    out = prepare_out_dir(out_dir)
+    params = {spec: parse_spec(spec, **(defaults or {})) for spec in specs}  # validate all first
+    records = []
+    for bs in batch_sizes:
+        for spec in specs:
+            records.append(bench_one(llm, spec, params[spec], examples, bs))
+            progress(format_row(records[-1]))
+    (out / "results.json").write_text(json.dumps([dataclasses.asdict(r) for r in records], indent=2) + "\n")
+    plot(records, out / "throughput.png")
+    return records
+
+
+def prepare_out_dir(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"cannot write to output folder {str(out)!r}: {e.strerror}") from None
+    return out
+
+
+HEADER = (f"{'method':<48} {'batch':>5} {'acc':>6} {'tok/s':>8} {'nfe':>6} {'tok/step':>8} "
+          f"{'redund':>7} {'prefill':>8} {'mem MB':>7}")
+
+
+def format_row(r: BenchRecord) -> str:
+    return (f"{r.method:<48} {r.batch_size:>5} {r.accuracy:>6.1%} {r.throughput:>8.1f} {r.nfe:>6} "
+            f"{r.decoded_tokens / max(1, r.nfe):>8.2f} {r.redundancy:>7.2f} {r.prefill_tokens:>8} "
+            f"{r.peak_memory_mb:>7.0f}")
+
+
+def table(records: list[BenchRecord]) -> str:
+    """Markdown table with each method's speed-up over the first spec at the same batch size."""
+    base = {r.batch_size: r for r in records if r.method == records[0].method}
+    lines = ["| method | batch | accuracy | throughput (tok/s) | speed-up | nfe | tokens/step | redundancy | prefill tokens | peak MB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        ref = base.get(r.batch_size)
+        speedup = r.throughput / ref.throughput if ref and ref.throughput else float("nan")
+        lines.append(f"| `{r.method}` | {r.batch_size} | {r.accuracy:.1%} | {r.throughput:.1f} | "
+                     f"{speedup:.2f}× | {r.nfe} | {r.decoded_tokens / max(1, r.nfe):.2f} | "
+                     f"{r.redundancy:.2f} | {r.prefill_tokens} | {r.peak_memory_mb:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(records: list[BenchRecord], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(r.method for r in records):
+        rows = [r for r in records if r.method == method]
+        ax.plot([r.batch_size for r in rows], [r.throughput for r in rows], marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("throughput (output tokens / s)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,84 @@
+"""`dllm eval` / `dllm bench` plumbing on a tiny random checkpoint (speed is never asserted)."""
+import json
+
+import pytest
+
+from dllm_engine import LLM
+from dllm_engine.bench import parse_spec, run_bench
+from dllm_engine.cli import main
+from dllm_engine.eval import evaluate
+from dllm_engine.tasks import load_split
+from fixtures import write_checkpoint
+
+KEYS = {"method", "batch_size", "num_prompts", "accuracy", "throughput", "seconds", "nfe",
+        "decoded_tokens", "output_tokens", "processed_tokens", "redundancy", "peak_memory_mb"}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("llada"), "llada")
+
+
+def test_parse_spec_sets_typed_fields():
+    p = parse_spec("dual-cache:threshold=0.8,block_length=16,keep_fractions=1/0.5,skip_depths=0/0.5",
+                   max_new_tokens=32)
+    assert p.method == "dual-cache" and p.threshold == 0.8 and p.block_length == 16
+    assert p.keep_fractions == (1.0, 0.5) and p.max_new_tokens == 32
+    assert parse_spec("reference").threshold is None
+
+
+@pytest.mark.parametrize("spec,msg", [("dual-cache:thresh=0.9", "bad field 'thresh=0.9'"),
+                                      ("dual-cache:threshold", "bad field 'threshold'"),
+                                      ("dual-cache:threshold=high", "bad value 'high' for threshold"),
+                                      ("warp", "unknown method 'warp'")])
+def test_bad_specs(spec, msg):
+    with pytest.raises(ValueError, match=msg):
+        parse_spec(spec)
+
+
+def test_bench_writes_records_and_plot(tmp_path, ckpt):
+    llm = LLM(ckpt)
+    examples = load_split(["sort", "reverse"], limit=2)
+    records = run_bench(llm, ["reference", "dual-cache:threshold=0.9"], [1, 2], examples, tmp_path,
+                        dict(max_new_tokens=16, block_length=8), progress=lambda _: None)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [r["method"] for r in data] == ["reference", "dual-cache:threshold=0.9"] * 2
+    assert [r["batch_size"] for r in data] == [1, 1, 2, 2]
+    for row in data:
+        assert KEYS <= set(row)
+        assert row["num_prompts"] == 4 and 0 <= row["accuracy"] <= 1 and row["nfe"] > 0
+    # same prompts, same greedy decoder: batch size changes nothing but speed
+    assert data[0]["decoded_tokens"] == data[2]["decoded_tokens"]
+    assert (tmp_path / "throughput.png").stat().st_size > 1000
+    assert len(records) == 4
+
+
+def test_bench_rejects_unwritable_output(tmp_path, ckpt):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="cannot write to output folder"):
+        run_bench(LLM(ckpt), ["reference"], [1], load_split(["sort"], limit=1), blocker / "out")
+
+
+def test_bench_rejects_bad_batch_sizes(tmp_path, ckpt):
+    with pytest.raises(ValueError, match="batch sizes must be >= 1"):
+        run_bench(LLM(ckpt), ["reference"], [0], load_split(["sort"], limit=1), tmp_path)
+
+
+def test_evaluate_counts_every_prompt(ckpt):
+    from dllm_engine import SamplingParams
+    report = evaluate(LLM(ckpt), SamplingParams(method="dual-cache", max_new_tokens=16, block_length=8),
+                      tasks=["sort", "count"], limit=3, batch_size=4, use_tqdm=False)
+    assert {t: r.num_prompts for t, r in report.tasks.items()} == {"sort": 3, "count": 3}
+    assert report.stats.decoded_tokens > 0 and report.as_dict()["tasks"][0]["task"] == "sort"
+    with pytest.raises(ValueError, match="batch size must be >= 1"):
+        evaluate(LLM(ckpt), SamplingParams(), tasks=["sort"], limit=1, batch_size=0)
+
+
+def test_cli_reports_errors_without_traceback(capsys, ckpt):
+    assert main(["eval", "--model", str(ckpt), "--tasks", "nope", "--limit", "1"]) == 2
+    assert "unknown task" in capsys.readouterr().err
+    assert main(["eval", "--model", str(ckpt), "--limit", "0"]) == 2
+    assert "limit" in capsys.readouterr().err
+    assert main(["generate", "--model", str(ckpt / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
