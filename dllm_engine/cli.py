@@ -20,6 +20,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--remasking", default="low_confidence")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cfg-scale", type=float, default=0.0, help="classifier-free guidance (reference)")
 
 
 def sampling_params(args: argparse.Namespace, llm) -> "SamplingParams":
@@ -31,7 +32,7 @@ def sampling_params(args: argparse.Namespace, llm) -> "SamplingParams":
     return SamplingParams(method=method, max_new_tokens=args.max_new_tokens,
                           block_length=args.block_length, steps=args.steps, threshold=threshold,
                           factor=args.factor, temperature=args.temperature,
-                          remasking=args.remasking, seed=args.seed)
+                          remasking=args.remasking, seed=args.seed, cfg_scale=args.cfg_scale)
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:

@@ -64,7 +64,37 @@ def plan_step(seq: Sequence, shift: int) -> StepPlan:
         limit = (positions // bl + 1) * bl
     else:
         limit = torch.full_like(positions, seq.canvas_len)
-    return StepPlan(positions, limit, seq.masked_positions())
+    plan = StepPlan(positions, limit, seq.masked_positions())
+    return with_unconditional_copy(seq, plan, shift) if seq.params.cfg_scale > 0 else plan
+
+
+def with_unconditional_copy(seq: Sequence, plan: StepPlan, shift: int) -> StepPlan:
+    """Classifier-free guidance (LLaDA): a second copy of the canvas with the prompt masked, in
+    cache slots [L, 2L), each copy attending only to itself. Logits come back cond then uncond."""
+    n = seq.canvas_len
+    uncond = seq.canvas.clone()
+    uncond[: seq.prompt_len] = seq.ids.mask_id
+    own = torch.arange(2 * n, device=seq.canvas.device) // n  # 0 = conditional, 1 = unconditional
+    wanted = plan.logit_positions - shift
+    return StepPlan(positions=torch.cat([plan.positions, plan.positions]),
+                    key_limit=torch.full((2 * n,), 2 * n, device=seq.canvas.device),
+                    logit_positions=torch.cat([plan.logit_positions, plan.logit_positions]),
+                    logit_slots=torch.cat([wanted, wanted + n]),
+                    slots=torch.arange(2 * n, device=seq.canvas.device),
+                    token_ids=torch.cat([seq.canvas, uncond]),
+                    key_mask=own[:, None] == own[None, :])
+
+
+def guided_logits(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+    """u + (s + 1)(c - u) over the two halves returned for a CFG plan."""
+    n = positions.numel() // 2
+    cond, uncond = logits[:n], logits[n:]
+    return positions[:n], uncond + (seq.params.cfg_scale + 1) * (cond - uncond)
+
+
+def cache_len(seq: Sequence) -> int:
+    """Cache positions a sequence needs (CFG keeps a second, unconditional canvas)."""
+    return seq.canvas_len * (2 if seq.params.cfg_scale > 0 else 1)
 
 
 def select(seq: Sequence, conf: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..decoding import confidence, sample_tokens
-from ..decoding.decoders import plan_step, select
+from ..decoding.decoders import cache_len, guided_logits, plan_step, select
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
 from .kv_cache import KVCache
@@ -49,7 +49,7 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def cache_len(self, seq: Sequence) -> int:
-        return seq.canvas_len + self.pipeline(seq.params.method).extra_cache_slots(seq)
+        return cache_len(seq) + self.pipeline(seq.params.method).extra_cache_slots(seq)
 
     def admit(self) -> None:
         new = []
@@ -88,6 +88,8 @@ class Engine:
         for seq, (positions, logits) in zip(seqs, outputs):
             if seq.params.base_method == "block":  # this forward made everything before the block final
                 seq.committed_len = seq.block[0]
+            if seq.params.cfg_scale > 0:
+                positions, logits = guided_logits(seq, positions, logits)
             out = pipeline.after_forward(seq, positions, logits)
             if out is None:  # the strategy committed and advanced by itself
                 continue
