@@ -48,3 +48,39 @@ def write_checkpoint(folder: Path, model_type: str, seed: int = 0, shard_bytes: 
         from dllm_engine.tokenizer import save_tokenizer
         save_tokenizer(folder, "sdar" if model_type == "sdar" else "llada")
     return folder
+
+
+# -- LLaDA2.0 (llada2_moe): MoE block diffusion ------------------------------------------------
+def tiny_llada2_overrides(**overrides) -> dict:
+    """A tiny LLaDA2-shaped config: half-width RoPE, 8 experts in 4 groups (top-2 of the best 2
+    groups), one shared expert, layer 0 dense."""
+    from dllm_engine.config import MoEConfig
+    moe = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                    num_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                    first_k_dense_replace=1)
+    return {"rotary_dim": 4, "block_size": 4, "qk_norm": True, "moe": moe, **overrides}
+
+
+def tiny_llada2_config(**overrides) -> ModelConfig:
+    return tiny_config("llada2_moe", **tiny_llada2_overrides(**overrides))
+
+
+def random_llada2_model(seed: int = 0, expert_bias: float = 0.5, **overrides) -> DiffusionLM:
+    """Random LLaDA2 weights; router ``expert_bias`` uniform in [0, expert_bias) (non-negative,
+    as the transformers Glm4Moe reference needs)."""
+    model = random_model("llada2_moe", seed, **tiny_llada2_overrides(**overrides))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buf.uniform_(0.0, expert_bias)
+    return model
+
+
+def write_llada2_checkpoint(folder: Path, seed: int = 0, shard_bytes: int | None = None,
+                            tokenizer: bool = True, **overrides) -> Path:
+    model = random_llada2_model(seed, **overrides)
+    save_model(model, folder, model.family, max_shard_bytes=shard_bytes)
+    if tokenizer:
+        from dllm_engine.tokenizer import save_tokenizer
+        save_tokenizer(folder, "sdar")
+    return folder

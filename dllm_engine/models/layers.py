@@ -1,4 +1,4 @@
-"""The one transformer stack every family uses: RMSNorm, RoPE, attention, MLP and the layer loop.
+"""The one transformer stack every family uses: RMSNorm, RoPE, attention, MLP / MoE and the layer loop.
 
 Family files only say how their checkpoint names map onto these modules, which attention pattern
 they use and whether logits are shifted. Strategies never edit this file's call signatures: they
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import ModelConfig
+from ..config import ModelConfig, MoEConfig
 from .context import ForwardContext
 
 
@@ -27,22 +27,24 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos/sin [B, T, head_dim] in fp32 for non-interleaved rotate-half RoPE."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                             dtype=torch.float32) / head_dim))
+def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin [B, T, rotary_dim] in fp32 for non-interleaved rotate-half RoPE."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / rotary_dim))
     freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [B, H, T, D] in fp32 (as LLaDA does), return in x's dtype."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
+    """Rotate x [B, H, T, D] in fp32 (as LLaDA does), return in x's dtype. Partial RoPE
+    (GPT-NeoX style, LLaDA2.0): only the first cos.shape[-1] dims of each head rotate."""
+    rot = cos.shape[-1]
+    xf = x[..., :rot].float()
+    half = rot // 2
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    out = xf * cos[:, None] + rotated * sin[:, None]
-    return out.to(x.dtype)
+    out = (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -51,10 +53,15 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.qkv_sizes = [n * self.head_dim for n in (self.num_heads, self.num_kv_heads, self.num_kv_heads)]
+        self.fused_qkv = cfg.fused_qkv
+        if cfg.fused_qkv:  # LLaDA2.0 / Ling: one projection, rows Q | K | V
+            self.qkv_proj = nn.Linear(d, sum(self.qkv_sizes), bias=cfg.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(d, self.qkv_sizes[0], bias=cfg.qkv_bias)
+            self.k_proj = nn.Linear(d, self.qkv_sizes[1], bias=cfg.qkv_bias)
+            self.v_proj = nn.Linear(d, self.qkv_sizes[2], bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=cfg.attn_out_bias)
         if cfg.qk_norm:  # Qwen3 / SDAR: per-head RMSNorm before RoPE
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -63,9 +70,13 @@ class Attention(nn.Module):
 
     def project(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.fused_qkv:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin), v
@@ -93,14 +104,91 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """SwiGLU: down(silu(gate x) * up x)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def limit_groups(scores: Tensor, n_group: int, topk_group: int) -> Tensor:
+    """Group-limited routing (DeepSeek-V3, arXiv 2412.19437 §2.1.2): a group's score is the sum
+    of its two best expert scores; experts outside the ``topk_group`` best groups get -inf."""
+    if n_group == 1:
+        return scores
+    n, e = scores.shape
+    grouped = scores.view(n, n_group, e // n_group)  # [N, G, E/G]
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+    best = group_scores.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
+
+
+class Router(nn.Module):
+    """Sigmoid router with a selection-only ``expert_bias`` (auxiliary-loss-free balancing,
+    arXiv 2408.15664): the bias decides which experts run, the unbiased scores weight them."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)  # as nn.Linear
+        if moe.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [N, d] -> (weights [N, k] fp32, experts [N, k])."""
+        m = self.moe
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # [N, E], router in fp32
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        choice = limit_groups(choice, m.n_group, m.topk_group)
+        experts = choice.topk(m.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if m.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * m.routed_scaling_factor, experts
+
+
+class MoE(nn.Module):
+    """Routed experts plus always-on shared experts (DeepSeekMoE, arXiv 2401.06066; LLaDA2.0)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.gate = Router(hidden_size, moe)
+        self.experts = nn.ModuleList(MLP(hidden_size, moe.moe_intermediate_size)
+                                     for _ in range(moe.num_experts))
+        shared = moe.moe_intermediate_size * moe.num_shared_experts
+        self.shared_experts = MLP(hidden_size, shared) if shared else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [N, d]
+        weights, experts = self.gate(flat)
+        out = self.dispatch(flat, weights, experts)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(x.shape)
+
+    def dispatch(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """Sort the (token, expert) pairs by expert, run one matmul chain per active expert,
+        then sum each token's k outputs in a fixed order (batch-invariant, no atomics)."""
+        n, k = experts.shape
+        if n == 0:
+            return torch.zeros_like(x)
+        order = experts.flatten().argsort(stable=True)  # [N*k] pair ids grouped by expert
+        counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()
+        tokens = x[order // k]  # [N*k, d], sorted by expert
+        outs = [self.experts[e](chunk) for e, chunk in enumerate(tokens.split(counts)) if counts[e]]
+        pairs = torch.empty_like(tokens)
+        pairs[order] = torch.cat(outs)  # back to pair order: [N*k, d]
+        out = (pairs.view(n, k, -1).float() * weights[..., None]).sum(1)  # [N, d]
+        return out.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -109,7 +197,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        moe = cfg.moe
+        if moe is not None and layer_idx >= moe.first_k_dense_replace:
+            self.mlp = MoE(cfg.hidden_size, moe)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: Tensor, ctx: ForwardContext) -> Tensor:
         attn_out, keep = self.self_attn(self.input_layernorm(h), ctx)
@@ -140,7 +232,7 @@ class DiffusionLM(nn.Module):
     def forward_context(self, input_ids: Tensor, ctx: ForwardContext) -> Tensor:
         """Final normed hidden states [B, T', d] of the tokens still live at the end
         (``ctx.token_index`` says which); call ``logits`` on what you need."""
-        ctx.cos, ctx.sin = rope_cos_sin(ctx.positions, self.config.head_dim, self.config.rope_theta)
+        ctx.cos, ctx.sin = rope_cos_sin(ctx.positions, self.config.rotary_dim, self.config.rope_theta)
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx)

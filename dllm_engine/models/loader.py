@@ -63,12 +63,17 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def named_tensors(model: DiffusionLM) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers (e.g. a router's ``expert_bias``): what a checkpoint
+    stores. named_parameters skips a tied head's duplicate, so it appears once, as the embedding."""
+    persistent = model.state_dict(keep_vars=True).keys()
+    buffers = {n: b for n, b in model.named_buffers() if n in persistent}
+    return {**dict(model.named_parameters()), **buffers}
+
+
 def expected_names(model: DiffusionLM, family: Family) -> dict[str, str]:
-    """checkpoint tensor name -> our parameter name (tied heads appear once, as the embedding)."""
-    names = {}
-    for name, _ in model.named_parameters():  # named_parameters skips the tied duplicate
-        names[family.checkpoint_name(name)] = name
-    return names
+    """checkpoint tensor name -> our parameter name."""
+    return {family.checkpoint_name(name): name for name in named_tensors(model)}
 
 
 def check_tensors(tensors: dict, model: DiffusionLM, family: Family, folder: Path) -> dict:
@@ -78,7 +83,7 @@ def check_tensors(tensors: dict, model: DiffusionLM, family: Family, folder: Pat
     if missing or extra:
         raise ValueError(f"checkpoint {str(folder)!r} does not match its config "
                          f"({family.model_type}): missing tensors {missing[:8]}, unexpected tensors {extra[:8]}")
-    params = dict(model.named_parameters())
+    params = named_tensors(model)
     for ckpt, ours in names.items():
         if tuple(tensors[ckpt].shape) != tuple(params[ours].shape):
             raise ValueError(f"tensor {ckpt} has shape {tuple(tensors[ckpt].shape)} but the config "
@@ -109,7 +114,7 @@ def save_model(model: DiffusionLM, path: str | Path, family: Family,
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(family.config_to_hf(model.config), indent=2) + "\n")
     state = {family.checkpoint_name(n): p.detach().contiguous().cpu()
-             for n, p in model.named_parameters()}
+             for n, p in named_tensors(model).items()}
     if max_shard_bytes is None:
         save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
         return

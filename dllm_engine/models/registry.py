@@ -1,10 +1,11 @@
 """model_type -> family."""
 from __future__ import annotations
 
-from . import dream, llada, sdar
+from . import dream, llada, llada2, sdar
 from .family import Family
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (llada.FAMILY, dream.FAMILY, sdar.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f for f in (llada.FAMILY, dream.FAMILY, sdar.FAMILY, llada2.FAMILY)}
 
 
 def get_family(model_type: str | None) -> Family:
