@@ -1,0 +1,301 @@
+"""ES-dLLM early skipping on the dual-cache decoder (full-attention LLaDA / Dream).
+
+Paper: Zhu et al., "ES-dLLM: Efficient Inference for Diffusion Large Language Models by
+Early-Skipping", ICLR 2026, arXiv 2603.10088 (SPEC §5).
+
+On a normal step the dual-cache decoder forwards only the current block. Early skipping shrinks
+that set inside the layer stack: at the output of every layer where the keep fraction p changes,
+each block token gets an importance score
+
+    I = alpha * conf_prev + (1 - alpha) * dh,    dh = mean|h - h_prev| / (RMS(h_prev) + 1e-6)
+
+(dh divided by its maximum over the row; h_prev = the token's hidden state at the same layer the
+last time it was computed) plus bonuses that protect progress: +2 for the two most confident
+tokens (when alpha > 0), +5 for the leftmost masked position, +3 for positions committed at the
+previous step (when alpha < 1). The top ``max(int(p * |block|), min(last_decoded + 2, |block|))``
+go on; the others are skipped for the rest of the forward. Later layers write K/V for the
+survivors only, so skipped positions keep their previous K/V and stay visible to attention: the
+paper's partial cache update falls out of the engine's write-then-read cache.
+
+Choices where the paper leaves room (documented so results can be read against the reference):
+- conf_prev of a position is the softmax probability of its argmax (mask id excluded) at the
+  last step that computed it; a committed position has conf_prev 0, since it has nothing left to
+  decode (the reference code zeroes it too); its refresh is protected by the +3 bonus instead.
+- Dream (logit shift 1): a token's conf_prev and the leftmost-masked bonus follow the position its
+  output predicts (p + 1); the +3 bonus goes to the committed token itself (its input changed).
+  The token before the block is in the plan only to predict the first block position: it is
+  never skipped and not counted in |block|.
+- dh is divided by its row maximum (SPEC §5); the reference code divides by max(row max, 1).
+- Pruning after the last layer would save nothing and only drop logits, so it is never done.
+- ``prompt_refresh`` / ``block_refresh`` count the sequence's forwards since it started; refresh
+  and block-first steps (full canvas) never skip.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..decoding.decoders import StepPlan
+from ..engine.sequence import Sequence
+from ..models.context import ForwardContext
+from ..models.layers import DiffusionLM
+from .base import Strategy
+
+KEY = "early-skip"
+TOP_CONF_BONUS, LEFTMOST_BONUS, COMMITTED_BONUS = 2.0, 5.0, 3.0
+
+
+# -- the schedule and the selection math (pure functions, tested against plain references) ------
+def layer_fractions(num_layers: int, keep_fractions: tuple[float, ...],
+                    skip_depths: tuple[float, ...]) -> list[float]:
+    """Keep fraction of each layer: layer i uses the last (p, s) pair with i >= s * num_layers."""
+    out = []
+    for i in range(num_layers):
+        passed = [p for p, s in zip(keep_fractions, skip_depths) if i >= s * num_layers]
+        out.append(passed[-1] if passed else 1.0)
+    return out
+
+
+def prune_layers(fractions: list[float]) -> list[int]:
+    """Layers at whose output the kept set shrinks: where p changes (the last layer excluded)."""
+    before = [1.0] + fractions[:-1]
+    return [i for i in range(len(fractions) - 1) if fractions[i] != before[i]]
+
+
+def kept_count(fraction: float, block_size: int, last_decoded: int) -> int:
+    """How many block tokens go on: max(int(p * |block|), min(last_decoded + 2, |block|))."""
+    return max(int(fraction * block_size), min(last_decoded + 2, block_size))
+
+
+def hidden_delta(hidden: Tensor, previous: Tensor) -> Tensor:
+    """[B, T] mean |h - h_prev| / (RMS(h_prev) + 1e-6) of hidden states [B, T, d]."""
+    h, prev = hidden.float(), previous.float()
+    return (h - prev).abs().mean(-1) / (prev.pow(2).mean(-1).sqrt() + 1e-6)
+
+
+def rank_of(values: Tensor, valid: Tensor) -> Tensor:
+    """[B, T] rank of each value in its row, largest first; ties go to the lower index and
+    invalid entries rank last."""
+    order = torch.sort(values.masked_fill(~valid, -float("inf")), dim=1, descending=True,
+                       stable=True).indices
+    ranks = torch.empty_like(order)
+    positions = torch.arange(values.shape[1], device=values.device).expand_as(order)
+    return ranks.scatter_(1, order, positions)
+
+
+def importance(conf: Tensor, delta: Tensor, candidate: Tensor, bonus: Tensor, alpha: Tensor) -> Tensor:
+    """[B, T] importance of each candidate token (-inf elsewhere).
+
+    conf, delta, bonus: [B, T]; candidate: [B, T] bool; alpha: [B] (skip_alpha per row)."""
+    delta = delta.masked_fill(~candidate, 0.0)
+    delta = delta / delta.amax(1, keepdim=True).clamp_min(1e-12)
+    a = alpha[:, None].to(conf.dtype)
+    score = a * conf + (1 - a) * delta + bonus
+    top2 = (rank_of(conf, candidate) < 2) & candidate & (a > 0)
+    score = score + TOP_CONF_BONUS * top2
+    return score.masked_fill(~candidate, -float("inf"))
+
+
+def select_kept(score: Tensor, candidate: Tensor, live: Tensor, count: Tensor) -> Tensor:
+    """bool [B, T]: the top ``count`` [B] candidates by score (ties: lower index) and every live
+    token that is not a candidate (Dream's token before the block)."""
+    top = (rank_of(score, candidate) < count[:, None]) & candidate
+    return top | (live & ~candidate)
+
+
+def compact(keep: Tensor) -> tuple[Tensor, Tensor]:
+    """(keep_index [B, K], keep_valid [B, K]) listing each row's kept tokens in order."""
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+    width = int(keep.sum(1).max())
+    index = order[:, :width]
+    return index, keep.gather(1, index)
+
+
+def pad_stack(windows: list[Tensor]) -> Tensor:
+    """[B, W_max, d] from per-sequence [W, d] windows (block lengths may differ per request)."""
+    return torch.nn.utils.rnn.pad_sequence(windows, batch_first=True)
+
+
+# -- per-sequence state ----------------------------------------------------------------------
+@dataclass
+class SkipState:
+    conf: Tensor  # [L] last confidence of each canvas position (0 once committed)
+    last_committed: Tensor  # positions committed at the previous step
+    num_steps: int = 0  # forwards planned so far (refresh counter)
+    skip: bool = False  # whether this step may skip
+    window_lo: int = -1  # first canvas position of the hidden-state window
+    hidden: dict[int, Tensor] = field(default_factory=dict)  # layer -> [W, d] over the block window
+
+
+def state(seq: Sequence) -> SkipState:
+    return seq.strategy_state[KEY]
+
+
+# -- the layer hook --------------------------------------------------------------------------
+class SkipHooks:
+    """Scores and prunes block tokens at the prune layers; keeps the hidden-state caches."""
+
+    def __init__(self, seqs: list[Sequence], rows: dict[str, Tensor], counts: dict[int, Tensor],
+                 window: Tensor, previous: dict[int, Tensor]) -> None:
+        self.seqs = seqs
+        self.rows = rows  # candidate / conf / bonus [B, T] in plan order; alpha [B]
+        self.counts = counts  # prune layer -> kept count [B]
+        self.window = window  # [B, 2]: first canvas position and width of each row's window
+        self.previous = previous  # prune layer -> [B, W_max, d] hidden states of the last steps
+
+    def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: ForwardContext) -> None:
+        return None
+
+    def after_layer(self, layer_idx: int, hidden: Tensor, ctx: ForwardContext
+                    ) -> tuple[Tensor, Tensor] | None:
+        if layer_idx not in self.counts:
+            return None
+        live = ctx.token_valid
+        candidate = self.rows["candidate"].gather(1, ctx.token_index) & live
+        offset, in_window = self.window_offsets(ctx.slots)
+        keep = live
+        if candidate.any():
+            keep = self.choose(layer_idx, hidden, ctx, candidate, offset)
+        self.store(layer_idx, hidden, offset, keep & in_window)
+        if torch.equal(keep, live):
+            return None
+        return compact(keep)
+
+    def window_offsets(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        offset = slots - self.window[:, :1]
+        in_window = (offset >= 0) & (offset < self.window[:, 1:])
+        return offset.clamp(0, next(iter(self.previous.values())).shape[1] - 1), in_window
+
+    def choose(self, layer_idx: int, hidden: Tensor, ctx: ForwardContext, candidate: Tensor,
+               offset: Tensor) -> Tensor:
+        prev = ctx.gather(self.previous[layer_idx], offset)  # [B, T', d]
+        conf = self.rows["conf"].gather(1, ctx.token_index)
+        bonus = self.rows["bonus"].gather(1, ctx.token_index)
+        score = importance(conf, hidden_delta(hidden, prev), candidate, bonus, self.rows["alpha"])
+        return select_kept(score, candidate, ctx.token_valid, self.counts[layer_idx])
+
+    def store(self, layer_idx: int, hidden: Tensor, offset: Tensor, keep: Tensor) -> None:
+        """Partial update: the survivors' hidden states replace the cached ones."""
+        cache = self.previous[layer_idx]
+        rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None].expand_as(offset)
+        cache[rows[keep], offset[keep]] = hidden[keep].to(cache.dtype)
+        for b, seq in enumerate(self.seqs):
+            own = state(seq).hidden[layer_idx]
+            own.copy_(cache[b, : own.shape[0]])
+
+
+# -- the strategy ----------------------------------------------------------------------------
+class EarlySkip(Strategy):
+    """ES-dLLM: skip low-importance block tokens at early layers (arXiv 2603.10088)."""
+    name = KEY
+    bases = ("dual-cache",)
+
+    def __init__(self, model: DiffusionLM) -> None:
+        super().__init__(model)
+        self.shift = model.config.logit_shift
+        self.num_layers = model.config.num_layers
+        self.hidden_size = model.config.hidden_size
+        self.dtype = next(model.parameters()).dtype
+
+    def setup(self, seq: Sequence) -> None:
+        dev = seq.canvas.device
+        seq.strategy_state[KEY] = SkipState(conf=torch.zeros(seq.canvas_len, device=dev),
+                                            last_committed=torch.zeros(0, dtype=torch.long, device=dev))
+
+    # -- step planning -------------------------------------------------------------------------
+    def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
+        st, p = state(seq), seq.params
+        count = st.num_steps
+        st.num_steps += 1
+        if p.prompt_refresh is not None and count % p.prompt_refresh == 0:
+            plan = self.full_canvas(seq, plan)
+        no_skip_step = p.block_refresh is not None and count % p.block_refresh == 0
+        st.skip = self.block_only(seq, plan) and not no_skip_step
+        return plan
+
+    @staticmethod
+    def full_canvas(seq: Sequence, plan: StepPlan) -> StepPlan:
+        """The cache rebuild: every canvas position, the same logits wanted."""
+        positions = torch.arange(seq.canvas_len, device=seq.canvas.device)
+        return StepPlan(positions, torch.full_like(positions, seq.canvas_len), plan.logit_positions)
+
+    def block_only(self, seq: Sequence, plan: StepPlan) -> bool:
+        """Whether the plan is a normal dual-cache step (the block, plus Dream's token before it)."""
+        start, end = seq.block
+        return bool(((plan.positions >= start - self.shift) & (plan.positions < end)).all())
+
+    # -- the layer hook ------------------------------------------------------------------------
+    def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> SkipHooks:
+        fractions = [layer_fractions(self.num_layers, s.params.keep_fractions, s.params.skip_depths)
+                     for s in seqs]
+        layers = sorted({i for f in fractions for i in prune_layers(f)})
+        for seq in seqs:
+            self.ensure_window(seq, layers)
+        width = max(len(p) for p in plans)
+        values = [self.row_values(s, p, width) for s, p in zip(seqs, plans)]
+        rows = {k: torch.stack([v[k] for v in values]) for k in ("candidate", "conf", "bonus")}
+        rows["alpha"] = torch.tensor([s.params.skip_alpha for s in seqs], device=rows["conf"].device)
+        counts = {i: self.layer_counts(seqs, fractions, i) for i in layers}
+        window = torch.tensor([[state(s).window_lo, s.params.block_length + self.shift] for s in seqs],
+                              device=rows["conf"].device)
+        previous = {i: pad_stack([state(s).hidden[i] for s in seqs]) for i in layers}
+        return SkipHooks(seqs, rows, counts, window, previous)
+
+    def ensure_window(self, seq: Sequence, layers: list[int]) -> None:
+        """Hidden-state caches cover the current block (and Dream's token before it); a new
+        block starts from zeros (its first step is a full forward, which fills them)."""
+        st = state(seq)
+        lo = seq.block[0] - self.shift
+        if st.window_lo != lo:
+            st.window_lo, st.hidden = lo, {}
+        width = seq.params.block_length + self.shift
+        for i in layers:
+            if i not in st.hidden:
+                st.hidden[i] = torch.zeros(width, self.hidden_size, dtype=self.dtype,
+                                           device=seq.canvas.device)
+
+    def row_values(self, seq: Sequence, plan: StepPlan, width: int) -> dict[str, Tensor]:
+        """candidate / conf / bonus of each planned token, padded to ``width``."""
+        st, (start, end) = state(seq), seq.block
+        pos = plan.positions
+        candidate = (pos >= start) & (pos < end) & st.skip
+        target = pos + self.shift  # the position each token's output predicts
+        conf = torch.where(target < st.conf.numel(), st.conf[target.clamp(max=st.conf.numel() - 1)],
+                           torch.zeros_like(st.conf[:1]))
+        bonus = torch.zeros_like(conf)
+        masked = seq.masked_positions()
+        if masked.numel():
+            bonus = bonus + LEFTMOST_BONUS * (target == masked.min())
+        if seq.params.skip_alpha < 1:
+            bonus = bonus + COMMITTED_BONUS * torch.isin(pos, st.last_committed)
+        pad = width - pos.numel()
+        return {"candidate": torch.nn.functional.pad(candidate, (0, pad), value=False),
+                "conf": torch.nn.functional.pad(conf, (0, pad)),
+                "bonus": torch.nn.functional.pad(bonus, (0, pad))}
+
+    def layer_counts(self, seqs: list[Sequence], fractions: list[list[float]], layer: int) -> Tensor:
+        counts = []
+        for seq, frac in zip(seqs, fractions):
+            block = seq.block[1] - seq.block[0]
+            last = int(state(seq).last_committed.numel())
+            counts.append(kept_count(frac[layer], block, last))
+        return torch.tensor(counts, device=seq.canvas.device)
+
+    # -- after the forward ---------------------------------------------------------------------
+    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
+                      ) -> tuple[Tensor, Tensor] | None:
+        """Record each predicted position's confidence (softmax probability of the argmax, the
+        mask id excluded, as the commit rule sees it) for the next step's scores."""
+        if positions.numel():
+            mask_col = torch.tensor([seq.ids.mask_id], device=logits.device)
+            scores = logits.float().index_fill(1, mask_col, -float("inf"))
+            conf = (scores.amax(-1) - torch.logsumexp(scores, -1)).exp()
+            state(seq).conf[positions] = conf.to(state(seq).conf.dtype)
+        return positions, logits
+
+    def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+        st = state(seq)
+        st.conf[committed] = 0.0
+        st.last_committed = committed.clone()
