@@ -1,0 +1,118 @@
+"""Adaptive length prediction (ALP) of ODB-dLLM (Wei et al., "Orchestrating Dual-Boundaries: An
+Arithmetic Intensity Inspired Acceleration Framework for Diffusion Language Models",
+arXiv 2511.21759).
+
+A semi-AR dLLM is given a fixed, generous canvas (e.g. 1024 slots) and every full-canvas forward
+pays for all of it. At each full forward (the first step of a block) ALP reads the argmax
+prediction of every still-masked generation slot; if a stop token (EOS or a configured stop id)
+is predicted with confidence >= ``eos_threshold`` (tau), the canvas is cut at the block boundary
+after the first such slot. Later forwards, key limits and the block list then use the shorter
+canvas, and the sequence finishes when its new last block completes.
+
+Rules (SPEC §6): slots before ``prompt_len + min_length`` are ignored; the cut never removes a
+committed non-stop token; tau > 1 never cuts. With block diffusion (SDAR) a forward computes only
+the current block, so ALP can at most end the sequence after the current block.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ..decoding.decoders import StepPlan
+from ..engine.sequence import Sequence
+from .base import Strategy
+
+KEY = "adaptive-length"
+
+
+class AdaptiveLength(Strategy):
+    name: ClassVar[str] = KEY
+    bases: ClassVar[tuple[str, ...]] = ("reference", "prefix-cache", "dual-cache", "block")
+
+    def setup(self, seq: Sequence) -> None:
+        seq.strategy_state[KEY] = {"commit_positions": None, "cuts": []}
+
+    def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
+        """On a block's first step, also ask for the logits of every masked generation slot
+        the forward computes (the current block's stay first, for the commit rule)."""
+        state = seq.strategy_state[KEY]
+        state["commit_positions"] = None
+        if seq.step != 0:
+            return plan
+        extra = self.inspected_slots(seq, plan)
+        state["commit_positions"] = plan.logit_positions
+        if extra.numel():
+            self.extend_logits(seq, plan, extra)
+        return plan
+
+    def inspected_slots(self, seq: Sequence, plan: StepPlan) -> Tensor:
+        """Masked generation slots computed by this forward, not yet in the plan's logit set."""
+        pos = torch.unique(plan.positions)  # a CFG plan lists the canvas twice
+        pos = pos[pos >= seq.prompt_len]
+        pos = pos[seq.canvas[pos] == seq.ids.mask_id]
+        return pos[~torch.isin(pos, plan.logit_positions)]
+
+    def extend_logits(self, seq: Sequence, plan: StepPlan, extra: Tensor) -> None:
+        """Append ``extra`` to the wanted logits. A CFG plan returns its logits as a conditional
+        half then an unconditional half (slots + canvas_len): extend both halves alike."""
+        shift = self.model.config.logit_shift
+        if seq.params.cfg_scale <= 0:
+            if plan.logit_slots is not None:
+                plan.logit_slots = torch.cat([plan.logit_slots, extra - shift])
+            plan.logit_positions = torch.cat([plan.logit_positions, extra])
+            return
+        n = plan.logit_positions.numel() // 2
+        cond, uncond = plan.logit_slots[:n], plan.logit_slots[n:]
+        plan.logit_slots = torch.cat([cond, extra - shift, uncond, extra - shift + seq.canvas_len])
+        half = torch.cat([plan.logit_positions[:n], extra])
+        plan.logit_positions = torch.cat([half, half])
+
+    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
+                      ) -> tuple[Tensor, Tensor] | None:
+        """Inspect every predicted slot, cut the canvas if a stop token is confident, and hand
+        only the originally planned (block) positions on to the commit rule."""
+        commit_positions = seq.strategy_state[KEY]["commit_positions"]
+        if commit_positions is None:
+            return positions, logits
+        tokens, conf = predictions(logits, seq.ids.mask_id)
+        new_len = cut_length(seq, positions, tokens, conf)
+        if new_len is not None:
+            seq.truncate(new_len)
+            seq.strategy_state[KEY]["cuts"].append(new_len - seq.prompt_len)
+        keep = torch.isin(positions, commit_positions)
+        return positions[keep], logits[keep]
+
+
+def predictions(logits: Tensor, mask_id: int) -> tuple[Tensor, Tensor]:
+    """Argmax token [N] (a mask is never a prediction) and its softmax probability [N]."""
+    logits = logits.float().clone()
+    logits[:, mask_id] = -float("inf")
+    probs = torch.softmax(logits, dim=-1)
+    conf, tokens = probs.max(dim=-1)
+    return tokens, conf
+
+
+def cut_length(seq: Sequence, positions: Tensor, tokens: Tensor, conf: Tensor) -> int | None:
+    """New canvas length: the end of the block holding the first confident stop prediction at or
+    after ``prompt_len + min_length``, never removing a committed non-stop token. None = no cut."""
+    p = seq.params
+    stop = torch.isin(tokens, seq.stop_tensor()) & (conf >= p.eos_threshold)
+    stop &= positions >= seq.prompt_len + p.min_length
+    if not bool(stop.any()):
+        return None
+    first = int(positions[stop].min())
+    end = next(e for s, e in seq.blocks if s <= first < e)
+    end = max(end, last_kept_end(seq))
+    return end if end < seq.canvas_len else None
+
+
+def last_kept_end(seq: Sequence) -> int:
+    """End of the block after the last committed non-stop generation token (0 when none)."""
+    gen = seq.canvas[seq.prompt_len:]
+    kept = (gen != seq.ids.mask_id) & ~torch.isin(gen, seq.stop_tensor())
+    if not bool(kept.any()):
+        return 0
+    last = seq.prompt_len + int(kept.nonzero().max())
+    return next(e for s, e in seq.blocks if s <= last < e)

@@ -1,0 +1,255 @@
+"""Jump-share speculative decoding of ODB-dLLM (Wei et al., "Orchestrating Dual-Boundaries: An
+Arithmetic Intensity Inspired Acceleration Framework for Diffusion Language Models",
+arXiv 2511.21759).
+
+With a Fast-dLLM cache, a step after a block's first one is memory-bound: it reads the whole cache
+to compute a few dozen block tokens. Jump-share spends the idle arithmetic on candidate copies of
+the block, all in ONE forward:
+
+- copy 0 is the block as it is (the base decoder's step, unchanged);
+- the other copies have some of the previous step's most confident, not yet committed predictions
+  ("drafts") filled in. With k drafts d1..dk (most confident first) the copies are the singletons
+  {dj} and the prefixes {d1..dj}: k = 1 -> {d1}; k = 2 -> {d1}, {d2}, {d1, d2}; k = 4 adds {d3},
+  {d1, d2, d3}, {d4}, {d1..d4} (2k copies in all, the reference's layout).
+- "Share": committed block positions (and, for prefix-cache, the suffix) are computed once, as
+  part of copy 0; only the masked positions are duplicated per copy, into cache slots past the
+  canvas (``extra_cache_slots``). A copy token sees the cache, the shared tokens and its own
+  copy, never copy 0's masks nor another copy (``copy_key_mask``). The shared tokens themselves
+  are computed in copy 0's context, the sharing approximation of the paper.
+
+Acceptance ("jump"): copy 0 is accepted. A copy with draft set D is accepted when a smaller
+accepted copy D' (a subset of D) predicts every draft of D \\ D' with the same token and would
+commit it under the commit rule. The accepted copy with the most drafts wins; its drafts and its
+own commits are applied, so one forward can advance two steps. Its remaining predictions become
+the next step's drafts.
+
+Copy count: ``max_copies`` (1, 2, 4, 8). 8 copies cost block + 7·n_mask tokens, so they are used
+only once the 4-copy layout is small enough: block + 3·n_mask <= 2.8·block (89 for block 32, the
+reference's 86-92 switch point); before that 4 copies. Drafts never cover every masked position
+(k <= n_mask - 1), so each copy still predicts something. With ``max_copies = 1`` the step is the
+base decoder's step (same tokens).
+
+Restrictions: models without a logit shift (LLaDA), since a shifted model (Dream) reads
+position p's prediction at p - 1, which may be a shared token. On a block's first step (the full
+forward) the base decoder runs unchanged and its argmax predictions are kept as drafts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ..decoding import confidence, sample_tokens
+from ..decoding.decoders import StepPlan, select
+from ..engine.sequence import Sequence
+from .base import Strategy
+
+KEY = "jump-share"
+SHARE_BUDGET = 2.8  # 8 copies once block + 3·n_mask <= SHARE_BUDGET · block
+
+
+@dataclass
+class CopyLayout:
+    """How one step's copies of the block are laid out (kept in ``seq.strategy_state``)."""
+    masked: Tensor  # [n] masked block positions, ascending
+    draft_idx: Tensor  # [k] index into ``masked`` of each draft, most confident first
+    draft_tokens: Tensor  # [k]
+    sets: list[tuple[int, ...]]  # per copy: which drafts it holds (copy 0: none)
+    drafted: Tensor  # [C, n] bool: position fed a draft in that copy
+
+    @property
+    def num_copies(self) -> int:
+        return len(self.sets)
+
+    def counts(self) -> list[int]:
+        """Logit rows per copy: its masked positions that are not drafted."""
+        return (~self.drafted).sum(1).tolist()
+
+
+class JumpShare(Strategy):
+    name: ClassVar[str] = KEY
+    bases: ClassVar[tuple[str, ...]] = ("prefix-cache", "dual-cache")
+
+    def setup(self, seq: Sequence) -> None:
+        if self.model.config.logit_shift:
+            raise ValueError("jump-share needs a model without logit shift (LLaDA); this model "
+                             "reads position p's logits at p - 1 (Dream)")
+        seq.strategy_state[KEY] = {"drafts": None, "layout": None}
+
+    def extra_cache_slots(self, seq: Sequence) -> int:
+        return (seq.params.max_copies - 1) * seq.params.block_length
+
+    # -- plan ------------------------------------------------------------------------------
+    def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
+        state = seq.strategy_state[KEY]
+        state["layout"] = None
+        if seq.step == 0 or not plan.logit_positions.numel():
+            return plan
+        layout = make_layout(seq, plan.logit_positions, state["drafts"])
+        state["layout"] = layout
+        return share_plan(seq, plan, layout)
+
+    # -- verify and commit -----------------------------------------------------------------
+    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
+                      ) -> tuple[Tensor, Tensor] | None:
+        state = seq.strategy_state[KEY]
+        layout: CopyLayout | None = state["layout"]
+        if layout is None:  # a block's first step: the base rule commits; keep its predictions
+            state["drafts"] = argmax_drafts(seq, positions, logits)
+            return positions, logits
+        if positions.numel() != sum(layout.counts()):
+            raise ValueError("jump-share cannot be combined with a strategy that drops tokens "
+                             "inside the forward (token eviction / early skipping)")
+        x0, conf, commit = self.copy_predictions(seq, layout, logits)
+        best = accepted_copy(layout.sets, layout.draft_idx, layout.draft_tokens, x0, commit)
+        self.apply(seq, layout, best, x0[best], conf[best], commit[best])
+        seq.advance()
+        return None
+
+    @staticmethod
+    def copy_predictions(seq: Sequence, layout: CopyLayout, logits: Tensor
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+        """Per copy, over the n masked positions: sampled token, confidence and whether the
+        commit rule would commit it ([C, n] each; drafted positions get -1 / -inf / False)."""
+        p = seq.params
+        c, n = layout.drafted.shape
+        x0 = torch.full((c, n), -1, dtype=torch.long, device=logits.device)
+        conf = torch.full((c, n), -float("inf"), device=logits.device)
+        commit = torch.zeros(c, n, dtype=torch.bool, device=logits.device)
+        logits[:, seq.ids.mask_id] = -float("inf")  # as the base commit rule
+        for i, rows in enumerate(logits.split(layout.counts())):
+            own = ~layout.drafted[i]
+            if not rows.shape[0]:
+                continue
+            tokens = sample_tokens(rows, p.temperature, seq.generator)
+            x0[i, own] = tokens
+            conf[i, own] = confidence(rows, tokens, p.remasking, seq.generator).float()
+            commit[i, own] = select(seq, conf[i, own])
+        return x0, conf, commit
+
+    @staticmethod
+    def apply(seq: Sequence, layout: CopyLayout, best: int, x0: Tensor, conf: Tensor,
+              commit: Tensor) -> None:
+        """Commit copy ``best``'s drafts and its own commits; its other predictions become the
+        next step's drafts."""
+        mine = list(layout.sets[best])
+        tokens = x0.clone()
+        tokens[layout.draft_idx[mine]] = layout.draft_tokens[mine]
+        done = layout.drafted[best] | commit
+        seq.commit(layout.masked[done], tokens[done])
+        rest = ~done
+        seq.strategy_state[KEY]["drafts"] = ranked(layout.masked[rest], x0[rest], conf[rest])
+
+
+# -- layout ------------------------------------------------------------------------------------
+def num_copies(max_copies: int, num_masked: int, block_length: int) -> int:
+    """Copies this step: 8 only once block + 3·n_mask <= SHARE_BUDGET·block, else at most 4."""
+    if max_copies == 8 and block_length + 3 * num_masked > SHARE_BUDGET * block_length:
+        return 4
+    return max_copies
+
+
+def draft_sets(k: int) -> list[tuple[int, ...]]:
+    """Copy 0 holds no draft; then for each draft j: the singleton {j} and, from the second draft
+    on, the prefix {0..j}. k = 2 -> [(), (0,), (1,), (0, 1)]."""
+    sets: list[tuple[int, ...]] = [()]
+    for j in range(k):
+        sets.append((j,))
+        if j:
+            sets.append(tuple(range(j + 1)))
+    return sets
+
+
+def ranked(positions: Tensor, tokens: Tensor, conf: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Draft candidates sorted by confidence, most confident first (ties: lower position)."""
+    order = torch.sort(conf, descending=True, stable=True).indices
+    return positions[order], tokens[order], conf[order]
+
+
+def argmax_drafts(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Drafts from a base step: argmax token and its probability at the block's positions."""
+    start, end = seq.block
+    inside = (positions >= start) & (positions < end)
+    rows = logits[inside].float().clone()
+    rows[:, seq.ids.mask_id] = -float("inf")
+    conf, tokens = torch.softmax(rows, dim=-1).max(dim=-1)
+    return ranked(positions[inside], tokens, conf)
+
+
+def make_layout(seq: Sequence, masked: Tensor, drafts: tuple[Tensor, Tensor, Tensor] | None
+                ) -> CopyLayout:
+    """Pick the drafts (most confident still-masked predictions) and the copies that hold them."""
+    n = masked.numel()
+    copies = num_copies(seq.params.max_copies, n, seq.params.block_length)
+    idx = torch.empty(0, dtype=torch.long, device=masked.device)
+    tokens = idx.clone()
+    if drafts is not None:
+        pos, tok, _ = drafts
+        live = torch.isin(pos, masked)  # keeps the confidence order
+        k = min(copies // 2, int(live.sum()), n - 1)
+        idx = torch.searchsorted(masked, pos[live][:k])
+        tokens = tok[live][:k]
+    sets = draft_sets(idx.numel())
+    drafted = torch.zeros(len(sets), n, dtype=torch.bool, device=masked.device)
+    for c, s in enumerate(sets):
+        drafted[c, idx[list(s)]] = True
+    return CopyLayout(masked, idx, tokens, sets, drafted)
+
+
+def share_plan(seq: Sequence, plan: StepPlan, layout: CopyLayout) -> StepPlan:
+    """Copy 0 = the base plan's tokens; copies 1.. = the masked positions again, drafts filled
+    in, in cache slots past the canvas. Logits: copy 0's masked positions, then each copy's."""
+    masked, n, extra = layout.masked, layout.masked.numel(), layout.num_copies - 1
+    base_slots = plan.slots if plan.slots is not None else plan.positions
+    base_tokens = plan.token_ids if plan.token_ids is not None else seq.canvas[plan.positions]
+    copy_tokens = seq.canvas[masked].repeat(extra, 1)  # [C-1, n]
+    for c, s in enumerate(layout.sets[1:]):
+        copy_tokens[c, layout.draft_idx[list(s)]] = layout.draft_tokens[list(s)]
+    copy_slots = seq.canvas_len + torch.arange(extra * n, device=masked.device).view(extra, n)
+    own = ~layout.drafted[1:]
+    return StepPlan(
+        positions=torch.cat([plan.positions, masked.repeat(extra)]),
+        key_limit=torch.cat([plan.key_limit, torch.full((extra * n,), seq.canvas_len,
+                                                        device=masked.device)]),
+        logit_positions=torch.cat([masked, masked.repeat(extra, 1)[own]]),
+        logit_slots=torch.cat([masked, copy_slots[own]]),
+        slots=torch.cat([base_slots, copy_slots.flatten()]),
+        token_ids=torch.cat([base_tokens, copy_tokens.flatten()]),
+        key_mask=copy_key_mask(plan.key_limit, seq.canvas_len, masked, extra))
+
+
+def copy_key_mask(base_limit: Tensor, canvas_len: int, masked: Tensor, extra: int) -> Tensor:
+    """[T, S] bool. Base tokens keep their key limits. A copy token sees the canvas except
+    copy 0's masked positions (cache, shared committed tokens, suffix) plus its own copy's slots."""
+    n = masked.numel()
+    width = canvas_len + extra * n
+    keys = torch.arange(width, device=masked.device)
+    base = keys[None, :] < base_limit[:, None]  # [T0, S]
+    canvas = (keys < canvas_len) & ~torch.isin(keys, masked)  # [S]
+    owner = torch.arange(extra * n, device=masked.device) // n  # copy of each extra token / slot
+    key_owner = torch.where(keys >= canvas_len, (keys - canvas_len) // max(n, 1), -1)
+    copies = canvas[None, :] | (owner[:, None] == key_owner[None, :])  # [(C-1)·n, S]
+    return torch.cat([base, copies])
+
+
+# -- acceptance --------------------------------------------------------------------------------
+def accepted_copy(sets: list[tuple[int, ...]], draft_idx: Tensor, draft_tokens: Tensor,
+                  x0: Tensor, commit: Tensor) -> int:
+    """The copy to apply. ``x0``, ``commit``: [C, n] each copy's prediction at each masked
+    position and whether its commit rule takes it. Copy 0 is accepted; copy D is accepted when an
+    accepted copy D' ⊊ D predicts each draft in D \\ D' with the drafted token and commits it.
+    Returns the accepted copy with the most drafts (ties: the earlier copy)."""
+    # one host transfer, then plain Python over at most 8 copies and 4 drafts
+    where, want, pred, takes = draft_idx.tolist(), draft_tokens.tolist(), x0.tolist(), commit.tolist()
+    members = [set(s) for s in sets]
+
+    def verifies(b: int, drafts: set[int]) -> bool:
+        return all(takes[b][where[j]] and pred[b][where[j]] == want[j] for j in drafts)
+
+    ok = [False] * len(sets)
+    for c in sorted(range(len(sets)), key=lambda i: len(sets[i])):
+        ok[c] = not members[c] or any(ok[b] and verifies(b, members[c] - members[b])
+                                      for b in range(len(sets)) if members[b] < members[c])
+    return max(range(len(sets)), key=lambda c: (ok[c], len(sets[c]), -c))

@@ -1,0 +1,165 @@
+"""ODB-dLLM adaptive length prediction (strategies/adaptive_length.py)."""
+import pytest
+import torch
+
+from dllm_engine import LLM, SamplingParams
+from dllm_engine.engine.sequence import Sequence, TokenIds
+from dllm_engine.strategies.adaptive_length import AdaptiveLength, cut_length
+from fixtures import random_model, write_checkpoint
+
+PROMPTS = [[42, 13, 14, 15, 16, 17, 18], [20, 21, 22], [30, 31, 32, 33, 34]]
+IDS = TokenIds(mask_id=4, eos_id=3, stop_ids=frozenset({3, 9}))
+
+
+@pytest.fixture(scope="module")
+def llms(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {mt: LLM(write_checkpoint(root / mt, mt)) for mt in ("llada", "Dream", "sdar")}
+
+
+def make_seq(prompt_len=3, max_new=16, block=4, **options) -> Sequence:
+    params = SamplingParams(method="dual-cache+adaptive-length", max_new_tokens=max_new,
+                            block_length=block, steps=block, **options)
+    return Sequence(0, list(range(10, 10 + prompt_len)), params, IDS)
+
+
+def predictions_at(seq, hits: dict[int, tuple[int, float]]):
+    """Every masked generation slot predicts token 50 at 0.99, except ``hits``: pos -> (tok, conf)."""
+    positions = (seq.canvas == IDS.mask_id).nonzero()[:, 0]
+    tokens = torch.full_like(positions, 50)
+    conf = torch.full(positions.shape, 0.99)
+    for pos, (tok, c) in hits.items():
+        i = int((positions == pos).nonzero())
+        tokens[i], conf[i] = tok, c
+    return positions, tokens, conf
+
+
+def test_cut_at_the_block_boundary_after_the_first_confident_stop():
+    seq = make_seq()  # prompt 3, blocks [3,7) [7,11) [11,15) [15,19)
+    assert cut_length(seq, *predictions_at(seq, {8: (3, 0.95), 12: (3, 0.99)})) == 11
+    # a configured stop token counts like EOS; the first hit wins
+    assert cut_length(seq, *predictions_at(seq, {5: (9, 0.91), 12: (3, 0.99)})) == 7
+    # below tau: no cut; a confident non-stop token: no cut
+    assert cut_length(seq, *predictions_at(seq, {8: (3, 0.85)})) is None
+    assert cut_length(seq, *predictions_at(seq, {})) is None
+    # a hit in the last block would not shorten anything
+    assert cut_length(seq, *predictions_at(seq, {16: (3, 0.99)})) is None
+
+
+def test_tau_above_one_never_cuts():
+    seq = make_seq(eos_threshold=1.01)
+    assert cut_length(seq, *predictions_at(seq, {4: (3, 1.0), 8: (3, 1.0)})) is None
+
+
+def test_never_cuts_below_min_length():
+    seq = make_seq(min_length=6)  # slots before 3 + 6 = 9 are ignored
+    assert cut_length(seq, *predictions_at(seq, {4: (3, 0.99), 8: (3, 0.99)})) is None
+    assert cut_length(seq, *predictions_at(seq, {4: (3, 0.99), 9: (3, 0.99)})) == 11
+    for min_length in range(0, 16):
+        seq = make_seq(min_length=min_length)
+        hits = {p: (3, 0.99) for p in range(3, 19)}
+        new_len = cut_length(seq, *predictions_at(seq, hits))
+        assert new_len is None or new_len - 3 > min_length
+
+
+def test_never_cuts_at_or_before_a_committed_non_eos_token():
+    seq = make_seq()
+    seq.canvas[3:7] = torch.tensor([20, 21, 22, 3])  # block 0 committed (ends with EOS)
+    seq.canvas[12] = 23  # a committed non-EOS token in block 2
+    new_len = cut_length(seq, *predictions_at(seq, {8: (3, 0.99)}))
+    assert new_len == 15 and new_len > 12
+    # committed EOS tokens do not hold the cut back
+    seq.canvas[12] = 3
+    assert cut_length(seq, *predictions_at(seq, {8: (3, 0.99)})) == 11
+
+
+def test_after_forward_inspects_everything_but_commits_only_the_block():
+    model = random_model("llada")
+    alp = AdaptiveLength(model)
+    seq = make_seq()
+    alp.setup(seq)
+    from dllm_engine.decoding.decoders import plan_step
+    plan = alp.plan(seq, plan_step(seq, 0))
+    # step 0 of block 0: the block's 4 slots, then every other masked slot of the canvas
+    assert plan.logit_positions.tolist() == list(range(3, 19))
+    logits = torch.zeros(16, 96)
+    logits[:, 50] = 10.0
+    logits[8 - 3, 50], logits[8 - 3, 3] = 0.0, 12.0  # position 8 predicts EOS at ~0.998
+    positions, kept = alp.after_forward(seq, plan.logit_positions, logits)
+    assert positions.tolist() == [3, 4, 5, 6] and torch.equal(kept, logits[:4])
+    assert seq.canvas_len == 11 and seq.blocks == [(3, 7), (7, 11)]
+    assert seq.strategy_state["adaptive-length"]["cuts"] == [8]
+    # later steps of the block are untouched
+    seq.step = 1
+    plan = alp.plan(seq, plan_step(seq, 0))
+    assert plan.logit_positions.tolist() == [3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("method,model_type", [("reference", "llada"), ("prefix-cache", "llada"),
+                                               ("dual-cache", "llada"), ("dual-cache", "Dream"),
+                                               ("block", "sdar")])
+def test_tau_above_one_gives_the_base_decoders_tokens(llms, method, model_type):
+    llm = llms[model_type]
+    base = SamplingParams(method=method, max_new_tokens=16, block_length=4, threshold=0.3,
+                          stop_token_ids=[25, 73])
+    want = llm.generate(PROMPTS, base)
+    got = llm.generate(PROMPTS, base.replace(method=method + "+adaptive-length", eos_threshold=1.5))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.stats.nfe for o in got] == [o.stats.nfe for o in want]
+
+
+def test_tau_above_one_with_classifier_free_guidance(llms):
+    llm = llms["llada"]
+    base = SamplingParams(method="reference", max_new_tokens=8, block_length=4, steps=2, cfg_scale=1.0)
+    want = llm.generate(PROMPTS[:2], base)
+    got = llm.generate(PROMPTS[:2], base.replace(method="reference+adaptive-length", eos_threshold=1.5))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def run_sequences(llm, params):
+    seqs = [llm.make_sequence(p, params) for p in PROMPTS]
+    for s in seqs:
+        llm.engine.add(s)
+    while llm.engine.has_work():
+        llm.engine.step()
+    return seqs
+
+
+@pytest.mark.parametrize("method", ["reference", "prefix-cache", "dual-cache"])
+def test_a_confident_stop_prediction_cuts_the_canvas(llms, method):
+    """Token 25 is often predicted by the random model: as a stop id with a low tau it cuts."""
+    llm = llms["llada"]
+    params = SamplingParams(method=method + "+adaptive-length", max_new_tokens=32, block_length=8,
+                            threshold=0.3, stop_token_ids=[25], eos_threshold=0.2, min_length=4,
+                            stop_at_eos=False)
+    seqs = run_sequences(llm, params)
+    full = llm.generate(PROMPTS, params.replace(method=method))
+    assert any(s.strategy_state["adaptive-length"]["cuts"] for s in seqs)
+    for seq, base in zip(seqs, full):
+        gen_len = seq.canvas_len - seq.prompt_len
+        assert seq.finished and gen_len % 8 == 0 and 4 < gen_len <= 32
+        assert int((seq.canvas == seq.ids.mask_id).sum()) == 0
+        # nothing committed was thrown away: every slot of the final canvas was decoded once
+        assert seq.stats.decoded_tokens == gen_len
+        if gen_len < 32:
+            assert seq.stats.nfe < base.stats.nfe
+            assert seq.stats.processed_tokens < base.stats.processed_tokens
+
+
+def test_min_length_holds_end_to_end(llms):
+    llm = llms["llada"]
+    params = SamplingParams(method="dual-cache+adaptive-length", max_new_tokens=32, block_length=8,
+                            threshold=0.3, stop_token_ids=[25], eos_threshold=0.05, min_length=17,
+                            stop_at_eos=False)
+    for seq in run_sequences(llm, params):
+        assert seq.canvas_len - seq.prompt_len >= 24  # the block boundary after slot 17
+
+
+def test_adaptive_length_is_batch_invariant(llms):
+    llm = llms["llada"]
+    params = SamplingParams(method="dual-cache+adaptive-length", max_new_tokens=32, block_length=8,
+                            threshold=0.3, stop_token_ids=[25], eos_threshold=0.2)
+    batched = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, batched):
+        single = llm.generate([prompt], params)[0]
+        assert single.token_ids == out.token_ids and single.stats.nfe == out.stats.nfe

@@ -1,0 +1,229 @@
+"""ODB-dLLM jump-share speculative decoding (strategies/jump_share.py)."""
+import pytest
+import torch
+
+from dllm_engine import LLM, SamplingParams
+from dllm_engine.decoding.decoders import plan_step
+from dllm_engine.engine.sequence import Sequence, TokenIds
+from dllm_engine.strategies.jump_share import (JumpShare, accepted_copy, copy_key_mask, draft_sets,
+                                               make_layout, num_copies, share_plan)
+from fixtures import write_checkpoint
+
+PROMPTS = [[42, 13, 14, 15, 16, 17, 18], [20, 21, 22], [30, 31, 32, 33, 34]]
+IDS = TokenIds(mask_id=4, eos_id=3, stop_ids=frozenset({3}))
+
+
+@pytest.fixture(scope="module")
+def llms(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {mt: LLM(write_checkpoint(root / mt, mt)) for mt in ("llada", "Dream")}
+
+
+def test_copy_sets_and_copy_count_rule():
+    assert draft_sets(0) == [()]
+    assert draft_sets(1) == [(), (0,)]
+    assert draft_sets(2) == [(), (0,), (1,), (0, 1)]
+    assert draft_sets(4) == [(), (0,), (1,), (0, 1), (2,), (0, 1, 2), (3,), (0, 1, 2, 3)]
+    # block 32: 8 copies once 32 + 3 n <= 89.6, i.e. n <= 19
+    assert num_copies(8, 19, 32) == 8 and num_copies(8, 20, 32) == 4
+    assert num_copies(4, 3, 32) == 4 and num_copies(1, 3, 32) == 1 and num_copies(2, 30, 32) == 2
+
+
+def test_copy_key_mask_isolates_copies():
+    """Canvas of 10, block [4, 8) with masks at 5 and 7, two extra copies in slots 10-13."""
+    masked = torch.tensor([5, 7])
+    base_limit = torch.full((4,), 10)
+    mask = copy_key_mask(base_limit, 10, masked, extra=2)
+    assert mask.shape == (4 + 2 * 2, 10 + 2 * 2)
+    want = torch.zeros(8, 14, dtype=torch.bool)
+    want[:4, :10] = True  # base tokens: the canvas, as the base plan's key limits say
+    for row, copy in ((4, 0), (5, 0), (6, 1), (7, 1)):
+        for key in range(10):
+            want[row, key] = key not in (5, 7)  # cache, suffix and shared committed tokens
+        own = 10 + 2 * copy
+        want[row, own:own + 2] = True  # its own copy only
+    assert torch.equal(mask, want)
+
+
+def make_seq(block=4, max_new=8, **options):
+    params = SamplingParams(method="dual-cache+jump-share", max_new_tokens=max_new, block_length=block,
+                            steps=block, threshold=0.5, **options)
+    return Sequence(0, [10, 11, 12], params, IDS)
+
+
+def test_share_plan_lays_out_shared_and_copied_tokens():
+    seq = make_seq(max_copies=4)  # canvas 11, block [3, 7)
+    seq.canvas[4] = 20  # committed: shared by all copies
+    seq.step = 1
+    drafts = (torch.tensor([6, 4, 3, 5]), torch.tensor([61, 99, 63, 65]), torch.tensor([0.9, 0.8, 0.7, 0.6]))
+    base = plan_step(seq, 0)
+    layout = make_layout(seq, base.logit_positions, drafts)
+    # position 4 is committed now, so the drafts are 6 then 3; copies: (), {6}, {3}, {6, 3}
+    assert layout.masked.tolist() == [3, 5, 6]
+    assert layout.draft_idx.tolist() == [2, 0] and layout.draft_tokens.tolist() == [61, 63]
+    plan = share_plan(seq, base, layout)
+    assert plan.positions.tolist() == [3, 4, 5, 6] + [3, 5, 6] * 3
+    assert plan.slots.tolist() == [3, 4, 5, 6] + list(range(11, 20))
+    m = IDS.mask_id
+    assert plan.token_ids.tolist() == [m, 20, m, m] + [m, m, 61] + [63, m, m] + [63, m, 61]
+    # logits: copy 0's masks, then each copy's undrafted positions, read at the copy's slots
+    assert plan.logit_positions.tolist() == [3, 5, 6] + [3, 5] + [5, 6] + [5]
+    assert plan.logit_slots.tolist() == [3, 5, 6] + [11, 12] + [15, 16] + [18]
+    assert plan.key_mask.shape == (13, 20)
+    assert plan.key_mask[4, 4] and not plan.key_mask[4, 5] and not plan.key_mask[4, 14]
+
+
+def hand_example(case: str):
+    """Copies (), {d0}, {d1}, {d0, d1} over masked positions 0..3; d0 at 1 (token 7), d1 at 3 (8)."""
+    sets = draft_sets(2)
+    draft_idx, draft_tokens = torch.tensor([1, 3]), torch.tensor([7, 8])
+    x0 = torch.tensor([[5, 7, 6, 8],  # copy 0 predicts both drafts' tokens
+                       [5, -1, 6, 8],
+                       [5, 7, 6, -1],
+                       [5, -1, 6, -1]])
+    commit = torch.zeros(4, 4, dtype=torch.bool)
+    if case == "base commits d0":
+        commit[0, 1] = True
+    elif case == "base commits both":
+        commit[0, [1, 3]] = True
+    elif case == "jump via d0":  # base commits d0; the copy holding d0 commits d1
+        commit[0, 1] = True
+        commit[1, 3] = True
+    elif case == "d1 only":
+        commit[0, 3] = True
+    elif case == "unverified chain":  # copy {d0} commits d1, but nobody verified d0
+        commit[1, 3] = True
+    elif case == "wrong token":
+        commit[0, 1] = True
+        x0[0, 1] = 9
+    return sets, draft_idx, draft_tokens, x0, commit
+
+
+@pytest.mark.parametrize("case,want", [("nothing", 0), ("base commits d0", 1), ("d1 only", 2),
+                                       ("base commits both", 3), ("jump via d0", 3),
+                                       ("unverified chain", 0), ("wrong token", 0)])
+def test_acceptance_rule_on_hand_built_predictions(case, want):
+    assert accepted_copy(*hand_example(case)) == want
+
+
+def test_accepted_copy_applies_its_drafts_and_its_own_commits(llms):
+    seq = make_seq(max_copies=4)
+    seq.step = 1
+    js = JumpShare(llms["llada"].model)
+    js.setup(seq)
+    layout = make_layout(seq, seq.masked_positions(), (torch.tensor([4, 6]), torch.tensor([7, 8]),
+                                                       torch.tensor([0.9, 0.8])))
+    seq.strategy_state["jump-share"]["layout"] = layout
+    # 4 copies over masked 3..6: d0 = position 4 (token 7), d1 = position 6 (token 8)
+    logits = torch.full((4 + 3 + 3 + 2, 96), -1.0)  # a 1.0 logit is ~0.07, a 9.0 logit ~0.996
+    rows = {0: [(3, 30, 1.0), (4, 7, 9.0), (5, 31, 1.0), (6, 8, 1.0)],  # base commits d0 only
+            1: [(3, 32, 1.0), (5, 33, 1.0), (6, 8, 9.0)],  # copy {d0} commits d1: the jump
+            2: [(3, 34, 1.0), (4, 35, 1.0), (5, 36, 1.0)],
+            3: [(3, 37, 9.0), (5, 38, 1.0)]}  # copy {d0, d1} commits position 3
+    r = 0
+    for copy in range(4):
+        for _, tok, value in rows[copy]:
+            logits[r, tok] = value
+            r += 1
+    positions = torch.cat([layout.masked[~layout.drafted[c]] for c in range(4)])
+    assert js.after_forward(seq, positions, logits) is None
+    # copy 3 = {d0, d1} is accepted (d0 by copy 0, d1 by copy {d0}); its own commit (3 -> 37) too
+    assert seq.canvas[3:7].tolist() == [37, 7, IDS.mask_id, 8]
+    assert seq.stats.decoded_tokens == 3 and seq.step == 2
+    pos, tok, _ = seq.strategy_state["jump-share"]["drafts"]
+    assert pos.tolist() == [5] and tok.tolist() == [38]
+
+
+@pytest.mark.parametrize("method", ["prefix-cache", "dual-cache"])
+@pytest.mark.parametrize("threshold", [None, 0.2, 0.9])
+def test_one_copy_gives_the_base_decoders_tokens(llms, method, threshold):
+    llm = llms["llada"]
+    base = SamplingParams(method=method, max_new_tokens=16, block_length=8, threshold=threshold,
+                          stop_at_eos=False)
+    want = llm.generate(PROMPTS, base)
+    got = llm.generate(PROMPTS, base.replace(method=method + "+jump-share", max_copies=1))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.stats.nfe for o in got] == [o.stats.nfe for o in want]
+
+
+@pytest.mark.parametrize("method", ["prefix-cache", "dual-cache"])
+def test_copies_do_not_change_the_base_copy(llms, method):
+    """Copy 0's logits in the shared forward equal the base decoder's step logits."""
+    llm = llms["llada"]
+    engine = llm.engine
+    seq = llm.make_sequence(PROMPTS[0], SamplingParams(method=method + "+jump-share", max_new_tokens=16,
+                                                       block_length=8, threshold=0.9, max_copies=8))
+    engine.add(seq)
+    engine.step()  # the block's full first step keeps the drafts
+    pipeline = engine.pipeline(seq.params.method)
+    cache = engine.cache.view(0, 1)
+    plan = pipeline.plan(seq, plan_step(seq, 0))
+    layout = seq.strategy_state["jump-share"]["layout"]
+    # 7 masks left in a block of 8: 8 + 3·7 > 2.8·8, so 4 copies over 2 drafts
+    assert layout.num_copies == 4 and layout.draft_idx.numel() == 2
+    with torch.inference_mode():  # as Engine.step
+        (pos_js, logits_js), = engine.runner.forward([seq], [plan], cache)
+        (pos_base, logits_base), = engine.runner.forward([seq], [plan_step(seq, 0)], cache)
+    n = layout.masked.numel()
+    assert torch.equal(pos_js[:n], pos_base)
+    torch.testing.assert_close(logits_js[:n], logits_base, atol=1e-5, rtol=1e-5)
+    # the copies holding drafts see different inputs: their predictions differ from copy 0's
+    assert not torch.allclose(logits_js[n:2 * n - 1], logits_base[~layout.drafted[1]])
+    engine.cancel(seq.seq_id)
+
+
+@pytest.mark.parametrize("method", ["prefix-cache", "dual-cache"])
+def test_jump_share_advances_faster_and_decodes_every_slot_once(llms, method):
+    llm = llms["llada"]
+    base = SamplingParams(method=method, max_new_tokens=32, block_length=8, threshold=0.3,
+                          stop_at_eos=False)
+    want = llm.generate(PROMPTS, base)
+    got = llm.generate(PROMPTS, base.replace(method=method + "+jump-share"))
+    assert sum(o.stats.nfe for o in got) < sum(o.stats.nfe for o in want)
+    for o in got:
+        assert o.stats.decoded_tokens == 32 and len(o.token_ids) <= 32
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_full_odb_configuration_is_batch_invariant(llms, temperature):
+    llm = llms["llada"]
+    params = SamplingParams(method="dual-cache+adaptive-length+jump-share", max_new_tokens=32,
+                            block_length=8, threshold=0.3, stop_token_ids=[25], eos_threshold=0.2,
+                            temperature=temperature, seed=3)
+    batched = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, batched):
+        single = llm.generate([prompt], params)[0]
+        assert single.token_ids == out.token_ids and single.stats.nfe == out.stats.nfe
+
+
+def test_full_odb_configuration_beside_other_methods(llms):
+    """Sequences of other methods in the same engine steps do not change an ODB sequence."""
+    llm = llms["llada"]
+    odb = SamplingParams(method="dual-cache+adaptive-length+jump-share", max_new_tokens=32,
+                         block_length=8, threshold=0.3, stop_token_ids=[25], eos_threshold=0.2)
+    alone = llm.generate(PROMPTS[:1], odb)[0]
+    seqs = [llm.make_sequence(PROMPTS[0], odb),
+            llm.make_sequence(PROMPTS[1], odb.replace(method="dual-cache")),
+            llm.make_sequence(PROMPTS[2], odb.replace(method="prefix-cache+jump-share"))]
+    for s in seqs:
+        llm.engine.add(s)
+    while llm.engine.has_work():
+        llm.engine.step()
+    assert seqs[0].output_ids() == alone.token_ids and seqs[0].stats.nfe == alone.stats.nfe
+
+
+def test_jump_share_refuses_a_shifted_model(llms):
+    llm = llms["Dream"]
+    with pytest.raises(ValueError, match="without logit shift"):
+        llm.generate(PROMPTS[:1], SamplingParams(method="dual-cache+jump-share", max_new_tokens=8,
+                                                 block_length=4))
+
+
+def test_strategy_order_in_the_method_string_does_not_matter(llms):
+    llm = llms["llada"]
+    params = SamplingParams(max_new_tokens=32, block_length=8, threshold=0.3, stop_token_ids=[25],
+                            eos_threshold=0.2, stop_at_eos=False)
+    a = llm.generate(PROMPTS, params.replace(method="dual-cache+adaptive-length+jump-share"))
+    b = llm.generate(PROMPTS, params.replace(method="dual-cache+jump-share+adaptive-length"))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.stats.nfe for o in a] == [o.stats.nfe for o in b]
