@@ -1,0 +1,314 @@
+"""FOCUS token eviction: "FOCUS: DLLMs Know How to Tame Their Compute Bound" (ICML 2026,
+arXiv 2601.23278).
+
+Only ~10% of a block's tokens are committed per step, yet every step computes the whole block.
+FOCUS predicts, after layer 1, which masked tokens can be decoded this step and evicts the rest:
+layers 2.. (and layer 1's attention/MLP) run on the kept tokens only (SPEC §4).
+
+- Predictor: the importance of a masked token j is how much attention the block's masked queries
+  give it, I_j = sum_{i,h} softmax_j(maxpool_j(q_i k_j / sqrt(d))) over the masked set only.
+  Layer 0 carries a position prior shared by all tokens; the delta I(layer 1) - I(layer 0)
+  keeps what layer 1 adds, and high-delta tokens are the decodable ones.
+- Budget: K = clamp(ceil(alpha * max(avg_decoded, 1)), 1, |M|), the running mean of tokens
+  committed per step in this block; eviction only when |M| > K. If at least K tokens have
+  delta >= mean + std, all of those are kept instead of the top-K.
+- Structure rules: keep each kept token's left neighbour (AR context); keep everything if nothing
+  is kept; re-keep evicted tokens left of the rightmost kept one that were never processed in
+  this block (they need K/V: placeholder integrity).
+- Delayed, neighbour-aware in-block cache: a committed position stops being recomputed (its K/V
+  freeze) once it and its right neighbour were both committed before the step; the first step of
+  a block computes every position.
+
+Layer 1's K/V are written for the whole processing set before eviction (attention writes before
+calling ``after_qk``). Block positions never processed through all layers hold no valid K/V above
+layer 1, so from layer 1's attention on they are hidden from the kept queries (the reference
+implementation likewise ends its key range at the rightmost kept token); every other evicted
+position is attended to through its cached K/V.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..decoding.decoders import StepPlan
+from ..engine.sequence import Sequence
+from ..models.context import ForwardContext
+from .base import Strategy
+
+STATE_KEY = "focus"
+
+
+# -- selection math (pure functions, batched over rows; padding marked by ``valid``) ----------
+def masked_importance(q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
+    """Attention importance I [B, M] of each masked token as a key.
+
+    q [B, H, M, D], k [B, Hkv, M, D]: the masked tokens' queries / keys after q/k-norm and RoPE,
+    padded to M per row; valid [B, M] marks real tokens. Per head S = q kᵀ / sqrt(D) (GQA: K heads
+    repeated), max-pooled along keys (kernel 3, stride 1, -inf padding), softmax over keys,
+    summed over queries and heads."""
+    b, h, m, d = q.shape
+    if m == 0:
+        return q.new_zeros(b, 0, dtype=torch.float32)
+    k = k.repeat_interleave(h // k.shape[1], dim=1)
+    scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(d)  # [B, H, M, M]
+    key_ok = valid[:, None, None, :]
+    scores = scores.masked_fill(~key_ok, float("-inf"))
+    pooled = F.max_pool1d(scores.reshape(-1, 1, m), 3, stride=1, padding=1).view(b, h, m, m)
+    pooled = pooled.masked_fill(~key_ok, float("-inf"))
+    probs = torch.softmax(pooled, dim=-1)
+    probs = torch.where(valid[:, None, :, None] & key_ok, probs, torch.zeros_like(probs))
+    return probs.sum(dim=(1, 2))  # [B, M]: over heads and queries
+
+
+def eviction_budget(avg_decoded: Tensor, num_masked: Tensor, alpha: float | Tensor) -> Tensor:
+    """K [B] = clamp(ceil(alpha * max(avg_decoded, 1)), 1, |M|) (0 when nothing is masked)."""
+    want = torch.ceil(alpha * avg_decoded.double().clamp(min=1.0)).clamp(min=1)
+    return torch.minimum(want.long(), num_masked.long())
+
+
+def select_candidates(delta: Tensor, valid: Tensor, budget: Tensor) -> Tensor:
+    """bool [B, M]: the top-``budget`` tokens by ``delta`` (ties to the lower index), or, when at
+    least ``budget`` tokens have delta >= mean + std over the row, all of those (N_sigma term)."""
+    ranked = delta.masked_fill(~valid, float("-inf"))
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device)
+                                            .expand_as(order))
+    top = (rank < budget[:, None]) & valid
+    count = valid.sum(1).clamp(min=1)
+    mean = delta.masked_fill(~valid, 0).sum(1) / count
+    var = ((delta - mean[:, None]).masked_fill(~valid, 0) ** 2).sum(1) / count  # population std
+    strong = (delta >= (mean + var.sqrt())[:, None]) & valid
+    use_strong = strong.sum(1) >= budget
+    return torch.where(use_strong[:, None], strong, top)
+
+
+def keep_left_neighbours(kept: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
+    """Also keep the masked token right before every kept one (one pass, not transitive).
+    ``positions`` [B, M] are canvas positions in ascending order per row."""
+    adjacent = (positions[:, 1:] - positions[:, :-1] == 1) & valid[:, 1:] & valid[:, :-1]
+    out = kept.clone()
+    out[:, :-1] |= adjacent & kept[:, 1:]
+    return out
+
+
+def keep_all_if_empty(kept: Tensor, valid: Tensor) -> Tensor:
+    """A row that kept nothing keeps all its tokens."""
+    empty = ~(kept & valid).any(1, keepdim=True)
+    return torch.where(empty, valid, kept & valid)
+
+
+def keep_placeholders(kept: Tensor, positions: Tensor, valid: Tensor, never_processed: Tensor) -> Tensor:
+    """Re-keep evicted tokens left of the rightmost kept one that were never processed in this
+    block: later steps attend to them, so they need K/V from every layer."""
+    rightmost = positions.masked_fill(~(kept & valid), -1).max(1, keepdim=True).values
+    return kept | (valid & never_processed & (positions < rightmost))
+
+
+def apply_structure_rules(kept: Tensor, positions: Tensor, valid: Tensor, never_processed: Tensor) -> Tensor:
+    kept = keep_left_neighbours(kept, positions, valid)
+    kept = keep_all_if_empty(kept, valid)
+    return keep_placeholders(kept, positions, valid, never_processed) & valid
+
+
+def select_kept(delta: Tensor, positions: Tensor, valid: Tensor, never_processed: Tensor,
+                budget: Tensor) -> Tensor:
+    """bool [B, M]: the masked tokens that stay after layer 1 (rows with |M| <= K keep all)."""
+    evict = valid.sum(1) > budget
+    kept = torch.where(evict[:, None], select_candidates(delta, valid, budget), valid)
+    return apply_structure_rules(kept, positions, valid, never_processed)
+
+
+def delayed_cache_ready(is_committed: Tensor) -> Tensor:
+    """bool [L] over a block: committed positions whose right neighbour is committed too (the
+    block's last position counts its right neighbour as committed); their K/V may freeze."""
+    right = torch.ones_like(is_committed)
+    right[:-1] = is_committed[1:]
+    return is_committed & right
+
+
+# -- per-sequence state ----------------------------------------------------------------------
+@dataclass
+class FocusState:
+    """Per sequence, reset at each new block (``seq.strategy_state["focus"]``)."""
+    block_idx: int
+    start: int
+    processed: Tensor  # [L] bool: computed through every layer at some step of this block
+    frozen: Tensor  # [L] bool: K/V final, no longer recomputed (delayed cache)
+    committed: int = 0  # tokens committed in this block ...
+    steps: int = 0  # ... over this many steps that committed something
+    planned: Tensor | None = None  # canvas positions of the block computed this step
+    kept: Tensor | None = None  # canvas positions that survived eviction (None: no eviction)
+
+    @property
+    def avg_decoded(self) -> float:
+        return self.committed / self.steps if self.steps else 1.0
+
+    def local(self, positions: Tensor) -> Tensor:
+        return positions - self.start
+
+
+def block_state(seq: Sequence) -> FocusState:
+    """The sequence's state for its current block (fresh on the block's first step)."""
+    state = seq.strategy_state.get(STATE_KEY)
+    if state is None or state.block_idx != seq.block_idx:
+        start, end = seq.block
+        none = torch.zeros(end - start, dtype=torch.bool, device=seq.canvas.device)
+        state = FocusState(seq.block_idx, start, none, none.clone())
+        seq.strategy_state[STATE_KEY] = state
+    return state
+
+
+def drop_tokens(plan: StepPlan, keep: Tensor) -> StepPlan:
+    """The plan restricted to tokens ``keep`` [T] (bool)."""
+    pick = {name: getattr(plan, name)[keep] for name in ("positions", "key_limit", "slots", "token_ids",
+                                                         "key_mask") if getattr(plan, name) is not None}
+    return dataclasses.replace(plan, **pick)
+
+
+# -- the hooks inside the layer stack ---------------------------------------------------------
+class EvictionHooks:
+    """Layer 0: importance of the masked tokens. Layer 1: delta, selection, eviction."""
+
+    def __init__(self, candidate: Tensor, never_processed: Tensor, budget: Tensor,
+                 states: list[FocusState]) -> None:
+        self.candidate = candidate  # [B, T] masked block tokens of the processing set
+        self.never_processed = never_processed  # [B, T]
+        self.budget = budget  # [B]
+        self.states = states
+        self.base: Tensor | None = None  # layer-0 importance [B, M]
+
+    def masked_view(self, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
+        """(index [B, M] of the masked tokens among the live ones, valid [B, M], is_masked [B, T])."""
+        cand = ctx.gather(self.candidate, ctx.token_index) & ctx.token_valid
+        num = cand.sum(1)
+        order = torch.sort((~cand).to(torch.int8), dim=1, stable=True).indices
+        width = int(num.max()) if num.numel() else 0
+        valid = torch.arange(width, device=cand.device)[None] < num[:, None]
+        return order[:, :width], valid, cand
+
+    def importance(self, q: Tensor, k: Tensor, index: Tensor, valid: Tensor) -> Tensor:
+        qi = index[:, None, :, None]
+        q_m = torch.gather(q, 2, qi.expand(-1, q.shape[1], -1, q.shape[3]))  # [B, H, M, D]
+        k_m = torch.gather(k, 2, qi.expand(-1, k.shape[1], -1, k.shape[3]))  # [B, Hkv, M, D]
+        return masked_importance(q_m, k_m, valid)
+
+    def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: ForwardContext
+                 ) -> tuple[Tensor, Tensor] | None:
+        if layer_idx > 1:
+            return None
+        index, valid, cand = self.masked_view(ctx)
+        scores = self.importance(q, k, index, valid)
+        if layer_idx == 0:
+            self.base = scores
+            return None
+        never = torch.gather(ctx.gather(self.never_processed, ctx.token_index), 1, index)
+        kept_m = select_kept(scores - self.base, torch.gather(ctx.positions, 1, index), valid, never,
+                             self.budget)
+        kept_cand = torch.zeros_like(cand).scatter_(1, index, kept_m)
+        keep = ctx.token_valid & (~cand | kept_cand)
+        self.hide_unprocessed(ctx, cand & ~kept_cand & ctx.gather(self.never_processed, ctx.token_index))
+        self.record(ctx, keep)
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+        width = int(keep.sum(1).max())
+        return order[:, :width], torch.arange(width, device=keep.device)[None] < keep.sum(1)[:, None]
+
+    def after_layer(self, layer_idx: int, hidden: Tensor, ctx: ForwardContext) -> None:
+        return None
+
+    @staticmethod
+    def hide_unprocessed(ctx: ForwardContext, hidden: Tensor) -> None:
+        """Evicted, never-processed tokens have no K/V above layer 1: mask their cache slots."""
+        if not hidden.any():
+            return
+        num_keys = ctx.num_keys()
+        slots = torch.where(hidden, ctx.slots, torch.full_like(ctx.slots, num_keys))
+        invisible = torch.zeros(slots.shape[0], num_keys + 1, dtype=torch.bool, device=slots.device)
+        invisible.scatter_(1, slots, hidden)  # [B, S + 1]; the last column collects the rest
+        ctx.attn_mask = ctx.attention_mask(num_keys) & ~invisible[:, None, None, :num_keys]
+
+    def record(self, ctx: ForwardContext, keep: Tensor) -> None:
+        for i, state in enumerate(self.states):  # bookkeeping only
+            state.kept = ctx.positions[i][keep[i]]
+
+
+# -- the strategy -----------------------------------------------------------------------------
+class TokenEviction(Strategy):
+    """FOCUS (arXiv 2601.23278): delayed neighbour-aware in-block cache + layer-1 token eviction.
+
+    Option: ``SamplingParams.focus_alpha`` (>= 1, default 1.5) scales the eviction budget."""
+    name = "focus"
+    bases = ("block", "dual-cache")
+    evict = True
+
+    def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
+        """Drop frozen block positions; remember which block positions this step computes."""
+        state = block_state(seq)
+        pos = plan.positions
+        end = state.start + state.frozen.numel()
+        in_block = (pos >= state.start) & (pos < end)
+        frozen = in_block & state.frozen[state.local(pos).clamp(0, state.frozen.numel() - 1)]
+        if frozen.any():
+            plan = drop_tokens(plan, ~frozen)
+        state.planned = pos[in_block & ~frozen]
+        state.kept = None
+        return plan
+
+    def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> EvictionHooks | None:
+        if not self.evict or self.model.config.num_layers < 2:
+            return None
+        states = [block_state(s) for s in seqs]
+        cand = [self.candidates(s, p) for s, p in zip(seqs, plans)]
+        num_masked = torch.tensor([int(c.sum()) for c in cand])
+        avg = torch.tensor([st.avg_decoded for st in states], dtype=torch.float64)
+        alpha = torch.tensor([s.params.focus_alpha for s in seqs], dtype=torch.float64)
+        budget = eviction_budget(avg, num_masked, alpha)
+        if not bool((num_masked > budget).any()):
+            return None
+        never = [c & ~st.processed[st.local(p.positions).clamp(0, st.processed.numel() - 1)]
+                 for c, st, p in zip(cand, states, plans)]
+        pad = torch.nn.utils.rnn.pad_sequence
+        device = plans[0].positions.device
+        return EvictionHooks(pad(cand, batch_first=True), pad(never, batch_first=True),
+                             budget.to(device), states)
+
+    @staticmethod
+    def candidates(seq: Sequence, plan: StepPlan) -> Tensor:
+        """bool [T]: the plan's masked tokens inside the current block (never the prompt, the
+        previous block or the suffix: those are computed in full)."""
+        start, end = seq.block
+        tokens = plan.token_ids if plan.token_ids is not None else seq.canvas[plan.positions]
+        return (plan.positions >= start) & (plan.positions < end) & (tokens == seq.ids.mask_id)
+
+    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
+                      ) -> tuple[Tensor, Tensor]:
+        """Mark what was computed in full, freeze stable K/V, and let only kept tokens commit."""
+        state = block_state(seq)
+        done = state.planned if state.kept is None else state.kept
+        done = done[(done >= state.start) & (done < state.start + state.processed.numel())]
+        state.processed[state.local(done)] = True
+        start, end = seq.block
+        # the canvas still holds this step's inputs: positions committed before this step were
+        # just computed with their real token, so their K/V are final once the neighbour is too
+        state.frozen |= delayed_cache_ready(seq.canvas[start:end] != seq.ids.mask_id)
+        if state.kept is not None:
+            ok = torch.isin(positions, state.kept)
+            positions, logits = positions[ok], logits[ok]
+        return positions, logits
+
+    def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+        if committed.numel():
+            state = block_state(seq)
+            state.committed += int(committed.numel())
+            state.steps += 1
+
+
+class DelayedCache(TokenEviction):
+    """FOCUS's delayed, neighbour-aware in-block cache without eviction (the paper's "DC+"
+    ablation, arXiv 2601.23278 §4): frozen K/V only, every remaining token runs every layer."""
+    name = "delayed-cache"
+    evict = False
