@@ -69,8 +69,17 @@ def pack_rows(rows: list[tuple[list[int], list[int]]], eos_id: int, rng: random.
     return torch.tensor(ids), torch.tensor(is_resp)
 
 
+MIN_T = 0.1  # floor of the masking rate: bounds the 1/t loss weight at 10
+
+
 def noise(ids: Tensor, is_resp: Tensor, mask_id: int, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
-    t = torch.rand(ids.shape[0], 1, generator=gen).clamp(min=1e-3)
+    """Mask response tokens with probability t per row. t is stratified over the batch and kept
+    >= MIN_T: with t ~ U(0, 1) and 1/t weights, a batch of 32 often holds a row with t < 0.01 whose
+    one or two masked tokens (weight > 100) dominate the step's gradient; large-batch pretraining
+    averages that out, a small batch does not."""
+    b = ids.shape[0]
+    strata = (torch.arange(b) + torch.rand(b, generator=gen)) / b
+    t = (MIN_T + (1 - MIN_T) * strata[torch.randperm(b, generator=gen)])[:, None]
     is_masked = (torch.rand(ids.shape, generator=gen) < t) & is_resp
     return torch.where(is_masked, torch.full_like(ids, mask_id), ids), is_masked, 1.0 / t[:, 0]
 
