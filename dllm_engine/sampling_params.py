@@ -14,7 +14,7 @@ UNMASKING = ("low_confidence_dynamic", "low_confidence_static")
 
 @dataclass
 class SamplingParams:
-    method: str = "reference"  # base decoder, optionally "+strategy" (later issues)
+    method: str | None = None  # base decoder + strategies; None = the family's reference decoder
     max_new_tokens: int | None = None
     block_length: int | None = None
     steps: int | None = None  # denoising steps per block (fixed-step rules); None = block_length
@@ -41,9 +41,9 @@ class SamplingParams:
     max_copies: int = 8
 
     def __post_init__(self) -> None:
-        if not isinstance(self.method, str) or not self.method:
+        if self.method is not None and (not isinstance(self.method, str) or not self.method):
             raise ValueError("method must be a non-empty string such as 'dual-cache'")
-        if self.base_method not in BASE_METHODS:
+        if self.method is not None and self.base_method not in BASE_METHODS:
             raise ValueError(f"unknown method {self.base_method!r}; base decoders: {', '.join(BASE_METHODS)}")
         for name in ("max_new_tokens", "block_length"):
             value = getattr(self, name)
@@ -65,7 +65,7 @@ class SamplingParams:
             raise ValueError(f"unmasking must be one of {', '.join(UNMASKING)}, got {self.unmasking!r}")
         if self.cfg_scale < 0:
             raise ValueError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
-        if self.cfg_scale > 0 and self.base_method != "reference":
+        if self.cfg_scale > 0 and self.base_method not in (None, "reference"):
             raise ValueError("cfg_scale > 0 is supported by the 'reference' decoder only")
         for name in self.strategies:
             if name not in REGISTRY:
@@ -100,12 +100,12 @@ class SamplingParams:
             raise ValueError(f"max_copies must be 1, 2, 4 or 8, got {self.max_copies}")
 
     @property
-    def base_method(self) -> str:
-        return self.method.split("+")[0]
+    def base_method(self) -> str | None:
+        return self.method.split("+")[0] if self.method else None
 
     @property
     def strategies(self) -> list[str]:
-        return self.method.split("+")[1:]
+        return self.method.split("+")[1:] if self.method else []
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
@@ -115,7 +115,10 @@ class SamplingParams:
         """Fill unset fields and check what depends on the model and the prompt."""
         p = self.replace(
             max_new_tokens=self.max_new_tokens or defaults.get("max_new_tokens", 128),
-            block_length=self.block_length or defaults.get("block_length", 32))
+            block_length=self.block_length or defaults.get("block_length", 32),
+            method=self.method or family_methods[0])
+        if p.cfg_scale > 0 and p.base_method != "reference":
+            raise ValueError("cfg_scale > 0 is supported by the 'reference' decoder only")
         if p.base_method not in family_methods:
             raise ValueError(f"method {p.base_method!r} cannot run on this model's attention "
                              f"pattern; use one of {', '.join(family_methods)}")

@@ -49,6 +49,7 @@ class TrainConfig:
     block_size: int = 32  # SDAR: trained block size
     max_new_tokens: int = 128  # written to generation_config.json
     save_every: int = 50
+    init_from: str | None = None  # continue from a saved checkpoint's weights (fresh optimizer)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_SPECIALS:
@@ -71,6 +72,8 @@ class Trainer:
         self.model = DiffusionLM(self.model_config(model_type))
         self.family = get_family(model_type)
         self.init_weights()
+        if cfg.init_from:
+            self.load_weights(cfg.init_from)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=0.01)
         self.step = 0
@@ -95,6 +98,14 @@ class Trainer:
             if p.dim() == 2:
                 std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
                 torch.nn.init.normal_(p, 0.0, std)
+
+    def load_weights(self, path: str) -> None:
+        from ..models import load_model
+        source = load_model(path)
+        if source.config.model_type != self.model.config.model_type:
+            raise ValueError(f"--init-from {path} is a {source.config.model_type} checkpoint, "
+                             f"not {self.model.config.model_type}")
+        self.model.load_state_dict(source.state_dict())
 
     def lr_at(self, step: int) -> float:
         c = self.cfg

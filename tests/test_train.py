@@ -1,0 +1,90 @@
+"""Training: the objectives' batches, a smoke run, exact resume, and a loadable export."""
+import json
+
+import pytest
+import torch
+
+from dllm_engine import LLM
+from dllm_engine.train import TrainConfig, Trainer
+from dllm_engine.train.data import MIN_T, block_diffusion_mask
+
+TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
+            batch_size=4, warmup=2, save_every=2, block_size=8)
+
+
+def trainer(tmp_path, family="llada", steps=6, name="run", **kw):
+    return Trainer(TrainConfig(family=family, out=str(tmp_path / f"{name}-out"),
+                               work=str(tmp_path / name), steps=steps, **{**TINY, **kw}))
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_masking_touches_only_the_response(tmp_path, family):
+    t = trainer(tmp_path, family)
+    b = t.batch(0)
+    length = b.targets.shape[1]
+    noisy = b.input_ids[:, :length]
+    assert torch.equal(noisy[~b.is_masked], b.targets[~b.is_masked])
+    assert (noisy[b.is_masked] == t.encoder.mask_id).all()
+    assert (b.weight <= 1 / MIN_T + 1e-6).all() and (b.weight >= 1).all()
+    prompt_end = (b.targets == t.tokenizer.convert_tokens_to_ids(
+        "<|end_header_id|>" if family == "llada" else "<|im_start|>")).long().cumsum(1)
+    assert not b.is_masked[prompt_end == 0].any()  # the chat prompt's start is never masked
+    if family == "sdar":
+        assert length % 8 == 0 and torch.equal(b.input_ids[:, length:], b.targets)
+
+
+def test_block_diffusion_mask():
+    m = block_diffusion_mask(4, 2)[0, 0]  # [noisy 0..3 ; clean 0..3]
+    noisy_q2 = m[2].tolist()  # noisy token in block 1
+    assert noisy_q2 == [False, False, True, True, True, True, False, False]
+    clean_q1 = m[5].tolist()  # clean token 1 (block 0)
+    assert clean_q1 == [False, False, False, False, True, True, False, False]
+
+
+def test_loss_decreases_on_a_fixed_batch(tmp_path):
+    t = trainer(tmp_path, lr=3e-3)
+    batch = t.batch(0)
+    t.batch = lambda step: batch
+    losses = [t.train_step(s) for s in range(25)]
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+
+
+def test_resume_continues_exactly(tmp_path):
+    whole = trainer(tmp_path, name="whole")
+    whole.train()
+    first = trainer(tmp_path, name="split")
+    real_step = first.train_step
+
+    def killed_at_4(step):
+        if step == 4:
+            raise KeyboardInterrupt  # the process dies after the state saved at step 4
+        return real_step(step)
+    first.train_step = killed_at_4
+    with pytest.raises(KeyboardInterrupt):
+        first.train()
+    resumed = trainer(tmp_path, name="split", steps=6)
+    resumed.train()
+    for (n, a), (_, b) in zip(whole.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.allclose(a, b, atol=1e-6), n
+    steps = [json.loads(l)["step"] for l in (tmp_path / "split" / "loss.jsonl").read_text().splitlines()]
+    assert steps == list(range(6))
+
+
+def test_export_is_a_loadable_checkpoint(tmp_path):
+    t = trainer(tmp_path, family="sdar", steps=2)
+    out = t.train()
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["block_length"] == 8 and 9 in gen["eos_token_id"]  # <|im_end|>
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "sdar" and cfg["block_size"] == 8
+    llm = LLM(out)
+    assert llm.token_ids.mask_id == t.encoder.mask_id
+    res = llm.chat([[{"role": "user", "content": "sort : 3 1 2"}]])
+    assert res.stats.nfe > 0
+    warm = trainer(tmp_path, family="sdar", steps=1, name="warm", init_from=str(out))
+    assert torch.equal(warm.model.lm_head.weight, llm.model.lm_head.weight)
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="family must be one of"):
+        TrainConfig(family="gpt", out="x", work="y")
