@@ -149,6 +149,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-kv-heads", type=int, default=4)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
 
 
 def run_train(args: argparse.Namespace) -> None:
@@ -158,15 +159,79 @@ def run_train(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     cfg = TrainConfig(family=args.family, out=args.out, work=args.work, steps=args.steps,
                       batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                      num_kv_heads=args.num_kv_heads, block_size=args.block_size)
+                      num_kv_heads=args.num_kv_heads, block_size=args.block_size,
+                      init_from=args.init_from)
     print(f"checkpoint written to {Trainer(cfg).train()}")
 
 
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    p.add_argument("model", nargs="?", default=str(DEFAULT_MODEL), help="checkpoint folder (default: tiny-llada)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in the running batch")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting sequences before 429")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may finish after SIGINT/SIGTERM")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    add_sampling_args(p)  # the defaults of requests that leave an option out
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    from . import LLM
+    from .server import run_server
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs)
+    defaults = sampling_params(args, llm)
+    print(f"serving {args.model} at http://{args.host}:{args.port}/v1  default method: {defaults.method}")
+    run_server(llm, args.host, args.port, defaults, args.served_model_name, args.max_queue,
+               args.shutdown_timeout, args.log_level)
+
+
+def add_bench_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench-serve", help="load-test a running `dllm serve` (also: dllm bench serve)")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--concurrency", type=split_ints, default=[1, 8, 32, 64])
+    p.add_argument("--num-requests", type=int, default=64, help="requests per concurrency level")
+    p.add_argument("--tasks", default="all", type=split_tasks)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--method", default=None)
+    p.add_argument("--threshold", type=float, default=None)
+    p.add_argument("--block-length", type=int, default=None)
+    p.add_argument("--options", default=None, help='other request fields as JSON, e.g. \'{"focus_alpha": 2}\'')
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--out", default=None, help="folder for serve_bench.json and serve_bench.png")
+
+
+def run_bench_serve(args: argparse.Namespace) -> None:
+    import json
+    from .bench.serve import HEADER, run_serve_bench
+    extra = {k: v for k, v in (("max_tokens", args.max_tokens), ("method", args.method),
+                               ("threshold", args.threshold), ("block_length", args.block_length))
+             if v is not None}
+    if args.options:
+        try:
+            extra.update(json.loads(args.options))
+        except (json.JSONDecodeError, TypeError, ValueError) as e:
+            raise ValueError(f"--options must be a JSON object: {e}") from None
+    print(f"server: {args.url}  requests per level: {args.num_requests}  options: {extra}")
+    print(HEADER)
+    run_serve_bench(args.url, args.concurrency, args.num_requests, args.out, extra, args.tasks, args.timeout)
+    if args.out:
+        print(f"\nwrote {args.out}/serve_bench.json and {args.out}/serve_bench.png")
+
+
 COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eval),
-            "bench": (add_bench, run_bench), "train": (add_train, run_train)}
+            "bench": (add_bench, run_bench), "train": (add_train, run_train),
+            "serve": (add_serve, run_serve), "bench-serve": (add_bench_serve, run_bench_serve)}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "serve"]:  # the load generator lives beside the offline bench
+        argv = ["bench-serve", *argv[2:]]
     parser = argparse.ArgumentParser(prog="dllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add, _ in COMMANDS.values():

@@ -1,0 +1,220 @@
+"""``dllm bench serve``: a load generator for a running ``dllm serve``.
+
+At each concurrency level, that many clients send streamed chat completions of held-out task
+prompts back to back until ``num_requests`` have been sent. Reported per level: throughput
+(output tokens / s over the level's wall time), requests / s, latency and time-to-first-chunk
+percentiles (p50/p95/p99), failures, accuracy (the task graders) and the server's SPEC §1 stats
+(nfe, redundancy) summed from each response's usage."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from ..tasks import Example, grade, load_split
+
+
+@dataclass
+class RequestRecord:
+    ok: bool
+    latency: float
+    first_chunk: float | None = None  # seconds to the first non-empty text chunk
+    output_tokens: int = 0
+    correct: bool = False
+    usage: dict = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    num_requests: int
+    failures: int
+    wall_seconds: float
+    output_tokens: int
+    throughput: float  # output tokens / s
+    requests_per_s: float
+    latency_p50: float | None
+    latency_p95: float | None
+    latency_p99: float | None
+    first_chunk_p50: float | None
+    first_chunk_p95: float | None
+    first_chunk_p99: float | None
+    accuracy: float
+    nfe: int
+    redundancy: float
+    errors: list[str] = field(default_factory=list)  # the first few failure messages
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), None when there is nothing to rank."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return round(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo), 6)
+
+
+def parse_sse(line: str) -> dict | None:
+    """One ``data:`` line of the stream -> its JSON, None for [DONE] and non-data lines."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return None if data == "[DONE]" else json.loads(data)
+
+
+async def send(client: httpx.AsyncClient, model: str, example: Example, extra: dict) -> RequestRecord:
+    """One streamed chat completion; never raises (a failure is a record)."""
+    body = {"model": model, "messages": [{"role": "user", "content": example.prompt}], "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    start = time.perf_counter()
+    text, first, usage = [], None, {}
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return RequestRecord(False, time.perf_counter() - start, error=f"{r.status_code}: {r.text[:200]}")
+            async for line in r.aiter_lines():
+                chunk = parse_sse(line)
+                if chunk is None:
+                    continue
+                if "error" in chunk:
+                    return RequestRecord(False, time.perf_counter() - start, error=chunk["error"]["message"])
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    if choice["delta"].get("content"):
+                        first = first if first is not None else time.perf_counter() - start
+                        text.append(choice["delta"]["content"])
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        return RequestRecord(False, time.perf_counter() - start, error=f"{type(e).__name__}: {e}")
+    out = "".join(text)
+    return RequestRecord(True, time.perf_counter() - start, first, usage.get("completion_tokens", 0),
+                         grade(example, out), usage)
+
+
+async def run_level(url: str, model: str, examples: list[Example], concurrency: int,
+                    num_requests: int, extra: dict, timeout: float) -> LevelResult:
+    """``concurrency`` clients share ``num_requests`` requests, each sending its next as soon as
+    the previous one finished."""
+    todo = iter(range(num_requests))
+    records: list[RequestRecord] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        for i in todo:
+            records.append(await send(client, model, examples[i % len(examples)], extra))
+
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return summarize(records, concurrency, wall)
+
+
+def summarize(records: list[RequestRecord], concurrency: int, wall: float) -> LevelResult:
+    ok = [r for r in records if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    latency = [r.latency for r in ok]
+    first = [r.first_chunk for r in ok if r.first_chunk is not None]
+    decoded = sum(r.usage.get("decoded_tokens", 0) for r in ok)
+    processed = sum(r.usage.get("processed_tokens", 0.0) for r in ok)
+    return LevelResult(
+        concurrency=concurrency, num_requests=len(records), failures=len(records) - len(ok),
+        wall_seconds=round(wall, 4), output_tokens=tokens, throughput=round(tokens / wall, 3),
+        requests_per_s=round(len(ok) / wall, 3),
+        latency_p50=percentile(latency, 50), latency_p95=percentile(latency, 95),
+        latency_p99=percentile(latency, 99), first_chunk_p50=percentile(first, 50),
+        first_chunk_p95=percentile(first, 95), first_chunk_p99=percentile(first, 99),
+        accuracy=round(sum(r.correct for r in ok) / max(1, len(ok)), 4),
+        nfe=sum(r.usage.get("nfe", 0) for r in ok),
+        redundancy=round(processed / decoded, 4) if decoded else 0.0,
+        errors=[r.error for r in records if not r.ok][:5])
+
+
+def interleave(examples: list[Example]) -> list[Example]:
+    """Round-robin over tasks, so any number of requests mixes every task (and answer length)."""
+    by_task: dict[str, list[Example]] = {}
+    for e in examples:
+        by_task.setdefault(e.task, []).append(e)
+    rounds = itertools.zip_longest(*by_task.values())
+    return [e for row in rounds for e in row if e is not None]
+
+
+def served_model(url: str, timeout: float) -> str:
+    try:
+        models = httpx.get(url.rstrip("/") + "/v1/models", timeout=timeout).json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        raise ValueError(f"no dllm server answering at {url} ({type(e).__name__}: {e}); "
+                         f"start one with `dllm serve`") from None
+    return models[0]["id"]
+
+
+def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: str | Path | None,
+                    extra: dict | None = None, tasks: list[str] | None = None,
+                    timeout: float = 600.0, progress=print) -> list[LevelResult]:
+    """Every concurrency level in turn; writes ``serve_bench.json`` and ``serve_bench.png`` to
+    ``out`` (when given) and returns the per-level results."""
+    if not concurrency or min(concurrency) < 1:
+        raise ValueError(f"concurrency levels must be >= 1, got {concurrency}")
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    model = served_model(url, timeout)
+    examples = interleave(load_split(tasks))
+    results = []
+    for level in concurrency:
+        results.append(asyncio.run(run_level(url, model, examples, level, num_requests, extra or {}, timeout)))
+        progress(format_row(results[-1]))
+    if out is not None:
+        from .offline import prepare_out_dir
+        folder = prepare_out_dir(out)
+        report = {"url": url, "model": model, "options": extra or {},
+                  "levels": [dataclasses.asdict(r) for r in results]}
+        (folder / "serve_bench.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(results, folder / "serve_bench.png", model)
+    return results
+
+
+HEADER = (f"{'conc':>5} {'reqs':>5} {'fail':>5} {'tok/s':>8} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} "
+          f"{'p99 s':>7} {'ttfc50':>7} {'ttfc95':>7} {'acc':>6} {'redund':>7}")
+
+
+def format_row(r: LevelResult) -> str:
+    def s(x: float | None) -> str:
+        return f"{x:>7.3f}" if x is not None else f"{'-':>7}"
+    return (f"{r.concurrency:>5} {r.num_requests:>5} {r.failures:>5} {r.throughput:>8.1f} "
+            f"{r.requests_per_s:>7.2f} {s(r.latency_p50)} {s(r.latency_p95)} {s(r.latency_p99)} "
+            f"{s(r.first_chunk_p50)} {s(r.first_chunk_p95)} {r.accuracy:>6.1%} {r.redundancy:>7.2f}")
+
+
+def plot(results: list[LevelResult], path: Path, title: str) -> None:
+    """Throughput and latency percentiles against concurrency, side by side."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    conc = [r.concurrency for r in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.plot(conc, [r.throughput for r in results], marker="o")
+    left.set_ylabel("throughput (output tokens / s)")
+    for name, style in (("latency_p50", "-o"), ("latency_p95", "--o"), ("latency_p99", ":o"),
+                        ("first_chunk_p50", "-s")):
+        ys = [getattr(r, name) for r in results]
+        if any(y is not None for y in ys):
+            right.plot(conc, [float("nan") if y is None else y for y in ys], style, label=name)
+    right.set_ylabel("seconds")
+    right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"dllm serve: {title}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

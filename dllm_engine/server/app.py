@@ -1,0 +1,236 @@
+"""``dllm serve``: an OpenAI-compatible HTTP server over one engine loop (SPEC §8).
+
+Routes: ``/v1/completions``, ``/v1/chat/completions`` (both with SSE streaming of committed text,
+block by block), ``/v1/models``, ``/health``, ``/metrics`` (Prometheus)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from ..engine.llm import LLM
+from ..sampling_params import SamplingParams
+from .loop import EngineLoop, Event, Job
+from .metrics import Metrics
+from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, chat_body,
+                       chat_chunk, completion_body, completion_chunk, now, usage, validation_error,
+                       value_error)
+
+POLL_S = 0.1  # how often a waiting handler checks that its client is still connected
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class Server:
+    """What the routes share: the LLM, its engine loop, default options and metrics."""
+
+    def __init__(self, llm: LLM, defaults: SamplingParams, model_name: str, max_queue: int,
+                 shutdown_timeout: float) -> None:
+        self.llm, self.defaults, self.model_name = llm, defaults, model_name
+        self.metrics = Metrics()
+        self.loop = EngineLoop(llm, max_queue=max_queue, metrics=self.metrics)
+        self.shutdown_timeout = shutdown_timeout
+        self.created = now()
+
+    # -- requests -> jobs --------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {model!r} is not served here; use {self.model_name!r}",
+                           "model", kind="not_found_error")
+
+    def make_job(self, body, prompts: list[list[int]]) -> Job:
+        try:
+            params = self.defaults.replace(**body.sampling_overrides())
+            seqs = [self.llm.make_sequence(ids, params) for ids in prompts]
+        except ValueError as e:
+            raise value_error(e) from None
+        return Job(seqs, body.stop_strings(), body.stream)
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        try:
+            with self.loop.tokenizer_lock:
+                return self.llm.encode(prompt)
+        except ValueError as e:
+            raise value_error(e) from None
+
+    def chat_prompt(self, body) -> list[int]:
+        try:
+            with self.loop.tokenizer_lock:
+                ids = self.llm.apply_chat_template([m.as_dict() for m in body.messages])
+            return self.llm.check_ids(ids)
+        except ValueError as e:
+            raise value_error(e) from None
+
+    # -- answers -----------------------------------------------------------------------------
+    async def answer(self, request: Request, body, prompts: list[list[int]], chat: bool) -> Response:
+        job = self.make_job(body, prompts)
+        self.loop.submit(job)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self.stream(job, request, rid, chat, include_usage),
+                                     media_type="text/event-stream")
+        try:
+            results = [ev.result async for ev in self.events(job, request) if ev.result]
+        except ClientGone:
+            self.metrics.count_request("cancelled")
+            return Response(status_code=499)
+        results.sort(key=lambda r: r.index)
+        self.finished(job, 200)
+        build = chat_body if chat else completion_body
+        return JSONResponse(build(rid, self.model_name, now(), results))
+
+    async def events(self, job: Job, request: Request) -> AsyncIterator[Event]:
+        """The job's events until every choice has its result; cancels the job if the client
+        goes away (or the handler is cancelled) first."""
+        pending, getter = len(job.seqs), None
+        try:
+            while pending:
+                getter = getter or asyncio.ensure_future(job.events.get())
+                done, _ = await asyncio.wait({getter}, timeout=POLL_S)
+                if not done:
+                    if await request.is_disconnected():
+                        raise ClientGone()
+                    continue
+                event, getter = getter.result(), None
+                if event.error is not None:
+                    raise event.error
+                if event.result is not None:
+                    pending -= 1
+                yield event
+        finally:
+            if getter is not None:
+                getter.cancel()
+            if pending:
+                self.loop.cancel(job)
+
+    async def stream(self, job: Job, request: Request, rid: str, chat: bool,
+                     include_usage: bool) -> AsyncIterator[str]:
+        """SSE: committed text as blocks finish, a final chunk per choice, [DONE]."""
+        created, results, status, first = now(), [], "cancelled", True
+
+        def chunk(index: int, text: str, reason: str | None, role: bool = False) -> str:
+            if not chat:
+                return sse(completion_chunk(rid, self.model_name, created, index, text, reason))
+            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text or role else {})
+            return sse(chat_chunk(rid, self.model_name, created, index, delta, reason))
+
+        try:
+            if chat:
+                for i in range(len(job.seqs)):
+                    yield chunk(i, "", None, role=True)
+            async with aclosing(self.events(job, request)) as events:
+                async for event in events:
+                    if event.text:
+                        if first:
+                            self.metrics.observe_first_chunk(time.perf_counter() - job.start)
+                            first = False
+                        yield chunk(event.index, event.text, None)
+                    if event.result is not None:
+                        results.append(event.result)
+                        yield chunk(event.index, "", event.result.finish_reason)
+            if include_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                           "created": created, "model": self.model_name, "choices": [],
+                           "usage": usage(results)})
+            yield sse("[DONE]")
+            status = 200
+        except ApiError as e:
+            status = e.status
+            yield sse(e.body())
+            yield sse("[DONE]")
+        except ClientGone:
+            pass
+        finally:
+            self.finished(job, status)
+
+    def finished(self, job: Job, status: int | str) -> None:
+        self.metrics.count_request(status)
+        self.metrics.observe_latency(time.perf_counter() - job.start)
+
+    def models(self) -> dict:
+        cfg = self.llm.model.config
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "dllm-engine",
+            "root": str(self.llm.path), "model_type": cfg.model_type,
+            "max_model_len": cfg.max_position_embeddings,
+            "methods": list(self.llm.model.family.methods), "default_method": self.defaults.method}]}
+
+
+def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str | None = None,
+               max_queue: int = 256, shutdown_timeout: float = 30.0) -> FastAPI:
+    """The FastAPI app serving ``llm``. The engine loop starts and stops with the app's lifespan
+    (``shutdown_timeout``: how long in-flight requests may finish before they are cancelled)."""
+    server = Server(llm, defaults or SamplingParams(method=default_method(llm), threshold=0.9),
+                    model_name or llm.path.name, max_queue, shutdown_timeout)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start()
+        yield
+        await asyncio.to_thread(server.loop.shutdown, server.shutdown_timeout)
+
+    app = FastAPI(title="dllm-engine", lifespan=lifespan)
+    app.state.server = server
+    add_error_handlers(app, server.metrics)
+    add_routes(app, server)
+    return app
+
+
+def default_method(llm: LLM) -> str:
+    return "block" if "block" in llm.model.family.methods else "dual-cache"
+
+
+def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    def reply(err: ApiError) -> JSONResponse:
+        metrics.count_request(err.status)
+        headers = {"Retry-After": "1"} if err.status == 429 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError) -> JSONResponse:
+        return reply(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        return reply(validation_error(list(err.errors())))
+
+
+def add_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        prompts = [server.encode(p) for p in body.prompts()]
+        return await server.answer(request, body, prompts, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        return await server.answer(request, body, [server.chat_prompt(body)], chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return server.models()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = server.loop.thread.is_alive() and server.loop.accepting
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        text = server.metrics.render(server.loop.queue_depth(), server.loop.num_running())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")

@@ -1,0 +1,512 @@
+"""``dllm serve``: a live OpenAI-compatible server on 127.0.0.1, driven by the official client.
+
+Every text the server returns is checked against offline ``LLM.generate`` on a second LLM loaded
+from the same checkpoint (the engine is batch-invariant, so continuous batching must not change a
+request's tokens)."""
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from dllm_engine import LLM, SamplingParams
+from dllm_engine.bench.serve import percentile
+from dllm_engine.cli import main
+from dllm_engine.server import EngineLoop, create_app
+from dllm_engine.server.loop import Job, held_back
+from dllm_engine.server.protocol import ApiError
+from dllm_engine.tasks import load_split
+from fixtures import write_checkpoint
+
+NAME = "tiny"
+DEFAULTS = SamplingParams(method="dual-cache", threshold=0.9, max_new_tokens=16, block_length=8)
+PROMPTS = [e.prompt for e in load_split(limit=6)][:32]  # held-out task prompts, varied lengths
+# ~2000 fixed steps over a 2000-token canvas: runs far longer than any test waits, so it is
+# always still running when the test cancels it
+LONG = {"model": NAME, "prompt": "sort : c b a", "max_tokens": 2048, "block_length": 2048,
+        "method": "reference", "threshold": None}
+SHORT = {"model": NAME, "prompt": "sort : c b a", "max_tokens": 8}
+
+
+@contextmanager
+def serving(llm, **kwargs):
+    """uvicorn in a background thread on a free port; yields the base URL and the app."""
+    app = create_app(llm, model_name=NAME, **kwargs)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("llada"), "llada")
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    return LLM(ckpt)
+
+
+@pytest.fixture(scope="module")
+def live(ckpt):
+    with serving(LLM(ckpt, max_num_seqs=64), defaults=DEFAULTS) as (url, app):
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def small(ckpt):
+    """One running slot and one waiting slot: for queue overflow and cancellation."""
+    with serving(LLM(ckpt, max_num_seqs=1), defaults=DEFAULTS, max_queue=1) as (url, app):
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live[0] + "/v1", api_key="test", max_retries=0, timeout=60)
+
+
+def expected(offline, prompt, **overrides):
+    return offline.generate([prompt], DEFAULTS.replace(**overrides))[0]
+
+
+def expected_chat(offline, content, **overrides):
+    return offline.chat([[{"role": "user", "content": content}]], DEFAULTS.replace(**overrides))[0]
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(url + "/metrics").text
+    found = re.search(rf"^dllm_{name}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def wait_for_metric(client: httpx.AsyncClient, name: str, value: float, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        text = (await client.get("/metrics")).text
+        found = re.search(rf"^dllm_{name} (\S+)$", text, re.M)
+        if found and float(found.group(1)) == value:
+            return
+        assert time.monotonic() < deadline, f"dllm_{name} never reached {value}:\n{text}"
+        await asyncio.sleep(0.02)
+
+
+# -- answers equal offline generation ------------------------------------------------------------
+def test_completion_text_and_usage_match_offline(client, offline):
+    want = expected(offline, PROMPTS[0])
+    got = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=16)
+    assert got.object == "text_completion" and got.model == NAME
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+    u, s = got.usage, want.stats
+    assert u.prompt_tokens == len(want.prompt_token_ids)
+    assert u.completion_tokens == len(want.token_ids)
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    extra = u.model_extra
+    assert (extra["nfe"], extra["decoded_tokens"], extra["prefill_tokens"]) == \
+        (s.nfe, s.decoded_tokens, s.prefill_tokens)
+    assert extra["processed_tokens"] == pytest.approx(s.processed_tokens)
+    assert extra["redundancy"] == pytest.approx(s.redundancy, abs=1e-4)
+
+
+def test_chat_uses_the_chat_template_and_matches_offline(client, offline):
+    want = expected_chat(offline, PROMPTS[1], max_new_tokens=24)
+    got = client.chat.completions.create(model=NAME, max_tokens=24,
+                                         messages=[{"role": "user", "content": PROMPTS[1]}])
+    assert got.object == "chat.completion"
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_token_id_prompt_and_several_prompts_give_one_choice_each(client, offline):
+    ids = offline.encode(PROMPTS[2])
+    got = client.completions.create(model=NAME, prompt=[PROMPTS[3], PROMPTS[4], PROMPTS[2]], max_tokens=16)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [expected(offline, p).text for p in PROMPTS[3:5] + PROMPTS[2:3]]
+    by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=16)
+    assert by_ids.choices[0].text == got.choices[2].text
+
+
+def long_output_prompt(offline) -> str:
+    """A prompt whose 32-token answer spans several 8-token blocks (so streaming has >1 chunk)."""
+    for p in PROMPTS:
+        if len(expected(offline, p, max_new_tokens=32).token_ids) > 16:
+            return p
+    raise AssertionError("no prompt gives a long answer on the fixture model")
+
+
+def test_streaming_sends_blocks_that_concatenate_to_the_full_text(client, offline):
+    prompt = long_output_prompt(offline)
+    want = expected(offline, prompt, max_new_tokens=32)
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=32, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert len(texts) >= 2  # block by block, not one piece at the end
+    assert "".join(texts) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+    want = expected_chat(offline, prompt, max_new_tokens=32)
+    chunks = list(client.chat.completions.create(model=NAME, max_tokens=32, stream=True,
+                                                 messages=[{"role": "user", "content": prompt}]))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert len(texts) >= 2 and "".join(texts) == want.text
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(client, offline):
+    prompt = long_output_prompt(offline)
+    full = expected(offline, prompt, max_new_tokens=32).text
+    words = full.split(" ")
+    stop = " " + words[len(words) // 2]
+    cut = full[: full.find(stop)]
+    got = client.completions.create(model=NAME, prompt=prompt, max_tokens=32, stop=[stop, "never here"])
+    assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
+    assert 0 < got.usage.completion_tokens <= len(expected(offline, prompt, max_new_tokens=32).token_ids)
+    chunks = client.completions.create(model=NAME, prompt=prompt, max_tokens=32, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == cut
+
+
+def test_held_back_keeps_a_possible_stop_prefix():
+    assert held_back("a b st", ["stop"]) == "a b "
+    assert held_back("a b c", ["stop"]) == "a b c"
+    assert held_back("x \ufffd", []) == "x "
+
+
+def test_32_concurrent_requests_with_mixed_options_match_offline(live, offline):
+    """Different prompts, lengths, methods and sampling, all in one continuous batch."""
+    cases = []
+    for i, prompt in enumerate(PROMPTS):
+        opts = {"max_new_tokens": 8 * (1 + i % 4)}
+        if i % 3 == 0:
+            opts.update(method="reference", threshold=None)
+        if i % 5 == 0:
+            opts.update(temperature=1.0, seed=i)
+        cases.append((prompt, opts))
+
+    async def one(c, prompt, opts):
+        body = {k: v for k, v in opts.items() if k != "max_new_tokens"}
+        return await c.completions.create(model=NAME, prompt=prompt, max_tokens=opts["max_new_tokens"],
+                                          temperature=opts.get("temperature", 0.0),
+                                          extra_body={k: v for k, v in body.items() if k != "temperature"})
+
+    async def run_all():
+        c = openai.AsyncOpenAI(base_url=live[0] + "/v1", api_key="test", max_retries=0, timeout=60)
+        return await asyncio.gather(*(one(c, p, o) for p, o in cases))
+
+    results = asyncio.run(run_all())
+    assert len(results) == 32
+    for (prompt, opts), got in zip(cases, results):
+        assert got.choices[0].text == expected(offline, prompt, **opts).text, (prompt, opts)
+
+
+def test_strategies_are_chosen_per_request_and_match_offline(live, offline):
+    """Every acceleration, composed with its base decoders, side by side in one batch."""
+    methods = ["dual-cache+early-skip", "dual-cache+focus", "prefix-cache+jump-share",
+               "dual-cache+adaptive-length", "reference+adaptive-length"]
+    cases = [(m, p) for m in methods for p in PROMPTS[6:8]]
+
+    async def run_all():
+        c = openai.AsyncOpenAI(base_url=live[0] + "/v1", api_key="test", max_retries=0, timeout=60)
+        return await asyncio.gather(*(c.completions.create(model=NAME, prompt=p, max_tokens=16,
+                                                           extra_body={"method": m}) for m, p in cases))
+
+    for (method, prompt), got in zip(cases, asyncio.run(run_all())):
+        assert got.choices[0].text == expected(offline, prompt, method=method).text, method
+
+
+# -- discovery and monitoring ------------------------------------------------------------------
+def test_models_and_health(client, live):
+    models = client.models.list().data
+    assert [m.id for m in models] == [NAME]
+    assert models[0].model_extra["default_method"] == "dual-cache"
+    r = httpx.get(live[0] + "/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_metrics_count_requests_tokens_and_latency(client, live):
+    url = live[0]
+    before = {n: metric(url, n) for n in ("output_tokens_total", "nfe_total", "request_latency_seconds_count")}
+    ok = metric(url, "requests_total", '{status="200"}')
+    bad = metric(url, "requests_total", '{status="400"}')
+    got = client.completions.create(model=NAME, prompt=PROMPTS[5], max_tokens=16)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=NAME, prompt=PROMPTS[5], max_tokens=16, extra_body={"threshold": 5})
+    assert metric(url, "requests_total", '{status="200"}') == ok + 1
+    assert metric(url, "requests_total", '{status="400"}') == bad + 1
+    assert metric(url, "output_tokens_total") == before["output_tokens_total"] + got.usage.completion_tokens
+    assert metric(url, "nfe_total") == before["nfe_total"] + got.usage.model_extra["nfe"]
+    assert metric(url, "request_latency_seconds_count") == before["request_latency_seconds_count"] + 1
+    text = httpx.get(url + "/metrics").text
+    for name in ("queue_depth", "running_sequences", "redundancy"):
+        assert f"# TYPE dllm_{name} gauge" in text
+    assert '# TYPE dllm_time_to_first_chunk_seconds histogram' in text
+    assert re.search(r'^dllm_request_latency_seconds_bucket\{le="\+Inf"\} \d+$', text, re.M)
+    for line in text.splitlines():  # every sample line is `name{labels} number`
+        assert line.startswith("# ") or re.fullmatch(r'dllm_\w+(\{[^}]*\})? [-+.\deE]+|.*Inf"\} \d+', line)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+BAD_COMPLETIONS = [
+    ({"bogus": 1}, "bogus", "unknown field 'bogus'"),
+    ({"threshold": 2}, "threshold", r"threshold must be in \(0, 1\]"),
+    ({"threshold": "high"}, "threshold", "valid number"),
+    ({"temperature": -1}, "temperature", "greater than or equal to 0"),
+    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"max_tokens": 12}, "block_length", "block_length 8 must divide max_tokens 12"),
+    ({"method": "block"}, "method", "'block' cannot run on this model"),
+    ({"method": "turbo"}, "method", "unknown method 'turbo'"),
+    ({"method": "dual-cache+warp"}, "method", "unknown strategy 'warp'"),
+    ({"steps": 9}, "steps", "steps 9 must be <= block_length 8"),
+    ({"remasking": "psychic"}, "remasking", "remasking must be one of"),
+    ({"focus_alpha": None}, "focus_alpha", "valid number"),
+    ({"factor": 1.0, "threshold": 0.5}, "threshold", "either threshold or factor"),
+    ({"prompt": ""}, "prompt", "prompt is empty"),
+    ({"prompt": []}, "prompt", "prompt list is empty"),
+    ({"prompt": [999]}, "prompt", r"outside \[0, 96\)"),
+    ({"max_tokens": 4096}, "prompt", "exceeds the model's context of 4096 tokens"),
+    ({"n": 2}, "n", "less than or equal to 1"),
+    ({"stop": ["", "x"]}, "stop", "non-empty"),
+    ({"stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra", "unknown field"),
+    ({"prompt": 5}, "prompt", "valid string"),
+]
+
+
+@pytest.mark.parametrize("patch,param,message", BAD_COMPLETIONS)
+def test_bad_completion_requests_answer_400_naming_the_field(live, patch, param, message):
+    r = httpx.post(live[0] + "/v1/completions", json={**SHORT, **patch})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and re.search(message, err["message"]), err
+
+
+@pytest.mark.parametrize("patch,param,message", [
+    ({"messages": []}, "messages", "at least 1 item"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "'system', 'user' or 'assistant'"),
+    ({"max_tokens": 8, "max_completion_tokens": 8}, "max_tokens", "not both"),
+    ({"top_p": 0.5}, "top_p", "unknown field 'top_p'"),
+])
+def test_bad_chat_requests_answer_400_naming_the_field(live, patch, param, message):
+    body = {"model": NAME, "messages": [{"role": "user", "content": "sort : b a"}], **patch}
+    r = httpx.post(live[0] + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and re.search(message, err["message"]), err
+
+
+def test_unknown_model_missing_field_and_broken_json(live, client):
+    with pytest.raises(openai.NotFoundError, match="'gpt-4' is not served here"):
+        client.completions.create(model="gpt-4", prompt="sort : b a", max_tokens=8)
+    r = httpx.post(live[0] + "/v1/completions", json={"model": NAME})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(live[0] + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+# -- limits and faults ----------------------------------------------------------------------------
+def test_full_queue_answers_429_and_cancelled_requests_free_their_slot(small):
+    url, _ = small
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            running = asyncio.create_task(c.post("/v1/completions", json=LONG))
+            await wait_for_metric(c, "running_sequences", 1)
+            waiting = asyncio.create_task(c.post("/v1/completions", json=LONG))
+            await wait_for_metric(c, "queue_depth", 1)
+            r = await c.post("/v1/completions", json=SHORT)
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            r = await c.post("/v1/completions", json={**SHORT, "prompt": ["sort : b a"] * 3})
+            assert r.status_code == 400 and "at most 2 sequences" in r.json()["error"]["message"]
+            running.cancel()  # the client goes away: its connection closes
+            waiting.cancel()
+            await wait_for_metric(c, "running_sequences", 0)
+            await wait_for_metric(c, "queue_depth", 0)
+            r = await c.post("/v1/completions", json=SHORT)  # the freed slot serves the next one
+            assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+    cancelled = metric(url, "requests_total", '{status="cancelled"}')
+    asyncio.run(scenario())
+    assert metric(url, "requests_total", '{status="cancelled"}') == cancelled + 2
+    assert metric(url, "requests_total", '{status="429"}') >= 1
+
+
+def test_a_streaming_client_that_disconnects_is_cancelled(small, offline):
+    url, _ = small
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+                assert r.status_code == 200
+                await wait_for_metric(c, "running_sequences", 1)
+            await wait_for_metric(c, "running_sequences", 0)
+            r = await c.post("/v1/completions", json=SHORT)
+            return r.json()["choices"][0]["text"]
+
+    assert asyncio.run(scenario()) == expected(offline, SHORT["prompt"], max_new_tokens=8).text
+
+
+def test_an_exception_in_one_request_fails_only_that_request(live, offline, monkeypatch):
+    engine = live[1].state.server.llm.engine
+    commit = engine.commit
+
+    def faulty(seq, *args):
+        if seq.params.seed == 666:
+            raise RuntimeError("boom")
+        return commit(seq, *args)
+
+    monkeypatch.setattr(engine, "commit", faulty)
+
+    async def scenario():
+        c = openai.AsyncOpenAI(base_url=live[0] + "/v1", api_key="test", max_retries=0, timeout=60)
+        async def streamed():  # the error arrives inside the stream, after the 200 headers
+            stream = await c.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=16, seed=666,
+                                                stream=True)
+            return [chunk async for chunk in stream]
+
+        calls = [c.completions.create(model=NAME, prompt=p, max_tokens=16, seed=666 if i == 1 else 0)
+                 for i, p in enumerate(PROMPTS[:4])]
+        return await asyncio.gather(*calls, streamed(), return_exceptions=True)
+
+    results = asyncio.run(scenario())
+    assert isinstance(results[1], openai.InternalServerError) and "boom" in str(results[1])
+    assert isinstance(results[4], openai.APIError) and "boom" in str(results[4])
+    for i in (0, 2, 3):
+        assert results[i].choices[0].text == expected(offline, PROMPTS[i]).text
+    assert httpx.get(live[0] + "/health").status_code == 200  # the loop survived
+    assert engine.running == [] and not engine.waiting
+
+
+def test_an_engine_error_outside_any_request_fails_in_flight_requests_not_the_loop(live, offline,
+                                                                                   client, monkeypatch):
+    engine = live[1].state.server.llm.engine
+    release_finished, calls = engine.release_finished, []
+
+    def broken():
+        calls.append(1)
+        if len(calls) <= 2:  # the step and its recovery both fail
+            raise RuntimeError("cache corrupted")
+        return release_finished()
+
+    monkeypatch.setattr(engine, "release_finished", broken)
+    with pytest.raises(openai.InternalServerError, match="cache corrupted"):
+        client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=16)
+    assert engine.running == [] and not engine.waiting
+    got = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=16)
+    assert got.choices[0].text == expected(offline, PROMPTS[0]).text
+
+
+def run_job(llm, loop, prompt_ids, params, shutdown_timeout):
+    """Submit one job to a started EngineLoop, shut the loop down, return the job's first event."""
+    async def scenario():
+        job = Job([llm.make_sequence(prompt_ids, params)], [], stream=False)
+        loop.submit(job)
+        await asyncio.to_thread(loop.shutdown, shutdown_timeout)
+        return await asyncio.wait_for(job.events.get(), 10)
+    return asyncio.run(scenario())
+
+
+def test_graceful_shutdown_finishes_in_flight_requests(ckpt, offline):
+    llm = LLM(ckpt)
+    loop = EngineLoop(llm)
+    loop.start()
+    params = DEFAULTS.replace(max_new_tokens=16)
+    event = run_job(llm, loop, offline.encode(PROMPTS[0]), params, shutdown_timeout=60)
+    assert event.result is not None and event.result.text == expected(offline, PROMPTS[0]).text
+    assert not loop.thread.is_alive()
+
+
+def test_shutdown_timeout_cancels_what_is_left_and_refuses_new_requests(ckpt):
+    llm = LLM(ckpt)
+    loop = EngineLoop(llm)
+    loop.start()
+    params = SamplingParams(method="reference", max_new_tokens=2048, block_length=2048)
+    event = run_job(llm, loop, [42, 13, 14], params, shutdown_timeout=0.2)
+    assert event.error is not None and event.error.status == 503
+    assert not loop.thread.is_alive() and not llm.engine.has_work()
+
+    async def late():
+        loop.submit(Job([llm.make_sequence([42], DEFAULTS)], [], stream=False))
+    with pytest.raises(ApiError, match="shutting down"):
+        asyncio.run(late())
+
+
+# -- block diffusion --------------------------------------------------------------------------
+def test_block_diffusion_server_streams_and_matches_offline(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "sdar", "sdar")
+    sdar = LLM(ckpt)
+    params = SamplingParams(method="block", max_new_tokens=16, block_length=4)
+    with serving(LLM(ckpt), defaults=params) as (url, _):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="test", max_retries=0, timeout=60)
+        assert c.models.list().data[0].model_extra["methods"] == ["block"]
+        for prompt in PROMPTS[:3]:
+            want = sdar.generate([prompt], params)[0].text
+            assert c.completions.create(model=NAME, prompt=prompt).choices[0].text == want
+            chunks = c.completions.create(model=NAME, prompt=prompt, stream=True)
+            assert "".join(ch.choices[0].text for ch in chunks) == want
+        with pytest.raises(openai.BadRequestError, match="cannot run on this model"):
+            c.completions.create(model=NAME, prompt="sort : b a", extra_body={"method": "dual-cache"})
+
+
+# -- the command line ------------------------------------------------------------------------------
+def test_percentile_matches_numpy():
+    import numpy as np
+    xs = [0.3, 0.1, 0.7, 0.2, 0.9, 0.4]
+    for q in (50, 95, 99):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert percentile([], 50) is None
+
+
+def test_dllm_serve_and_dllm_bench_serve(ckpt, tmp_path):
+    """`dllm serve` in a subprocess, `dllm bench serve` against it, then SIGINT: clean exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "dllm_engine.cli", "serve", str(ckpt), "--port", str(port),
+                             "--max-new-tokens", "8", "--block-length", "8", "--log-level", "warning"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "dllm serve did not start"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        out = tmp_path / "bench"
+        assert main(["bench", "serve", "--url", url, "--concurrency", "1,4", "--num-requests", "4",
+                     "--tasks", "sort,count", "--out", str(out)]) == 0
+        report = json.loads((out / "serve_bench.json").read_text())
+        assert report["model"] == ckpt.name
+        assert [level["concurrency"] for level in report["levels"]] == [1, 4]
+        for level in report["levels"]:
+            assert level["num_requests"] == 4 and level["failures"] == 0, level
+            assert level["latency_p50"] > 0 and level["nfe"] > 0
+        assert (out / "serve_bench.png").read_bytes()[:4] == b"\x89PNG"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
