@@ -84,3 +84,15 @@ def write_llada2_checkpoint(folder: Path, seed: int = 0, shard_bytes: int | None
         from dllm_engine.tokenizer import save_tokenizer
         save_tokenizer(folder, "sdar")
     return folder
+
+
+def write_llada2_bench_checkpoint(folder: str | Path) -> Path:
+    """A random LLaDA2-shaped MoE of the embedded checkpoints' size (12 layers, d 128, 16 experts,
+    top-4 of 2 of 4 groups, block 32): what the README's LLaDA2 speed table was measured on."""
+    from dllm_engine.config import MoEConfig
+    moe = MoEConfig(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+                    num_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                    first_k_dense_replace=1)
+    return write_llada2_checkpoint(Path(folder), hidden_size=128, num_layers=12, num_heads=4,
+                                   num_kv_heads=2, intermediate_size=384, rotary_dim=16,
+                                   block_size=32, moe=moe)
