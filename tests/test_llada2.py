@@ -12,7 +12,7 @@ from dllm_engine.config import MoEConfig
 from dllm_engine.models import load_model, read_config
 from dllm_engine.models.layers import MoE, Router, apply_rope, rope_cos_sin
 from fixtures import random_llada2_model, tiny_llada2_config, write_llada2_checkpoint
-from test_decoders import PROMPTS, sdar_reference
+from test_decoders import PROMPTS, check_block_cache_is_exact
 
 
 # -- parity with transformers -----------------------------------------------------------------
@@ -227,15 +227,7 @@ def llm(tmp_path_factory):
 
 
 def test_block_decoder_with_cache_equals_recomputing_the_prefix(llm):
-    stop = sorted(llm.token_ids.stop_ids)
-    for prompt in PROMPTS:
-        for threshold in (0.3, 0.9):
-            params = SamplingParams(method="block", max_new_tokens=12, block_length=4, threshold=threshold)
-            want = sdar_reference(llm.model, prompt, 12, 4, threshold, llm.token_ids.mask_id,
-                                  [llm.token_ids.eos_id] + stop)
-            got = llm.generate([prompt], params)[0].token_ids
-            cut = next((i for i, t in enumerate(want) if t in llm.token_ids.stop_ids), len(want))
-            assert got == want[:cut]
+    check_block_cache_is_exact(llm)
 
 
 @pytest.mark.parametrize("method", ["block", "block+focus"])
