@@ -9,6 +9,14 @@ CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 DEFAULT_MODEL = CHECKPOINTS / "tiny-llada"
 
 
+def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
+    """--model (default: the embedded tiny-llada), --dtype, --device: shared by every command."""
+    if model:
+        p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: tiny-llada)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default=None, help="reference | prefix-cache | dual-cache | block "
                    "(default: dual-cache for full attention, block for block diffusion)")
@@ -37,11 +45,9 @@ def sampling_params(args: argparse.Namespace, llm) -> "SamplingParams":
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate from one prompt and print the text and stats")
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: tiny-llada)")
     p.add_argument("--prompt", default=None, help="default: a held-out prompt of the task suite")
     p.add_argument("--chat", action="store_true", help="apply the chat template (default prompt: on)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    add_model_args(p)
     add_sampling_args(p)
 
 
@@ -83,13 +89,11 @@ def split_tasks(text: str) -> list[str] | None:
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="accuracy and speed of one method on the held-out task split")
-    p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--tasks", default="all", type=split_tasks, help="comma-separated task names or 'all'")
     p.add_argument("--limit", type=int, default=None, help="prompts per task")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--json", default=None, help="write the report as JSON here")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    add_model_args(p)
     add_sampling_args(p)
 
 
@@ -108,7 +112,6 @@ def run_eval(args: argparse.Namespace) -> None:
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="compare method specs on the same prompts; JSON + plot")
-    p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--methods", nargs="+", required=True,
                    help="specs method[:field=value,...], e.g. dual-cache:threshold=0.9")
     p.add_argument("--batch-sizes", type=split_ints, default=[1, 8, 32])
@@ -117,8 +120,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--block-length", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--out", required=True, help="folder for results.json and throughput.png")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    add_model_args(p)
 
 
 def run_bench(args: argparse.Namespace) -> None:
@@ -175,8 +177,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM")
     p.add_argument("--log-level", default="info")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    add_model_args(p, model=False)
     add_sampling_args(p)  # the defaults of requests that leave an option out
 
 
