@@ -72,7 +72,7 @@ def run_generate(args: argparse.Namespace) -> None:
     s = out.stats
     print(f"stats: nfe={s.nfe} decoded_tokens={s.decoded_tokens} output_tokens={s.output_tokens} "
           f"processed_tokens={s.processed_tokens:.1f} prefill_tokens={s.prefill_tokens} "
-          f"redundancy={s.redundancy:.2f} tokens_per_step={s.decoded_tokens / max(1, s.nfe):.2f} "
+          f"redundancy={s.redundancy:.2f} tokens_per_step={s.tokens_per_step:.2f} "
           f"seconds={s.seconds:.3f} throughput={s.output_tokens / max(s.seconds, 1e-9):.1f} tok/s")
 
 

@@ -24,6 +24,18 @@ class SequenceStats:
     def redundancy(self) -> float:
         return self.processed_tokens / self.decoded_tokens if self.decoded_tokens else 0.0
 
+    @property
+    def tokens_per_step(self) -> float:
+        return self.decoded_tokens / self.nfe if self.nfe else 0.0
+
+    def add(self, other: "SequenceStats") -> None:
+        """Sum another sequence's counts into this one (seconds are not additive: left alone)."""
+        self.nfe += other.nfe
+        self.decoded_tokens += other.decoded_tokens
+        self.output_tokens += other.output_tokens
+        self.processed_tokens += other.processed_tokens
+        self.prefill_tokens += other.prefill_tokens
+
     def as_dict(self) -> dict:
         return {"nfe": self.nfe, "decoded_tokens": self.decoded_tokens,
                 "output_tokens": self.output_tokens,
@@ -35,11 +47,7 @@ class SequenceStats:
     def total(stats: list["SequenceStats"], seconds: float) -> "SequenceStats":
         out = SequenceStats(seconds=seconds)
         for s in stats:
-            out.nfe += s.nfe
-            out.decoded_tokens += s.decoded_tokens
-            out.output_tokens += s.output_tokens
-            out.processed_tokens += s.processed_tokens
-            out.prefill_tokens += s.prefill_tokens
+            out.add(s)
         return out
 
 

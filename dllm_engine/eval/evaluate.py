@@ -17,10 +17,7 @@ class TaskResult:
     task: str
     num_prompts: int = 0
     correct: int = 0
-    output_tokens: int = 0
-    nfe: int = 0
-    decoded_tokens: int = 0
-    processed_tokens: float = 0.0
+    stats: SequenceStats = field(default_factory=SequenceStats)  # summed over the task's prompts
 
     @property
     def accuracy(self) -> float:
@@ -29,16 +26,13 @@ class TaskResult:
     def add(self, ok: bool, stats: SequenceStats) -> None:
         self.num_prompts += 1
         self.correct += int(ok)
-        self.output_tokens += stats.output_tokens
-        self.nfe += stats.nfe
-        self.decoded_tokens += stats.decoded_tokens
-        self.processed_tokens += stats.processed_tokens
+        self.stats.add(stats)
 
     def row(self) -> dict:
         return {"task": self.task, "num_prompts": self.num_prompts, "accuracy": round(self.accuracy, 4),
-                "mean_output_tokens": round(self.output_tokens / max(1, self.num_prompts), 2),
-                "nfe": self.nfe, "tokens_per_step": round(self.decoded_tokens / max(1, self.nfe), 3),
-                "redundancy": round(self.processed_tokens / max(1, self.decoded_tokens), 3)}
+                "mean_output_tokens": round(self.stats.output_tokens / max(1, self.num_prompts), 2),
+                "nfe": self.stats.nfe, "tokens_per_step": round(self.stats.tokens_per_step, 3),
+                "redundancy": round(self.stats.redundancy, 3)}
 
 
 @dataclass
@@ -66,11 +60,11 @@ class EvalReport:
         for t in self.tasks.values():
             r = t.row()
             lines.append(f"{t.task:<10} {t.num_prompts:>4} {t.accuracy:>7.1%} {r['mean_output_tokens']:>8} "
-                         f"{t.nfe:>6} {r['tokens_per_step']:>9} {r['redundancy']:>7}")
+                         f"{r['nfe']:>6} {r['tokens_per_step']:>9} {r['redundancy']:>7}")
         s = self.stats
         lines.append(f"{'mean':<10} {sum(t.num_prompts for t in self.tasks.values()):>4} {self.accuracy:>7.1%}"
                      f"   throughput {self.throughput:.1f} tok/s, redundancy {s.redundancy:.2f}, "
-                     f"tokens/step {s.decoded_tokens / max(1, s.nfe):.2f}, {s.seconds:.1f} s")
+                     f"tokens/step {s.tokens_per_step:.2f}, {s.seconds:.1f} s")
         return "\n".join(lines)
 
 
