@@ -152,6 +152,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
+    p.add_argument("--ar-weight", type=float, default=1.0,
+                   help="weight of the auxiliary causal next-token loss (0 = diffusion loss only)")
 
 
 def run_train(args: argparse.Namespace) -> None:
@@ -162,7 +164,7 @@ def run_train(args: argparse.Namespace) -> None:
     cfg = TrainConfig(family=args.family, out=args.out, work=args.work, steps=args.steps,
                       batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       num_kv_heads=args.num_kv_heads, block_size=args.block_size,
-                      init_from=args.init_from)
+                      init_from=args.init_from, ar_weight=args.ar_weight)
     print(f"checkpoint written to {Trainer(cfg).train()}")
 
 

@@ -45,7 +45,7 @@ def test_loss_decreases_on_a_fixed_batch(tmp_path):
     t = trainer(tmp_path, lr=3e-3)
     batch = t.batch(0)
     t.batch = lambda step: batch
-    losses = [t.train_step(s) for s in range(25)]
+    losses = [sum(t.train_step(s)) for s in range(25)]
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
 
 
@@ -88,3 +88,35 @@ def test_export_is_a_loadable_checkpoint(tmp_path):
 def test_bad_config():
     with pytest.raises(ValueError, match="family must be one of"):
         TrainConfig(family="gpt", out="x", work="y")
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_causal_span_ends_at_the_last_rows_first_eos(tmp_path, family):
+    t = trainer(tmp_path, family)
+    b = t.batch(0)
+    eos, eot = t.encoder.eos_id, t.encoder.end_of_turn_id
+    assert (b.targets[:, b.content_length - 1] == eos).any()  # the longest row's first EOS is last
+    for row in b.targets:
+        end = (row == eot).nonzero()[-1].item()  # the answer's end of turn, then EOS padding
+        assert row[end + 1] == eos and end + 1 < b.content_length  # every answer lies inside
+
+def test_causal_loss_sees_no_future_token(tmp_path):
+    t = trainer(tmp_path)
+    ids = t.batch(0).targets[:1, :12]
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % 20
+    # the last token is only ever a target, never an input: the loss changes, the logits before it do not
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        a = t.model.forward_context(ids, t.model.plain_context(ids, causal))[:, :-1]
+        b = t.model.forward_context(changed, t.model.plain_context(changed, causal))[:, :-1]
+    assert torch.allclose(a, b)
+    assert t.causal_loss(ids).item() != t.causal_loss(changed).item()
+
+
+def test_ar_weight_zero_is_the_pure_diffusion_objective(tmp_path):
+    t = trainer(tmp_path, ar_weight=0.0)
+    diffusion, causal = t.loss(t.batch(0))
+    assert causal.item() == 0 and diffusion.item() > 0
+    with pytest.raises(ValueError, match="ar_weight"):
+        trainer(tmp_path, ar_weight=-1.0)

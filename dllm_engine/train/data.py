@@ -27,6 +27,7 @@ class Batch:
     weight: Tensor  # [B] 1/t
     attention_mask: Tensor | None  # [1, 1, L', L'] bool for block diffusion, None = full
     position_ids: Tensor | None  # [1, L'] for block diffusion
+    content_length: int  # prompt + response + one EOS of the longest row: the causal loss's span
 
 
 @dataclass
@@ -49,7 +50,7 @@ def response_length(rng: random.Random, longest: int, long_tails: bool) -> int:
     """Canvas length for responses: mostly a short EOS tail, sometimes up to MAX_CANVAS, so the
     model learns that the answer's end is not tied to the canvas end. Block diffusion stops after
     the block holding EOS, so it never needs long tails."""
-    if long_tails and rng.random() < 0.15:
+    if long_tails and rng.random() < 0.05:
         return rng.randint(longest, MAX_CANVAS)
     return min(MAX_CANVAS, longest + rng.randint(0, 32))
 
@@ -88,7 +89,7 @@ def masked_diffusion_batch(enc: Encoder, examples: list[Example], seed: int) -> 
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     ids, is_resp = pack_rows([enc.encode(e) for e in examples], enc.eos_id, rng)
     noisy, is_masked, weight = noise(ids, is_resp, enc.mask_id, gen)
-    return Batch(noisy, ids, is_masked, weight, None, None)
+    return Batch(noisy, ids, is_masked, weight, None, None, content_length(ids, is_resp, enc.eos_id))
 
 
 def block_diffusion_mask(length: int, block_size: int) -> Tensor:
@@ -110,4 +111,11 @@ def block_diffusion_batch(enc: Encoder, examples: list[Example], seed: int, bloc
     length = ids.shape[1]
     positions = torch.arange(length).repeat(2)[None]
     return Batch(torch.cat([noisy, ids], dim=1), ids, is_masked, weight,
-                 block_diffusion_mask(length, block_size), positions)
+                 block_diffusion_mask(length, block_size), positions, content_length(ids, is_resp, enc.eos_id))
+
+
+def content_length(ids: Tensor, is_resp: Tensor, eos_id: int) -> int:
+    """Columns up to and including the first response EOS of the row whose EOS comes last."""
+    is_eos = (ids == eos_id) & is_resp
+    first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((ids.shape[0],), ids.shape[1] - 1))
+    return int(first.max()) + 1
