@@ -1,4 +1,4 @@
-"""Synthetic tasks that tiny masked-diffusion LMs can learn in ~1500 steps.
+"""Synthetic tasks for the embedded tiny checkpoints (and the accuracy of every method).
 
 Every prompt and answer is a single-space-joined sequence of words from the closed
 vocabulary ``VOCAB``, so a word-level tokenizer round-trips them exactly. Each task is
