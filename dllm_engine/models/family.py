@@ -28,6 +28,22 @@ def first_id(value: int | list[int] | None) -> int | None:
     return value
 
 
+def renamed_checkpoint_names(layer_prefix: str, layer_names: dict[str, str], top_names: dict[str, str],
+                             strict: bool = True) -> Callable[[str], str]:
+    """A ``checkpoint_name`` for layouts that rename modules: ``layers.N.<module>.<param>`` becomes
+    ``<layer_prefix>.N.<layer_names[module]>.<param>`` and a top-level ``<module>.<param>`` becomes
+    ``<top_names[module]>.<param>``. ``strict``: a layer module missing from ``layer_names`` is an
+    error (every name is mapped); otherwise it keeps our name."""
+    def checkpoint_name(name: str) -> str:
+        parts = name.split(".")
+        if parts[0] != "layers":
+            return f"{top_names[parts[0]]}.{parts[-1]}"
+        module, param = ".".join(parts[2:-1]), parts[-1]
+        module = layer_names[module] if strict else layer_names.get(module, module)
+        return f"{layer_prefix}.{parts[1]}.{module}.{param}"
+    return checkpoint_name
+
+
 def qwen_checkpoint_name(name: str) -> str:
     """Qwen2/Qwen3 layout: everything under ``model.`` except the untied LM head."""
     return name if name.startswith("lm_head.") else f"model.{name}"

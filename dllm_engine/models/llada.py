@@ -3,7 +3,7 @@ full bidirectional attention, no logit shift, untied head."""
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .family import FULL_ATTENTION_METHODS, Family, first_id
+from .family import FULL_ATTENTION_METHODS, Family, first_id, renamed_checkpoint_names
 
 # our module name (inside a layer) -> LLaDA block tensor name
 _BLOCK_NAMES = {
@@ -17,15 +17,9 @@ _BLOCK_NAMES = {
     "mlp.up_proj": "up_proj",
     "mlp.down_proj": "ff_out",
 }
-_TOP_NAMES = {"embed_tokens": "wte", "norm": "ln_f", "lm_head": "ff_out"}
-
-
-def checkpoint_name(name: str) -> str:
-    parts = name.split(".")
-    if parts[0] == "layers":
-        module, param = ".".join(parts[2:-1]), parts[-1]
-        return f"model.transformer.blocks.{parts[1]}.{_BLOCK_NAMES[module]}.{param}"
-    return f"model.transformer.{_TOP_NAMES[parts[0]]}.{parts[-1]}"
+_TOP_NAMES = {"embed_tokens": "model.transformer.wte", "norm": "model.transformer.ln_f",
+              "lm_head": "model.transformer.ff_out"}
+checkpoint_name = renamed_checkpoint_names("model.transformer.blocks", _BLOCK_NAMES, _TOP_NAMES)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

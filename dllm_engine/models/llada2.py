@@ -10,7 +10,7 @@ file only maps config keys and tensor names.
 from __future__ import annotations
 
 from ..config import ModelConfig, MoEConfig
-from .family import BLOCK_METHODS, Family, qwen_config_from_hf, qwen_config_to_hf
+from .family import BLOCK_METHODS, Family, qwen_config_from_hf, qwen_config_to_hf, renamed_checkpoint_names
 
 DEFAULT_BLOCK_SIZE = 32  # the released models' block length (dFactory / SGLang defaults)
 
@@ -24,13 +24,8 @@ _ATTENTION_NAMES = {
 _TOP_NAMES = {"embed_tokens": "model.word_embeddings", "norm": "model.norm", "lm_head": "lm_head"}
 
 
-def checkpoint_name(name: str) -> str:
-    """``layers.3.self_attn.qkv_proj.weight`` -> ``model.layers.3.attention.query_key_value.weight``."""
-    parts = name.split(".")
-    if parts[0] != "layers":
-        return f"{_TOP_NAMES[parts[0]]}.{parts[-1]}"
-    module, param = ".".join(parts[2:-1]), parts[-1]
-    return f"model.layers.{parts[1]}.{_ATTENTION_NAMES.get(module, module)}.{param}"
+# ``layers.3.self_attn.qkv_proj.weight`` -> ``model.layers.3.attention.query_key_value.weight``
+checkpoint_name = renamed_checkpoint_names("model.layers", _ATTENTION_NAMES, _TOP_NAMES, strict=False)
 
 
 def moe_from_hf(hf: dict) -> MoEConfig | None:
