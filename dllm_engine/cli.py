@@ -154,6 +154,20 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
     p.add_argument("--ar-weight", type=float, default=1.0,
                    help="weight of the auxiliary causal next-token loss (0 = diffusion loss only)")
+    p.add_argument("--task-mix", type=task_mix, default=None, metavar="TASK=N,...",
+                   help="oversample tasks: N examples of TASK per round of one of each other task "
+                        "(e.g. lookup=3,spell=2)")
+
+
+def task_mix(text: str) -> dict[str, int]:
+    """``lookup=3,spell=2`` -> {"lookup": 3, "spell": 2} (argparse type for --task-mix)."""
+    mix = {}
+    for item in filter(None, text.split(",")):
+        name, sep, weight = item.partition("=")
+        if not sep or not weight.strip().isdigit() or int(weight) < 1:
+            raise argparse.ArgumentTypeError(f"expected TASK=N with N >= 1, got {item!r}")
+        mix[name.strip()] = int(weight)
+    return mix
 
 
 def run_train(args: argparse.Namespace) -> None:
@@ -164,7 +178,7 @@ def run_train(args: argparse.Namespace) -> None:
     cfg = TrainConfig(family=args.family, out=args.out, work=args.work, steps=args.steps,
                       batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       num_kv_heads=args.num_kv_heads, block_size=args.block_size,
-                      init_from=args.init_from, ar_weight=args.ar_weight)
+                      init_from=args.init_from, ar_weight=args.ar_weight, task_mix=args.task_mix)
     print(f"checkpoint written to {Trainer(cfg).train()}")
 
 

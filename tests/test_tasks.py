@@ -162,6 +162,21 @@ def test_train_stream_task_subset() -> None:
     assert {e.task for e in itertools.islice(train_examples(0, ["spell"]), 20)} == {"spell"}
 
 
+def test_train_stream_mix_oversamples() -> None:
+    stream = list(itertools.islice(train_examples(0, mix={"lookup": 3, "spell": 2}), 900))
+    counts = Counter(e.task for e in stream)  # 900 = 100 rounds of 4 + 3 + 2 = 9
+    assert counts == {**{t: 100 for t in TASK_NAMES}, "lookup": 300, "spell": 200}
+    uniform = list(itertools.islice(train_examples(5), 100))
+    assert list(itertools.islice(train_examples(5, mix={t: 1 for t in TASK_NAMES}), 100)) == uniform
+
+
+def test_train_stream_mix_errors() -> None:
+    with pytest.raises(ValueError, match="mix names tasks not in the stream: lookup"):
+        train_examples(0, ["sort"], mix={"lookup": 2})
+    with pytest.raises(ValueError, match="mix weights must be integers >= 1"):
+        train_examples(0, mix={"sort": 0})
+
+
 def _write_split_file(root: Path, task: str, lines: list[str]) -> None:
     """Write a fake ``test/<task>.jsonl`` under ``root`` for error-path tests."""
     (root / "test").mkdir(parents=True, exist_ok=True)

@@ -88,35 +88,23 @@ def test_export_is_a_loadable_checkpoint(tmp_path):
 def test_bad_config():
     with pytest.raises(ValueError, match="family must be one of"):
         TrainConfig(family="gpt", out="x", work="y")
+    with pytest.raises(ValueError, match="mix names tasks not in the stream: add"):
+        TrainConfig(family="llada", out="x", work="y", task_mix={"add": 2})
 
 
-@pytest.mark.parametrize("family", ["llada", "sdar"])
-def test_causal_span_ends_at_the_last_rows_first_eos(tmp_path, family):
-    t = trainer(tmp_path, family)
-    b = t.batch(0)
-    eos, eot = t.encoder.eos_id, t.encoder.end_of_turn_id
-    assert (b.targets[:, b.content_length - 1] == eos).any()  # the longest row's first EOS is last
-    for row in b.targets:
-        end = (row == eot).nonzero()[-1].item()  # the answer's end of turn, then EOS padding
-        assert row[end + 1] == eos and end + 1 < b.content_length  # every answer lies inside
-
-def test_causal_loss_sees_no_future_token(tmp_path):
-    t = trainer(tmp_path)
-    ids = t.batch(0).targets[:1, :12]
-    changed = ids.clone()
-    changed[0, -1] = (changed[0, -1] + 1) % 20
-    # the last token is only ever a target, never an input: the loss changes, the logits before it do not
-    causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
-    with torch.no_grad():
-        a = t.model.forward_context(ids, t.model.plain_context(ids, causal))[:, :-1]
-        b = t.model.forward_context(changed, t.model.plain_context(changed, causal))[:, :-1]
-    assert torch.allclose(a, b)
-    assert t.causal_loss(ids).item() != t.causal_loss(changed).item()
+def test_task_mix_reaches_the_batches(tmp_path):
+    t = trainer(tmp_path, batch_size=16, task_mix={"lookup": 4})
+    prompts = [t.tokenizer.decode(row) for step in range(4) for row in t.batch(step).targets]
+    # one pool of 64 examples = 7 whole rounds of 9 (4 lookups each) + 1 example
+    assert 28 <= sum("lookup :" in p for p in prompts) <= 29
 
 
-def test_ar_weight_zero_is_the_pure_diffusion_objective(tmp_path):
-    t = trainer(tmp_path, ar_weight=0.0)
-    diffusion, causal = t.loss(t.batch(0))
-    assert causal.item() == 0 and diffusion.item() > 0
-    with pytest.raises(ValueError, match="ar_weight"):
-        trainer(tmp_path, ar_weight=-1.0)
+def test_cli_task_mix(tmp_path, capsys):
+    from dllm_engine.cli import main, task_mix
+    assert task_mix("lookup=3,spell=2") == {"lookup": 3, "spell": 2}
+    base = ["train", "--family", "llada", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]
+    with pytest.raises(SystemExit):
+        main([*base, "--task-mix", "lookup=0"])
+    assert "expected TASK=N with N >= 1, got 'lookup=0'" in capsys.readouterr().err
+    assert main([*base, "--task-mix", "add=2"]) == 2
+    assert "mix names tasks not in the stream: add" in capsys.readouterr().err

@@ -108,20 +108,30 @@ def _test_prompts() -> frozenset[str]:
     return frozenset(ex.prompt for ex in load_split(split="test"))
 
 
-def train_examples(seed: int, tasks: list[str] | None = None) -> Iterator[Example]:
-    """Infinite, seed-deterministic stream mixing ``tasks`` (default all) uniformly.
+def train_examples(seed: int, tasks: list[str] | None = None,
+                   mix: dict[str, int] | None = None) -> Iterator[Example]:
+    """Infinite, seed-deterministic stream mixing ``tasks`` (default all).
 
-    Tasks come in shuffled rounds of ``len(tasks)`` examples, each task once per round,
-    so every batch is close to balanced instead of merely balanced on average.
+    Tasks come in shuffled rounds, each task ``mix[task]`` times per round (default once), so
+    every batch is close to its intended mix instead of merely on average. ``mix`` oversamples the
+    tasks a model finds hard; leaving it out (or all ones) gives the uniform stream.
     """
     names = _check_tasks(tasks)  # validated here, not lazily at the first next()
-    return _train_stream(random.Random(f"train-{seed}"), names, _test_prompts())
+    mix = mix or {}
+    unknown = sorted(set(mix) - set(names))
+    if unknown:
+        raise ValueError(f"mix names tasks not in the stream: {', '.join(unknown)}")
+    bad = {t: w for t, w in mix.items() if not isinstance(w, int) or w < 1}
+    if bad:
+        raise ValueError(f"mix weights must be integers >= 1, got {bad}")
+    rounds = [t for t in names for _ in range(mix.get(t, 1))]
+    return _train_stream(random.Random(f"train-{seed}"), rounds, _test_prompts())
 
 
-def _train_stream(rng: random.Random, names: list[str], blocked: frozenset[str]) -> Iterator[Example]:
+def _train_stream(rng: random.Random, rounds: list[str], blocked: frozenset[str]) -> Iterator[Example]:
     """The generator behind ``train_examples``."""
     while True:
-        for task in rng.sample(names, len(names)):
+        for task in rng.sample(rounds, len(rounds)):
             ex = TASKS[task].generate(rng)
             while ex.prompt in blocked:
                 ex = TASKS[task].generate(rng)

@@ -51,6 +51,7 @@ class TrainConfig:
     save_every: int = 50
     init_from: str | None = None  # continue from a saved checkpoint's weights (fresh optimizer)
     ar_weight: float = 1.0  # auxiliary causal next-token loss; 0 = the pure diffusion objective
+    task_mix: dict[str, int] | None = None  # examples per task per round (default 1 each)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_SPECIALS:
@@ -59,6 +60,7 @@ class TrainConfig:
             raise ValueError(f"ar_weight must be >= 0, got {self.ar_weight}")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
+        train_examples(0, mix=self.task_mix)  # a bad mix fails here, not at the first step
 
 
 class Trainer:
@@ -123,7 +125,7 @@ class Trainer:
         neighbour's canvas would waste most of the step)."""
         seed = self.cfg.seed * 1_000_003 + step
         pool_seed = self.cfg.seed * 1_000_003 + (step // POOL) * POOL
-        pool = list(itertools.islice(train_examples(pool_seed), POOL * self.cfg.batch_size))
+        pool = list(itertools.islice(train_examples(pool_seed, mix=self.cfg.task_mix), POOL * self.cfg.batch_size))
         pool.sort(key=lambda e: len(e.answer.split()))
         lo = (step % POOL) * self.cfg.batch_size
         examples = pool[lo: lo + self.cfg.batch_size]
