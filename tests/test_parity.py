@@ -96,3 +96,23 @@ def test_sharded_checkpoint_loads_the_same(tmp_path, model_type):
         a = load_model(single)(ids)
         b = load_model(sharded)(ids)
     assert torch.equal(a, b)
+
+
+def test_packing_live_tokens_changes_no_logit(monkeypatch):
+    """Per-token layers run on the packed live tokens of a padded batch: same logits as dense."""
+    from dllm_engine.models import context
+    model = random_model("sdar")
+    ids = torch.randint(11, 95, (3, 12))
+    valid = torch.ones(3, 12, dtype=torch.bool)
+    valid[1, :6] = False
+    valid[2, :10] = False  # 16 of 36 tokens are padding: packed
+    with torch.no_grad():
+        packed = model(ids, attention_mask=valid.long())
+        monkeypatch.setattr(context, "PACK_BELOW", 0.0)  # never pack
+        dense = model(ids, attention_mask=valid.long())
+    assert torch.allclose(packed[valid], dense[valid], atol=1e-5)
+    ctx = model.plain_context(ids, valid.long())
+    monkeypatch.setattr(context, "PACK_BELOW", 0.75)
+    x = torch.randn(3, 12, 5)
+    assert ctx.pack(x).shape == (20, 5) and torch.equal(ctx.pack(x), x[valid])
+    assert torch.equal(ctx.unpack(ctx.pack(x)), x * valid[..., None])

@@ -6,11 +6,13 @@ the active token set with ``shrink``. Model files never grow a per-method argume
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import Tensor
+
+PACK_BELOW = 0.75  # pack live tokens for the per-token layers when more than 1/4 is row padding
 
 
 class LayerHooks(Protocol):
@@ -37,6 +39,7 @@ class ForwardContext:
     processed: Tensor | None = None  # [B] query tokens computed, summed over layers
     cos: Tensor | None = None
     sin: Tensor | None = None
+    live: Tensor | None = field(default=None, repr=False)  # flat index of live tokens (see pack)
 
     def __post_init__(self) -> None:
         if self.token_index is None:
@@ -69,8 +72,28 @@ class ForwardContext:
         idx = index.reshape(index.shape + (1,) * (x.dim() - 2)).expand(shape)
         return torch.gather(x, 1, idx)
 
+    def pack(self, x: Tensor) -> Tensor:
+        """The live tokens of ``x`` [B, T, d] as one [N, d] matrix, for per-token layers
+        (projections, MLP), when row padding is a large share of [B, T] (ragged batches: a row at
+        its block's first step beside rows computing one block; tokens evicted or skipped in some
+        rows only); otherwise ``x`` itself. ``unpack`` puts the result back."""
+        if self.live is None:
+            valid = self.token_valid.reshape(-1)
+            n = int(valid.sum())
+            self.live = valid.nonzero()[:, 0] if n < PACK_BELOW * valid.numel() else valid[:0]
+        return x if self.live.dtype == torch.bool else x.reshape(-1, x.shape[-1])[self.live]
+
+    def unpack(self, y: Tensor) -> Tensor:
+        """Inverse of ``pack``: [N, d'] back to [B, T, d'] (zeros at padding)."""
+        if self.live is None or self.live.dtype == torch.bool:
+            return y
+        b, t = self.token_valid.shape
+        out = y.new_zeros(b * t, y.shape[-1]).index_copy(0, self.live, y)
+        return out.view(b, t, -1)
+
     def shrink(self, keep_index: Tensor, keep_valid: Tensor) -> None:
         """Continue with tokens ``keep_index`` [B, K] only (FOCUS eviction, ES-dLLM skipping)."""
+        self.live = None
         self.positions = self.gather(self.positions, keep_index)
         self.token_valid = self.gather(self.token_valid, keep_index) & keep_valid
         self.token_index = self.gather(self.token_index, keep_index)

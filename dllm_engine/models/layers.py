@@ -70,10 +70,11 @@ class Attention(nn.Module):
 
     def project(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
         b, t, _ = x.shape
+        xs = ctx.pack(x)
         if self.fused_qkv:
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            q, k, v = ctx.unpack(self.qkv_proj(xs)).split(self.qkv_sizes, dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (ctx.unpack(proj(xs)) for proj in (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -100,7 +101,7 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
-        return self.o_proj(out), (keep[0] if keep is not None else None)
+        return ctx.unpack(self.o_proj(ctx.pack(out))), (keep[0] if keep is not None else None)
 
 
 class MLP(nn.Module):
@@ -209,7 +210,7 @@ class DecoderLayer(nn.Module):
             h = ctx.gather(h, keep)
         h = h + attn_out
         ctx.count_layer()
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + ctx.unpack(self.mlp(self.post_attention_layernorm(ctx.pack(h))))
 
 
 class DiffusionLM(nn.Module):
