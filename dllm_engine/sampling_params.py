@@ -35,6 +35,7 @@ class SamplingParams:
     skip_alpha: float = 0.5
     prompt_refresh: int | None = None  # steps between full-canvas cache rebuilds
     block_refresh: int | None = None  # steps between steps that skip nothing
+    refresh_blocks: bool = False  # early-skip: full-canvas forward at each block start (as dual-cache)
     # ODB-dLLM adaptive length (strategies/adaptive_length.py) and jump-share (jump_share.py)
     eos_threshold: float = 0.9
     min_length: int = 0

@@ -141,23 +141,56 @@ def tokens(llm, prompts, **kw):
 def test_keep_fraction_one_equals_dual_cache(llms, model_type, threshold):
     for llm in (llms[model_type], llms[model_type, 8]):
         want = tokens(llm, PROMPTS, method="dual-cache", threshold=threshold)
-        got = tokens(llm, PROMPTS, method=ES, threshold=threshold, keep_fractions=(1.0, 1.0, 1.0))
+        got = tokens(llm, PROMPTS, method=ES, threshold=threshold, keep_fractions=(1.0, 1.0, 1.0),
+                     refresh_blocks=True)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert got.stats.processed_tokens == want.stats.processed_tokens
 
 
 @pytest.mark.parametrize("model_type", ["llada", "Dream"])
 def test_refresh_every_step(llms, model_type):
-    """block_refresh=1: nothing is ever skipped (= dual-cache); prompt_refresh=1: every step is a
-    full-canvas forward (= the reference decoder)."""
+    """block_refresh=1 with refresh_blocks: nothing is ever skipped (= dual-cache);
+    prompt_refresh=1: every step is a full-canvas forward (= the reference decoder)."""
     llm = llms[model_type, 8]
     dual = tokens(llm, PROMPTS, method="dual-cache")
-    got = tokens(llm, PROMPTS, method=ES, block_refresh=1)
+    got = tokens(llm, PROMPTS, method=ES, block_refresh=1, refresh_blocks=True)
     assert [o.token_ids for o in got] == [o.token_ids for o in dual]
     ref = tokens(llm, PROMPTS, method="reference")
     got = tokens(llm, PROMPTS, method=ES, prompt_refresh=1)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert got.stats.processed_tokens == ref.stats.processed_tokens
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_block_start_forwards_from_the_last_commits(llms, model_type, monkeypatch):
+    """Without refresh_blocks (the reference's policy) a block's first step is no cache rebuild:
+    it computes from the leftmost position committed at the previous step (whose K/V were
+    computed while it was masked) to the block end, against the cache."""
+    llm = llms[model_type, 8]
+    shift = 1 if model_type == "Dream" else 0
+    seen = []
+    original = early_skip.EarlySkip.plan
+
+    def spy(self, seq, plan):
+        last = early_skip.state(seq).last_committed.clone()
+        out = original(self, seq, plan)
+        seen.append((seq.block_idx, seq.step, last, out.positions.clone(), seq.block))
+        return out
+
+    monkeypatch.setattr(early_skip.EarlySkip, "plan", spy)
+    kw = dict(max_new_tokens=24, block_length=8, keep_fractions=(1.0,), skip_depths=(0.0,),
+              stop_at_eos=False)
+    got = tokens(llm, [PROMPTS[0]], method=ES, **kw)[0]
+    starts = [s for s in seen if s[1] == 0]
+    assert [s[0] for s in starts] == [0, 1, 2]
+    assert starts[0][3].tolist() == list(range(len(PROMPTS[0]) + 24))  # the first forward: all
+    for _, _, last, positions, (start, end) in starts[1:]:
+        assert last.numel() and int(last.max()) < start  # committed in the previous block
+        lo = min(int(last.min()), start - shift)
+        assert positions.tolist() == list(range(lo, end))
+    dual = tokens(llm, [PROMPTS[0]], method="dual-cache", **kw)[0]
+    assert got.stats.processed_tokens < dual.stats.processed_tokens
+    assert got.stats.nfe == dual.stats.nfe
 
 
 def test_skipping_changes_the_work_and_is_exercised(llms):
@@ -177,7 +210,7 @@ def test_processed_tokens_on_a_long_block(llms, model_type):
     canvas, extra = len(prompt) + 64, (1 if model_type == "Dream" else 0)  # Dream: token before block
     kw = dict(max_new_tokens=64, block_length=32)
     dual = tokens(llm, [prompt], method="dual-cache", **kw)[0].stats
-    got = tokens(llm, [prompt], method=ES, **kw)[0].stats
+    got = tokens(llm, [prompt], method=ES, refresh_blocks=True, **kw)[0].stats
     per_step = (2 * 32 + 16 + 5 * 8) / 8 + extra
     assert dual.processed_tokens == 2 * (canvas + 31 * (32 + extra)) - len(prompt)
     assert got.processed_tokens == pytest.approx(2 * (canvas + 31 * per_step) - len(prompt))
@@ -192,10 +225,10 @@ def test_refresh_counts_steps_across_the_generation(llms):
     skipped = (8 + 8 + 4 + 5 * 3) / 8  # block 8: max(int(p * 8), 3) -> 8, 8, 4, 3 x 5
     full, block, base = canvas, 8, -len(prompt)
     # prompt_refresh 3: full at 0, 3, 6, 9, 12, 15 and the block start 8 -> 7 full, 9 skipped
-    got = tokens(llm, [prompt], method=ES, prompt_refresh=3)[0].stats
+    got = tokens(llm, [prompt], method=ES, prompt_refresh=3, refresh_blocks=True)[0].stats
     assert got.processed_tokens == pytest.approx(base + 7 * full + 9 * skipped)
     # block_refresh 3: full at 0 and 8; block-only unskipped at 3, 6, 9, 12, 15; 9 skipped
-    got = tokens(llm, [prompt], method=ES, block_refresh=3)[0].stats
+    got = tokens(llm, [prompt], method=ES, block_refresh=3, refresh_blocks=True)[0].stats
     assert got.processed_tokens == pytest.approx(base + 2 * full + 5 * block + 9 * skipped)
 
 
@@ -219,7 +252,7 @@ def test_mixed_schedules_in_one_batch(llms):
                                                      stop_at_eos=False))
     b = llm.make_sequence(PROMPTS[1], SamplingParams(method=ES, max_new_tokens=16, block_length=8,
                                                      keep_fractions=(1.0,), skip_depths=(0.0,),
-                                                     stop_at_eos=False))
+                                                     refresh_blocks=True, stop_at_eos=False))
     c = llm.make_sequence(PROMPTS[2], SamplingParams(method=ES, max_new_tokens=16, block_length=4,
                                                      skip_alpha=0.2, stop_at_eos=False))
     for s in (a, b, c):
@@ -299,6 +332,8 @@ def test_each_row_keeps_its_own_set_and_dream_keeps_the_token_before_the_block(l
         out = original(self, layer, hidden, ctx)
         if out is not None:
             for b, seq in enumerate(self.seqs):
+                if not early_skip.state(seq).skip:  # a block's first step: computed in full
+                    continue
                 slots = ctx.gather(ctx.slots, out[0])[b][out[1][b]]
                 live = ctx.slots[b][ctx.token_valid[b]]
                 seen.append((layer, seq.block, live.tolist(), slots.tolist(),

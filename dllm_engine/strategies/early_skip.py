@@ -27,8 +27,15 @@ Choices where the paper leaves room (documented so results can be read against t
   never skipped and not counted in |block|.
 - dh is divided by its row maximum (SPEC §5); the reference code divides by max(row max, 1).
 - Pruning after the last layer would save nothing and only drop logits, so it is never done.
-- ``prompt_refresh`` / ``block_refresh`` count the sequence's forwards since it started; refresh
-  and block-first steps (full canvas) never skip.
+- ``prompt_refresh`` / ``block_refresh`` count the sequence's forwards since it started.
+- Block starts (SPEC §5, as the paper's code): the cache is rebuilt by a full-canvas forward only
+  at the first forward and every ``prompt_refresh`` forwards, not at every block start as the
+  dual-cache decoder does. A block's first step computes from the leftmost position committed at
+  the previous step (its K/V were computed while it was still masked) to the block end; the later
+  blocks' K/V stay those of the last rebuild. ``refresh_blocks=True`` restores the dual-cache
+  rebuild. Rebuilds and block-first steps never skip: the new block's hidden-state window is
+  filled by that step (the paper's code does skip there, against hidden states it keeps for the
+  whole canvas).
 """
 from __future__ import annotations
 
@@ -211,6 +218,8 @@ class EarlySkip(Strategy):
         st.num_steps += 1
         if p.prompt_refresh is not None and count % p.prompt_refresh == 0:
             plan = self.full_canvas(seq, plan)
+        elif seq.step == 0 and count > 0 and not p.refresh_blocks:
+            plan = self.from_last_commits(seq, plan)
         no_skip_step = p.block_refresh is not None and count % p.block_refresh == 0
         st.skip = self.block_only(seq, plan) and not no_skip_step
         return plan
@@ -219,6 +228,15 @@ class EarlySkip(Strategy):
     def full_canvas(seq: Sequence, plan: StepPlan) -> StepPlan:
         """The cache rebuild: every canvas position, the same logits wanted."""
         positions = torch.arange(seq.canvas_len, device=seq.canvas.device)
+        return StepPlan(positions, torch.full_like(positions, seq.canvas_len), plan.logit_positions)
+
+    def from_last_commits(self, seq: Sequence, plan: StepPlan) -> StepPlan:
+        """A block's first step without a cache rebuild: from the leftmost position committed at
+        the previous step (its K/V were computed while it was still masked) to the block end."""
+        start, end = seq.block
+        last = state(seq).last_committed
+        lo = min(int(last.min()) if last.numel() else start, start - self.shift)
+        positions = torch.arange(lo, end, device=seq.canvas.device)
         return StepPlan(positions, torch.full_like(positions, seq.canvas_len), plan.logit_positions)
 
     def block_only(self, seq: Sequence, plan: StepPlan) -> bool:
@@ -245,7 +263,7 @@ class EarlySkip(Strategy):
 
     def ensure_window(self, seq: Sequence, layers: list[int]) -> None:
         """Hidden-state caches cover the current block (and Dream's token before it); a new
-        block starts from zeros (its first step is a full forward, which fills them)."""
+        block starts from zeros (its first step skips nothing, which fills them)."""
         st = state(seq)
         lo = seq.block[0] - self.shift
         if st.window_lo != lo:
