@@ -116,3 +116,17 @@ def test_packing_live_tokens_changes_no_logit(monkeypatch):
     x = torch.randn(3, 12, 5)
     assert ctx.pack(x).shape == (20, 5) and torch.equal(ctx.pack(x), x[valid])
     assert torch.equal(ctx.unpack(ctx.pack(x)), x * valid[..., None])
+
+
+def test_ragged_attention_runs_narrow_rows_apart_with_the_same_result():
+    from dllm_engine.models.layers import ragged_attention
+    torch.manual_seed(0)
+    b, h, t, s, d = 4, 2, 16, 20, 8
+    q, k, v = torch.randn(b, h, t, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+    live = torch.tensor([16, 3, 4, 10])  # rows 1 and 2 are narrow (<= 16 // 4)
+    valid = torch.arange(t)[None] < live[:, None]
+    mask = (torch.arange(s)[None, None, None] < torch.tensor([20, 9, 12, 15])[:, None, None, None]
+            ).expand(b, 1, t, s)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    got = ragged_attention(q, k, v, mask, valid)
+    assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)
