@@ -39,7 +39,8 @@ class ForwardContext:
     processed: Tensor | None = None  # [B] query tokens computed, summed over layers
     cos: Tensor | None = None
     sin: Tensor | None = None
-    live: Tensor | None = field(default=None, repr=False)  # flat index of live tokens (see pack)
+    live: Tensor | None = field(default=None, repr=False)  # flat index of the live tokens, if packing
+    live_known: bool = field(default=False, repr=False)  # whether ``live`` is up to date
 
     def __post_init__(self) -> None:
         if self.token_index is None:
@@ -72,28 +73,34 @@ class ForwardContext:
         idx = index.reshape(index.shape + (1,) * (x.dim() - 2)).expand(shape)
         return torch.gather(x, 1, idx)
 
-    def pack(self, x: Tensor) -> Tensor:
-        """The live tokens of ``x`` [B, T, d] as one [N, d] matrix, for per-token layers
-        (projections, MLP), when row padding is a large share of [B, T] (ragged batches: a row at
-        its block's first step beside rows computing one block; tokens evicted or skipped in some
-        rows only); otherwise ``x`` itself. ``unpack`` puts the result back."""
-        if self.live is None:
+    def live_index(self) -> Tensor | None:
+        """Flat index of the live tokens when row padding is a large share of [B, T] (ragged
+        batches: a row at its block's first step beside rows computing one block; tokens evicted
+        or skipped in some rows only), else None (dense is cheaper)."""
+        if not self.live_known:
             valid = self.token_valid.reshape(-1)
-            n = int(valid.sum())
-            self.live = valid.nonzero()[:, 0] if n < PACK_BELOW * valid.numel() else valid[:0]
-        return x if self.live.dtype == torch.bool else x.reshape(-1, x.shape[-1])[self.live]
+            sparse = int(valid.sum()) < PACK_BELOW * valid.numel()
+            self.live = valid.nonzero()[:, 0] if sparse else None
+            self.live_known = True
+        return self.live
+
+    def pack(self, x: Tensor) -> Tensor:
+        """``x`` [B, T, d] for a per-token layer (projections, MLP): its live tokens as one
+        [N, d] matrix when ``live_index`` says so, else ``x`` itself. ``unpack`` inverts it."""
+        index = self.live_index()
+        return x if index is None else x.reshape(-1, x.shape[-1])[index]
 
     def unpack(self, y: Tensor) -> Tensor:
         """Inverse of ``pack``: [N, d'] back to [B, T, d'] (zeros at padding)."""
-        if self.live is None or self.live.dtype == torch.bool:
+        index = self.live_index()
+        if index is None:
             return y
         b, t = self.token_valid.shape
-        out = y.new_zeros(b * t, y.shape[-1]).index_copy(0, self.live, y)
-        return out.view(b, t, -1)
+        return y.new_zeros(b * t, y.shape[-1]).index_copy(0, index, y).view(b, t, -1)
 
     def shrink(self, keep_index: Tensor, keep_valid: Tensor) -> None:
         """Continue with tokens ``keep_index`` [B, K] only (FOCUS eviction, ES-dLLM skipping)."""
-        self.live = None
+        self.live_known = False
         self.positions = self.gather(self.positions, keep_index)
         self.token_valid = self.gather(self.token_valid, keep_index) & keep_valid
         self.token_index = self.gather(self.token_index, keep_index)
