@@ -14,6 +14,23 @@ from torch import Tensor
 
 PACK_BELOW = 0.75  # pack live tokens for the per-token layers when more than 1/4 is row padding
 
+NARROW_ROWS = 4  # rows with at most 1/4 of the padded width run attention as their own call
+
+
+def row_groups(valid: Tensor) -> list[tuple[Tensor, int]] | None:
+    """Rows of ``valid`` [B, T] (left-packed live tokens) split into (row index, width) groups
+    for attention: the narrow rows (at most 1/NARROW_ROWS of T live) and the rest, each group
+    as wide as its widest row. None when one call over all rows is as good (no mix)."""
+    live = valid.sum(1)
+    narrow = live <= valid.shape[1] // NARROW_ROWS
+    if not bool(narrow.any()) or bool(narrow.all()):
+        return None
+    groups = []
+    for group in (narrow, ~narrow):
+        rows = group.nonzero()[:, 0]
+        groups.append((rows, int(live[rows].max())))
+    return groups
+
 
 class LayerHooks(Protocol):
     """What a strategy may do inside the layer loop. Each returns ``None`` to change nothing,
@@ -39,8 +56,7 @@ class ForwardContext:
     processed: Tensor | None = None  # [B] query tokens computed, summed over layers
     cos: Tensor | None = None
     sin: Tensor | None = None
-    live: Tensor | None = field(default=None, repr=False)  # flat index of the live tokens, if packing
-    live_known: bool = field(default=False, repr=False)  # whether ``live`` is up to date
+    derived: dict = field(default_factory=dict, repr=False)  # facts of the live set; shrink clears it
 
     def __post_init__(self) -> None:
         if self.token_index is None:
@@ -77,12 +93,17 @@ class ForwardContext:
         """Flat index of the live tokens when row padding is a large share of [B, T] (ragged
         batches: a row at its block's first step beside rows computing one block; tokens evicted
         or skipped in some rows only), else None (dense is cheaper)."""
-        if not self.live_known:
+        if "live" not in self.derived:
             valid = self.token_valid.reshape(-1)
             sparse = int(valid.sum()) < PACK_BELOW * valid.numel()
-            self.live = valid.nonzero()[:, 0] if sparse else None
-            self.live_known = True
-        return self.live
+            self.derived["live"] = valid.nonzero()[:, 0] if sparse else None
+        return self.derived["live"]
+
+    def attention_rows(self) -> list[tuple[Tensor, int]] | None:
+        """``row_groups`` of the live set, computed once per set for every layer's attention."""
+        if "rows" not in self.derived:
+            self.derived["rows"] = row_groups(self.token_valid)
+        return self.derived["rows"]
 
     def pack(self, x: Tensor) -> Tensor:
         """``x`` [B, T, d] for a per-token layer (projections, MLP): its live tokens as one
@@ -100,7 +121,7 @@ class ForwardContext:
 
     def shrink(self, keep_index: Tensor, keep_valid: Tensor) -> None:
         """Continue with tokens ``keep_index`` [B, K] only (FOCUS eviction, ES-dLLM skipping)."""
-        self.live_known = False
+        self.derived.clear()
         self.positions = self.gather(self.positions, keep_index)
         self.token_valid = self.gather(self.token_valid, keep_index) & keep_valid
         self.token_index = self.gather(self.token_index, keep_index)

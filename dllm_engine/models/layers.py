@@ -47,25 +47,18 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
 
 
-NARROW_ROWS = 4  # rows with at most 1/4 of the padded width run attention as their own call
-
-
-def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, valid: Tensor) -> Tensor:
-    """SDPA of q [B, H, T, D] whose rows hold left-packed live queries (``valid`` [B, T]).
+def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                     groups: list[tuple[Tensor, int]] | None) -> Tensor:
+    """SDPA of q [B, H, T, D], one call per ``groups`` entry (``context.row_groups``).
 
     A batch that mixes rows computing a whole canvas with rows computing one block (a sequence at
     its block's first step beside sequences mid-block; FOCUS or ES rows that kept few tokens)
-    would pay the widest row's attention in every row. The narrow rows (at most 1/NARROW_ROWS of
-    the padded width) run as a second, narrower call; each row's result is the same either way."""
-    t = q.shape[2]
-    live = valid.sum(1)
-    narrow = live <= t // NARROW_ROWS
-    if not bool(narrow.any()) or bool(narrow.all()):
+    would pay the widest row's attention in every row; each group runs only as wide as its widest
+    row. Each row's result is the same either way."""
+    if groups is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     out = q.new_zeros(q.shape[:3] + v.shape[-1:])
-    for group in (narrow, ~narrow):
-        rows = group.nonzero()[:, 0]
-        width = int(live[rows].max())
+    for rows, width in groups:
         out[rows, :, :width] = F.scaled_dot_product_attention(
             q[rows, :, :width], k[rows], v[rows], attn_mask=mask[rows, :, :width])
     return out
@@ -123,7 +116,7 @@ class Attention(nn.Module):
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = ragged_attention(q, k, v, mask, ctx.token_valid)  # [B, H, T, D]
+        out = ragged_attention(q, k, v, mask, ctx.attention_rows())  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
         return ctx.unpack(self.o_proj(ctx.pack(out))), (keep[0] if keep is not None else None)
 
