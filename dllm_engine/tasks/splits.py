@@ -117,15 +117,22 @@ def train_examples(seed: int, tasks: list[str] | None = None,
     tasks a model finds hard; leaving it out (or all ones) gives the uniform stream.
     """
     names = _check_tasks(tasks)  # validated here, not lazily at the first next()
+    mix = check_mix(mix, names)
+    rounds = [t for t in names for _ in range(mix.get(t, 1))]
+    return _train_stream(random.Random(f"train-{seed}"), rounds, _test_prompts())
+
+
+def check_mix(mix: dict[str, int] | None, tasks: list[str] | None = None) -> dict[str, int]:
+    """``mix`` (None = uniform) if every name is one of ``tasks`` (default all) and every weight
+    an integer >= 1; a clear ValueError otherwise."""
     mix = mix or {}
-    unknown = sorted(set(mix) - set(names))
+    unknown = sorted(set(mix) - set(_check_tasks(tasks)))
     if unknown:
         raise ValueError(f"mix names tasks not in the stream: {', '.join(unknown)}")
     bad = {t: w for t, w in mix.items() if not isinstance(w, int) or w < 1}
     if bad:
         raise ValueError(f"mix weights must be integers >= 1, got {bad}")
-    rounds = [t for t in names for _ in range(mix.get(t, 1))]
-    return _train_stream(random.Random(f"train-{seed}"), rounds, _test_prompts())
+    return mix
 
 
 def _train_stream(rng: random.Random, rounds: list[str], blocked: frozenset[str]) -> Iterator[Example]:

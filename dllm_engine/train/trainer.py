@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..models import DiffusionLM, get_family, save_model
-from ..tasks import train_examples
+from ..tasks import check_mix, train_examples
 from ..tokenizer import save_tokenizer
 from .data import Batch, Encoder, block_diffusion_batch, masked_diffusion_batch
 
@@ -60,7 +60,7 @@ class TrainConfig:
             raise ValueError(f"ar_weight must be >= 0, got {self.ar_weight}")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
-        train_examples(0, mix=self.task_mix)  # a bad mix fails here, not at the first step
+        check_mix(self.task_mix)  # a bad mix fails here, not at the first step
 
 
 class Trainer:
