@@ -225,10 +225,14 @@ class EarlySkip(Strategy):
         return plan
 
     @staticmethod
-    def full_canvas(seq: Sequence, plan: StepPlan) -> StepPlan:
-        """The cache rebuild: every canvas position, the same logits wanted."""
-        positions = torch.arange(seq.canvas_len, device=seq.canvas.device)
+    def span(seq: Sequence, plan: StepPlan, lo: int, hi: int) -> StepPlan:
+        """Compute canvas positions [lo, hi), each attending to the whole canvas; same logits."""
+        positions = torch.arange(lo, hi, device=seq.canvas.device)
         return StepPlan(positions, torch.full_like(positions, seq.canvas_len), plan.logit_positions)
+
+    def full_canvas(self, seq: Sequence, plan: StepPlan) -> StepPlan:
+        """The cache rebuild: every canvas position."""
+        return self.span(seq, plan, 0, seq.canvas_len)
 
     def from_last_commits(self, seq: Sequence, plan: StepPlan) -> StepPlan:
         """A block's first step without a cache rebuild: from the leftmost position committed at
@@ -236,8 +240,7 @@ class EarlySkip(Strategy):
         start, end = seq.block
         last = state(seq).last_committed
         lo = min(int(last.min()) if last.numel() else start, start - self.shift)
-        positions = torch.arange(lo, end, device=seq.canvas.device)
-        return StepPlan(positions, torch.full_like(positions, seq.canvas_len), plan.logit_positions)
+        return self.span(seq, plan, lo, end)
 
     def block_only(self, seq: Sequence, plan: StepPlan) -> bool:
         """Whether the plan is a normal dual-cache step (the block, plus Dream's token before it)."""
