@@ -26,7 +26,11 @@ class SamplingParams:
     cfg_scale: float = 0.0
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
-    stop_at_eos: bool = True  # end a sequence after a finished block that holds a stop token
+    # end a sequence after a finished block that holds a stop token. None = the decoder's own
+    # behaviour: SDAR-style `block` and `adaptive-length` stop (SPEC §3, §6); LLaDA's generate.py and
+    # Fast-dLLM's prefix/dual caches decode the whole canvas, so `reference`, `prefix-cache` and
+    # `dual-cache` do too unless asked (adaptive-length with False: the canvas cut alone)
+    stop_at_eos: bool | None = None
     # FOCUS token eviction (strategies/focus.py)
     focus_alpha: float = 1.5
     # ES-dLLM early skipping (strategies/early_skip.py)
@@ -128,6 +132,8 @@ class SamplingParams:
             bases = strategy_class(name).bases
             if p.base_method not in bases:
                 raise ValueError(f"strategy {name!r} runs on {', '.join(bases)}, not on {p.base_method!r}")
+        if p.stop_at_eos is None:
+            p.stop_at_eos = p.base_method == "block" or "adaptive-length" in p.strategies
         if p.steps is None:
             p.steps = p.block_length
         if p.steps > p.block_length:

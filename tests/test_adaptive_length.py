@@ -100,8 +100,10 @@ def test_after_forward_inspects_everything_but_commits_only_the_block():
                                                ("block", "sdar")])
 def test_tau_above_one_gives_the_base_decoders_tokens(llms, method, model_type):
     llm = llms[model_type]
+    # ALP ends a sequence at its first finished block holding a stop token; without cuts it is
+    # the base decoder with that stop turned on
     base = SamplingParams(method=method, max_new_tokens=16, block_length=4, threshold=0.3,
-                          stop_token_ids=[25, 73])
+                          stop_token_ids=[25, 73], stop_at_eos=True)
     want = llm.generate(PROMPTS, base)
     got = llm.generate(PROMPTS, base.replace(method=method + "+adaptive-length", eos_threshold=1.5))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -172,3 +172,32 @@ def test_commit_rules_on_hand_computed_examples():
     assert factor_select(torch.tensor([0.3, 0.2]), 0.5).tolist() == [True, False]
     assert topk_select(conf, 2).tolist() == [True, False, True, False, False]
     assert num_transfer_tokens(10, 4) == [3, 3, 2, 2]
+
+
+@pytest.mark.parametrize("method,stops", [("reference", False), ("prefix-cache", False),
+                                          ("dual-cache", False), ("dual-cache+adaptive-length", True)])
+def test_llada_decoders_decode_the_whole_canvas_unless_asked_to_stop(llms, method, stops):
+    """LLaDA's generate.py and Fast-dLLM decode every block; stopping at a finished block that
+    holds a stop token is ALP's (SPEC §6) or the caller's choice."""
+    llm = llms["llada"]
+    # token 25 is often predicted by the random model: as a stop id it ends sequences early
+    params = SamplingParams(method=method, max_new_tokens=32, block_length=4, threshold=0.3,
+                            stop_token_ids=[25], eos_threshold=1.5)
+    default = llm.generate(PROMPTS, params)
+    stopping = llm.generate(PROMPTS, params.replace(stop_at_eos=True))
+    whole = llm.generate(PROMPTS, params.replace(stop_at_eos=False))
+    assert any(a.stats.decoded_tokens < b.stats.decoded_tokens for a, b in zip(stopping, whole))
+    assert all(o.stats.decoded_tokens == 32 for o in whole)
+    same = stopping if stops else whole
+    assert [o.stats.nfe for o in default] == [o.stats.nfe for o in same]
+    # stopping early never changes what the user receives
+    assert [o.token_ids for o in stopping] == [o.token_ids for o in whole]
+
+
+def test_block_diffusion_stops_after_a_block_with_a_stop_token(llms):
+    params = SamplingParams(method="block", max_new_tokens=32, block_length=4, threshold=0.3,
+                            stop_token_ids=[25])
+    default = llms["sdar"].generate(PROMPTS, params)
+    whole = llms["sdar"].generate(PROMPTS, params.replace(stop_at_eos=False))
+    assert any(a.stats.nfe < b.stats.nfe for a, b in zip(default, whole))
+    assert [o.token_ids for o in default] == [o.token_ids for o in whole]
