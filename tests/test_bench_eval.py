@@ -25,11 +25,14 @@ def test_parse_spec_sets_typed_fields():
     assert p.method == "dual-cache" and p.threshold == 0.8 and p.block_length == 16
     assert p.keep_fractions == (1.0, 0.5) and p.max_new_tokens == 32
     assert parse_spec("reference").threshold is None
+    assert parse_spec("dual-cache:stop_at_eos=true").stop_at_eos is True
+    assert parse_spec("dual-cache:stop_at_eos=False").stop_at_eos is False
 
 
 @pytest.mark.parametrize("spec,msg", [("dual-cache:thresh=0.9", "bad field 'thresh=0.9'"),
                                       ("dual-cache:threshold", "bad field 'threshold'"),
                                       ("dual-cache:threshold=high", "bad value 'high' for threshold"),
+                                      ("dual-cache:stop_at_eos=maybe", "bad value 'maybe' for stop_at_eos"),
                                       ("warp", "unknown method 'warp'")])
 def test_bad_specs(spec, msg):
     with pytest.raises(ValueError, match=msg):

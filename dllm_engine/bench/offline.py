@@ -33,6 +33,8 @@ def convert(name: str, raw: str):
     if "list[int]" in kind:
         return [int(x) for x in raw.split("/")]
     if "bool" in kind:
+        if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
+            raise ValueError(raw)
         return raw.lower() in ("1", "true", "yes")
     if "float" in kind:
         return float(raw)
