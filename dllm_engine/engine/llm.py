@@ -13,6 +13,7 @@ from tqdm import tqdm
 from ..models import load_model
 from ..sampling_params import SamplingParams
 from .engine import Engine
+from .host_memory import keep_freed_memory
 from .sequence import Sequence, SequenceStats, TokenIds
 
 
@@ -40,6 +41,8 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str = "float32", device: str = "cpu",
                  max_num_seqs: int = 256) -> None:
         self.path = Path(model)
+        if torch.device(device).type == "cpu":
+            keep_freed_memory()
         self.model = load_model(self.path, dtype=dtype, device=device)
         self.device = torch.device(device)
         self.tokenizer = self.load_tokenizer()
