@@ -96,3 +96,10 @@ def write_llada2_bench_checkpoint(folder: str | Path) -> Path:
     return write_llada2_checkpoint(Path(folder), hidden_size=128, num_layers=12, num_heads=4,
                                    num_kv_heads=2, intermediate_size=384, rotary_dim=16,
                                    block_size=32, moe=moe)
+
+
+def write_dream_bench_checkpoint(folder: str | Path) -> Path:
+    """A random Dream-format model of tiny-llada's size (12 layers, d 128, GQA 4/2): what the
+    README's Dream early-skip run was measured on."""
+    return write_checkpoint(Path(folder), "Dream", hidden_size=128, num_layers=12, num_heads=4,
+                            num_kv_heads=2, intermediate_size=384)
