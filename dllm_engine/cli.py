@@ -29,6 +29,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remasking", default="low_confidence")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cfg-scale", type=float, default=0.0, help="classifier-free guidance (reference)")
+    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="end after a finished block holding EOS (default: yes for block and "
+                   "adaptive-length, no for the LLaDA decoders, which fill the whole canvas)")
 
 
 def sampling_params(args: argparse.Namespace, llm) -> "SamplingParams":
@@ -40,7 +43,8 @@ def sampling_params(args: argparse.Namespace, llm) -> "SamplingParams":
     return SamplingParams(method=method, max_new_tokens=args.max_new_tokens,
                           block_length=args.block_length, steps=args.steps, threshold=threshold,
                           factor=args.factor, temperature=args.temperature,
-                          remasking=args.remasking, seed=args.seed, cfg_scale=args.cfg_scale)
+                          remasking=args.remasking, seed=args.seed, cfg_scale=args.cfg_scale,
+                          stop_at_eos=args.stop_at_eos)
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:

@@ -85,3 +85,13 @@ def test_cli_reports_errors_without_traceback(capsys, ckpt):
     assert "limit" in capsys.readouterr().err
     assert main(["generate", "--model", str(ckpt / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,want", [([], None), (["--stop-at-eos"], True), (["--no-stop-at-eos"], False)])
+def test_cli_stop_at_eos_flag(ckpt, flag, want):
+    import argparse
+    from dllm_engine.cli import add_sampling_args, sampling_params
+    parser = argparse.ArgumentParser()
+    add_sampling_args(parser)
+    params = sampling_params(parser.parse_args(flag), LLM(ckpt))
+    assert params.stop_at_eos is want
