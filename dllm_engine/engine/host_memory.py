@@ -1,12 +1,13 @@
 """Keep freed host memory in the process on Linux/glibc (CPU inference).
 
 Every forward allocates activations of a few MB ([batch, tokens, hidden] and the MLP's wider
-tensors). glibc serves blocks above its mmap threshold with fresh ``mmap`` pages and trims the
-heap top back to the OS on free, so each such tensor pays page faults (the kernel zeroes every page
-on first touch) on every layer of every step. At batch 8 on tiny-llada that was ~20% of a
-`dual-cache` run's wall time; batch 1's smaller tensors stayed under the threshold. Raising the
-mmap threshold to glibc's maximum (32 MiB) and the trim threshold to 1 GiB lets freed blocks be
-reused instead, as a caching allocator does on a GPU. The cost: the process keeps its peak heap.
+tensors). glibc gives large freed blocks back to the OS (mmap'd chunks are unmapped, the heap top
+is trimmed), so the next step's tensors are built on fresh pages and pay a page fault per page
+(the kernel zeroes it on first touch), on every layer of every step. The cost grows with tensor
+size: on tiny-llada (`dual-cache`, 256 new tokens) batch 8 ran ~20% slower per token than batch 1
+for the same work; with the thresholds below the two are level. Raising the mmap threshold to
+glibc's maximum (32 MiB) and the trim threshold to 1 GiB lets freed blocks be reused, as a caching
+allocator does on a GPU. The cost: the process keeps its peak heap.
 
 Set ``DLLM_KEEP_FREED_MEMORY=0`` to leave glibc's defaults alone."""
 from __future__ import annotations
