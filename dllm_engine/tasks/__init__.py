@@ -7,4 +7,4 @@ from .generators import TASK_NAMES, TASKS, VOCAB, Example, Task
 from .splits import check_mix, grade, load_split, train_examples, write_split
 
 __all__ = ["TASKS", "TASK_NAMES", "VOCAB", "Example", "Task",
-           "grade", "load_split", "train_examples", "write_split"]
+           "check_mix", "grade", "load_split", "train_examples", "write_split"]

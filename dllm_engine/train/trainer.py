@@ -82,6 +82,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=0.01)
         self.step = 0
+        self._pool: tuple[int, list] | None = None  # (seed, examples) of the current pool
 
     def model_config(self, model_type: str) -> ModelConfig:
         c, tok = self.cfg, self.tokenizer
@@ -124,14 +125,20 @@ class Trainer:
         length, so each batch's canvas is tight (padding a 10-token answer to a 120-token
         neighbour's canvas would waste most of the step)."""
         seed = self.cfg.seed * 1_000_003 + step
-        pool_seed = self.cfg.seed * 1_000_003 + (step // POOL) * POOL
-        pool = list(itertools.islice(train_examples(pool_seed, mix=self.cfg.task_mix), POOL * self.cfg.batch_size))
-        pool.sort(key=lambda e: len(e.answer.split()))
         lo = (step % POOL) * self.cfg.batch_size
-        examples = pool[lo: lo + self.cfg.batch_size]
+        examples = self.pool(self.cfg.seed * 1_000_003 + (step // POOL) * POOL)[lo: lo + self.cfg.batch_size]
         if self.cfg.family == "sdar":
             return block_diffusion_batch(self.encoder, examples, seed, self.cfg.block_size)
         return masked_diffusion_batch(self.encoder, examples, seed)
+
+    def pool(self, pool_seed: int) -> list:
+        """The length-sorted pool drawn from ``pool_seed``, built once for its POOL steps."""
+        if self._pool is None or self._pool[0] != pool_seed:
+            pool = list(itertools.islice(train_examples(pool_seed, mix=self.cfg.task_mix),
+                                         POOL * self.cfg.batch_size))
+            pool.sort(key=lambda e: len(e.answer.split()))
+            self._pool = (pool_seed, pool)
+        return self._pool[1]
 
     def loss(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(diffusion loss, auxiliary causal loss); the step minimises diffusion + ar_weight * causal."""
