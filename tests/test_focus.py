@@ -10,8 +10,8 @@ from dllm_engine import LLM, SamplingParams
 from dllm_engine.engine.kv_cache import KVCache
 from dllm_engine.models.context import ForwardContext
 from dllm_engine.strategies.base import Pipeline
-from dllm_engine.strategies.focus import (DelayedCache, EvictionHooks, TokenEviction, apply_structure_rules,
-                                          delayed_cache_ready, eviction_budget, keep_all_if_empty,
+from dllm_engine.strategies.focus import (DelayedCache, EvictionHooks, PredictorCounts, PredictorProbe,
+                                          TokenEviction, apply_structure_rules, block_state, delayed_cache_ready, eviction_budget, keep_all_if_empty,
                                           keep_left_neighbours, keep_placeholders, masked_importance,
                                           select_candidates, select_kept)
 from fixtures import write_checkpoint
@@ -393,6 +393,60 @@ def test_batch_invariance(llms, model_type, method, alpha):
         alone = llm.generate([prompt], params)[0]
         assert alone.token_ids == out.token_ids
         assert alone.stats.processed_tokens == out.stats.processed_tokens
+
+
+# -- the predictor probe (diagnostic) ---------------------------------------------------------
+def test_predictor_counts_on_hand_examples():
+    counts = PredictorCounts()
+    counts.add(torch.tensor([0.95, 0.5, 0.92, 0.1]), torch.tensor([False, True, True, False]), 0.9)
+    counts.add(torch.tensor([0.2, 0.99]), torch.tensor([False, True]), 0.9)
+    assert counts.summary() == {"probed_steps": 2, "kept_share": 0.5, "top_kept": 0.5,
+                                "top_kept_by_chance": 0.5, "confident_kept": round(2 / 3, 4)}
+    assert PredictorCounts().summary()["top_kept"] == 0.0  # nothing probed: no division by zero
+
+
+class FirstSelection:
+    """Mixin: the masked block positions kept at each sequence's first step."""
+
+    def after_forward(self, seq, positions, logits):
+        state = block_state(seq)
+        if id(seq) not in self.first:
+            if state.would_keep is not None:
+                masked, kept = state.would_keep
+                self.first[id(seq)] = sorted(masked[kept].tolist())
+            elif state.kept is not None:
+                start, end = seq.block
+                self.first[id(seq)] = sorted(p for p in state.kept.tolist()
+                                             if start <= p < end and seq.canvas[p] == seq.ids.mask_id)
+        return super().after_forward(seq, positions, logits)
+
+
+class FirstKept(FirstSelection, TokenEviction):
+    first: dict
+
+
+class FirstProbed(FirstSelection, PredictorProbe):
+    first: dict
+
+
+@pytest.mark.parametrize("model_type,method", [("sdar", "block+focus"), ("llada", "dual-cache+focus")])
+def test_probe_scores_the_selection_focus_makes_but_evicts_nothing(llms, model_type, method):
+    llm = llms[model_type]
+    params = SamplingParams(method=method, max_new_tokens=32, block_length=16, threshold=0.9, stop_at_eos=False)
+    focus, probe = FirstKept(llm.model), FirstProbed(llm.model)
+    focus.first, probe.first = {}, {}
+    run_with(llm, focus, PROMPTS, params)
+    probed = run_with(llm, probe, PROMPTS, params)
+    # the first step has the same inputs under both: the probe saw FOCUS's own selection
+    assert sorted(focus.first.values()) == sorted(probe.first.values()) and len(probe.first) == len(PROMPTS)
+    # ... and it evicted nothing: the delayed cache's tokens and work
+    delayed = run_with(llm, DelayedCache(llm.model), PROMPTS, params)
+    for a, b in zip(probed, delayed):
+        assert a.token_ids == b.token_ids and a.stats.processed_tokens == b.stats.processed_tokens
+    d = probe.diagnostics()
+    assert d["probed_steps"] > 0 and 0 < d["kept_share"] < 1
+    probe.reset_diagnostics()
+    assert probe.diagnostics()["probed_steps"] == 0
 
 
 def test_focus_rejects_other_bases_and_small_alpha(llms):

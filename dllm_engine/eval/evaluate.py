@@ -40,6 +40,7 @@ class EvalReport:
     method: str
     tasks: dict[str, TaskResult] = field(default_factory=dict)
     stats: SequenceStats = field(default_factory=SequenceStats)
+    diagnostics: dict = field(default_factory=dict)  # from diagnostic strategies (focus-probe)
 
     @property
     def accuracy(self) -> float:
@@ -53,7 +54,8 @@ class EvalReport:
     def as_dict(self) -> dict:
         return {"method": self.method, "accuracy": round(self.accuracy, 4),
                 "throughput": round(self.throughput, 2), **self.stats.as_dict(),
-                "tasks": [t.row() for t in self.tasks.values()]}
+                "tasks": [t.row() for t in self.tasks.values()],
+                **({"diagnostics": self.diagnostics} if self.diagnostics else {})}
 
     def table(self) -> str:
         lines = [f"{'task':<10} {'n':>4} {'acc':>7} {'out_len':>8} {'nfe':>6} {'tok/step':>9} {'redund':>7}"]
@@ -65,6 +67,8 @@ class EvalReport:
         lines.append(f"{'mean':<10} {sum(t.num_prompts for t in self.tasks.values()):>4} {self.accuracy:>7.1%}"
                      f"   throughput {self.throughput:.1f} tok/s, redundancy {s.redundancy:.2f}, "
                      f"tokens/step {s.tokens_per_step:.2f}, {s.seconds:.1f} s")
+        if self.diagnostics:
+            lines.append("diagnostics: " + ", ".join(f"{k} {v}" for k, v in self.diagnostics.items()))
         return "\n".join(lines)
 
 
@@ -79,6 +83,8 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     examples = examples if examples is not None else load_split(tasks, limit=limit)
     report = EvalReport(method=params.method)
+    pipeline = llm.engine.pipeline(params.method)
+    pipeline.reset_diagnostics()
     all_stats: list[SequenceStats] = []
     bar = tqdm(total=len(examples), desc=f"eval {params.method}", disable=not use_tqdm)
     start = time.perf_counter()
@@ -91,4 +97,5 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
         bar.update(len(chunk))
     bar.close()
     report.stats = SequenceStats.total(all_stats, time.perf_counter() - start)
+    report.diagnostics = pipeline.diagnostics()
     return report

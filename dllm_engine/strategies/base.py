@@ -51,6 +51,14 @@ class Strategy:
         """Cache positions needed beyond the canvas (e.g. speculative copies of the block)."""
         return 0
 
+    def diagnostics(self) -> dict:
+        """Figures a diagnostic strategy gathered since ``reset_diagnostics`` (``dllm eval``
+        prints them)."""
+        return {}
+
+    def reset_diagnostics(self) -> None:
+        pass
+
 
 def strategy_class(name: str) -> type[Strategy]:
     if name not in REGISTRY:
@@ -97,3 +105,10 @@ class Pipeline:
 
     def extra_cache_slots(self, seq: Sequence) -> int:
         return sum(s.extra_cache_slots(seq) for s in self.strategies)
+
+    def diagnostics(self) -> dict:
+        return {k: v for s in self.strategies for k, v in s.diagnostics().items()}
+
+    def reset_diagnostics(self) -> None:
+        for s in self.strategies:
+            s.reset_diagnostics()

@@ -21,9 +21,11 @@ layers 2.. (and layer 1's attention/MLP) run on the kept tokens only (SPEC §4).
 
 Layer 1's K/V are written for the whole processing set before eviction (attention writes before
 calling ``after_qk``). Block positions never processed through all layers hold no valid K/V above
-layer 1, so from layer 1's attention on they are hidden from the kept queries (the reference
-implementation likewise ends its key range at the rightmost kept token); every other evicted
-position is attended to through its cached K/V.
+layer 1, so from layer 1's attention on they are hidden from the kept queries; every other evicted
+position is attended to through its cached K/V (SPEC §4 step 6). The reference implementation
+(LMDeploy fork) instead ends every query's key range at the rightmost processed (delayed cache) or
+kept (after eviction) block position, hiding cached positions to its right as well; on tiny-sdar's
+held-out split that variant scored no better, so the SPEC's rule stays.
 """
 from __future__ import annotations
 
@@ -143,6 +145,7 @@ class FocusState:
     steps: int = 0  # ... over this many steps that committed something
     planned: Tensor | None = None  # canvas positions of the block computed this step
     kept: Tensor | None = None  # canvas positions that survived eviction (None: no eviction)
+    would_keep: tuple[Tensor, Tensor] | None = None  # probe: (masked positions, bool kept)
 
     @property
     def avg_decoded(self) -> float:
@@ -181,6 +184,7 @@ class EvictionHooks:
         self.budget = budget  # [B]
         self.states = states
         self.base: Tensor | None = None  # layer-0 importance [B, M]
+        self.dry_run = False  # select but evict nothing (``PredictorProbe``)
 
     def masked_view(self, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
         """(index [B, M] of the masked tokens among the live ones, valid [B, M], is_masked [B, T])."""
@@ -207,8 +211,14 @@ class EvictionHooks:
             self.base = scores
             return None
         never = torch.gather(ctx.gather(self.never_processed, ctx.token_index), 1, index)
-        kept_m = select_kept(scores - self.base, torch.gather(ctx.positions, 1, index), valid, never,
-                             self.budget)
+        masked_pos = torch.gather(ctx.positions, 1, index)
+        kept_m = select_kept(scores - self.base, masked_pos, valid, never, self.budget)
+        if self.dry_run:
+            evicting = valid.sum(1) > self.budget
+            for i, state in enumerate(self.states):
+                if evicting[i]:
+                    state.would_keep = (masked_pos[i][valid[i]], kept_m[i][valid[i]])
+            return None
         kept_cand = torch.zeros_like(cand).scatter_(1, index, kept_m)
         keep = ctx.token_valid & (~cand | kept_cand)
         self.hide_unprocessed(ctx, cand & ~kept_cand & ctx.gather(self.never_processed, ctx.token_index))
@@ -255,7 +265,7 @@ class TokenEviction(Strategy):
         if frozen.any():
             plan = drop_tokens(plan, ~frozen)
         state.planned = pos[in_block & ~frozen]
-        state.kept = None
+        state.kept = state.would_keep = None
         return plan
 
     def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> EvictionHooks | None:
@@ -312,3 +322,77 @@ class DelayedCache(TokenEviction):
     ablation, arXiv 2601.23278 §4): frozen K/V only, every remaining token runs every layer."""
     name = "delayed-cache"
     evict = False
+
+
+# -- diagnostic: does the predictor find the decodable tokens of this checkpoint? -----------
+@dataclass
+class PredictorCounts:
+    """FOCUS's selection at the steps where it would evict, scored against the confidences of
+    the full model (every token through every layer) at the same step."""
+    steps: int = 0
+    masked: int = 0
+    kept: int = 0  # masked tokens the selection keeps (structure rules included)
+    top_kept: int = 0  # steps where it keeps the most confident masked token ...
+    top_by_chance: float = 0.0  # ... and the expected count for a random pick of the same size
+    confident: int = 0  # masked tokens whose confidence reaches the threshold ...
+    confident_kept: int = 0  # ... of which the selection keeps
+
+    def add(self, conf: Tensor, kept: Tensor, threshold: float) -> None:
+        """conf [M]: the full model's confidence in each masked token; kept [M] bool."""
+        self.steps += 1
+        self.masked += conf.numel()
+        self.kept += int(kept.sum())
+        self.top_kept += int(kept[conf.argmax()])
+        self.top_by_chance += float(kept.float().mean())
+        sure = conf >= threshold
+        self.confident += int(sure.sum())
+        self.confident_kept += int((sure & kept).sum())
+
+    def summary(self) -> dict:
+        def share(a: float, b: float) -> float:
+            return round(a / b, 4) if b else 0.0
+        return {"probed_steps": self.steps, "kept_share": share(self.kept, self.masked),
+                "top_kept": share(self.top_kept, self.steps),
+                "top_kept_by_chance": share(self.top_by_chance, self.steps),
+                "confident_kept": share(self.confident_kept, self.confident)}
+
+
+class PredictorProbe(TokenEviction):
+    """Diagnostic, not an acceleration (``block+focus-probe``, ``dual-cache+focus-probe``): FOCUS's
+    selection is made at every step but nothing is evicted, so the full model's confidences
+    show whether the kept tokens were the decodable ones. FOCUS rests on that premise; where
+    ``top_kept`` is no better than ``top_kept_by_chance`` the checkpoint does not meet it and
+    eviction will hold back the tokens it could commit. Tokens are those of the delayed cache
+    alone; confidence is the top softmax probability (the mask token excluded), compared with
+    the method's threshold (0.9 when it has none)."""
+    name = "focus-probe"
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.counts = PredictorCounts()
+
+    def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> EvictionHooks | None:
+        hooks = super().layer_hooks(seqs, plans)
+        if hooks is not None:
+            hooks.dry_run = True
+        return hooks
+
+    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
+                      ) -> tuple[Tensor, Tensor]:
+        would = block_state(seq).would_keep
+        positions, logits = super().after_forward(seq, positions, logits)
+        if would is not None:
+            masked, kept = would
+            row = {p: i for i, p in enumerate(positions.tolist())}
+            picked = logits[[row[p] for p in masked.tolist()]].float()
+            picked[:, seq.ids.mask_id] = -float("inf")
+            conf = torch.softmax(picked, dim=-1).max(dim=-1).values
+            threshold = seq.params.threshold if seq.params.threshold is not None else 0.9
+            self.counts.add(conf, kept, threshold)
+        return positions, logits
+
+    def diagnostics(self) -> dict:
+        return self.counts.summary()
+
+    def reset_diagnostics(self) -> None:
+        self.counts = PredictorCounts()
