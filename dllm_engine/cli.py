@@ -18,8 +18,10 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default=None, help="reference | prefix-cache | dual-cache | block "
-                   "(default: dual-cache for full attention, block for block diffusion)")
+    p.add_argument("--method", default=None, help="reference | prefix-cache | dual-cache | block, "
+                   "+strategies, optionally :field=value,... as in bench specs, e.g. "
+                   "block+focus:focus_alpha=3 (default: dual-cache for full attention, block for "
+                   "block diffusion)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--block-length", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="denoising steps per block")
@@ -35,16 +37,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace, llm) -> "SamplingParams":
-    from . import SamplingParams
     method = args.method or ("block" if "block" in llm.model.family.methods else "dual-cache")
     threshold = args.threshold
     if threshold is None and args.method is None and args.factor is None:
         threshold = 0.9  # the default method is a parallel decoder
-    return SamplingParams(method=method, max_new_tokens=args.max_new_tokens,
-                          block_length=args.block_length, steps=args.steps, threshold=threshold,
-                          factor=args.factor, temperature=args.temperature,
-                          remasking=args.remasking, seed=args.seed, cfg_scale=args.cfg_scale,
-                          stop_at_eos=args.stop_at_eos)
+    fields = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length, steps=args.steps,
+                  threshold=threshold, factor=args.factor, temperature=args.temperature,
+                  remasking=args.remasking, seed=args.seed, cfg_scale=args.cfg_scale,
+                  stop_at_eos=args.stop_at_eos)
+    from .bench import parse_spec
+    return parse_spec(method, **fields)  # a spec's own fields (method:field=value) win
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:

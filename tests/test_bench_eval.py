@@ -95,3 +95,29 @@ def test_cli_stop_at_eos_flag(ckpt, flag, want):
     add_sampling_args(parser)
     params = sampling_params(parser.parse_args(flag), LLM(ckpt))
     assert params.stop_at_eos is want
+
+
+@pytest.mark.parametrize("argv,method,alpha,threshold", [
+    (["--method", "dual-cache+focus:focus_alpha=3"], "dual-cache+focus", 3.0, None),
+    (["--method", "dual-cache:threshold=0.8", "--threshold", "0.7"], "dual-cache", 1.5, 0.8),
+    (["--threshold", "0.7"], "dual-cache", 1.5, 0.7)])
+def test_cli_method_takes_a_bench_spec(ckpt, argv, method, alpha, threshold):
+    import argparse
+    from dllm_engine.cli import add_sampling_args, sampling_params
+    parser = argparse.ArgumentParser()
+    add_sampling_args(parser)
+    params = sampling_params(parser.parse_args(argv), LLM(ckpt))
+    assert (params.method, params.focus_alpha, params.threshold) == (method, alpha, threshold)
+
+
+def test_eval_reports_a_diagnostic_strategy(ckpt, capsys):
+    from dllm_engine import SamplingParams
+    llm = LLM(ckpt)
+    params = SamplingParams(method="dual-cache+focus-probe", max_new_tokens=16, block_length=8, threshold=0.9)
+    report = evaluate(llm, params, tasks=["sort"], limit=2, use_tqdm=False)
+    assert report.diagnostics["probed_steps"] > 0
+    assert report.as_dict()["diagnostics"] == report.diagnostics and "top_kept_by_chance" in report.table()
+    again = evaluate(llm, params, tasks=["sort"], limit=2, use_tqdm=False)
+    assert again.diagnostics == report.diagnostics  # counted afresh for each evaluation
+    plain = evaluate(llm, params.replace(method="dual-cache"), tasks=["sort"], limit=2, use_tqdm=False)
+    assert plain.diagnostics == {} and "diagnostics" not in plain.as_dict()
