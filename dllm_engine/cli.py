@@ -45,7 +45,7 @@ def sampling_params(args: argparse.Namespace, llm) -> "SamplingParams":
                   threshold=threshold, factor=args.factor, temperature=args.temperature,
                   remasking=args.remasking, seed=args.seed, cfg_scale=args.cfg_scale,
                   stop_at_eos=args.stop_at_eos)
-    from .bench import parse_spec
+    from .sampling_params import parse_spec
     return parse_spec(method, **fields)  # a spec's own fields (method:field=value) win
 
 

@@ -150,3 +150,41 @@ class SamplingParams:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({p.max_new_tokens}) "
                              f"exceeds the model's context of {max_context} tokens")
         return p
+
+
+FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
+
+
+def convert(name: str, raw: str):
+    kind = str(FIELD_TYPES[name])
+    if raw.lower() == "none":
+        return None
+    if "tuple" in kind:
+        return tuple(float(x) for x in raw.split("/"))
+    if "list[int]" in kind:
+        return [int(x) for x in raw.split("/")]
+    if "bool" in kind:
+        if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
+            raise ValueError(raw)
+        return raw.lower() in ("1", "true", "yes")
+    if "float" in kind:
+        return float(raw)
+    if "int" in kind:
+        return int(raw)
+    return raw
+
+
+def parse_spec(spec: str, **defaults) -> SamplingParams:
+    """``method[:field=value,...]`` -> SamplingParams (``defaults`` fill fields the spec omits)."""
+    method, _, rest = spec.partition(":")
+    fields = dict(defaults)
+    for item in filter(None, rest.split(",")):
+        name, eq, raw = item.partition("=")
+        if not eq or name not in FIELD_TYPES or name == "method":
+            raise ValueError(f"bad field {item!r} in spec {spec!r}; expected field=value with a "
+                             f"SamplingParams field")
+        try:
+            fields[name] = convert(name, raw)
+        except ValueError:
+            raise ValueError(f"bad value {raw!r} for {name} in spec {spec!r}") from None
+    return SamplingParams(method=method, **fields)

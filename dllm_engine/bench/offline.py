@@ -1,6 +1,6 @@
 """Offline benchmark: accuracy, throughput, redundancy and memory of each method spec.
 
-A spec is ``method[:field=value,...]`` setting SamplingParams fields, e.g.
+A spec is ``method[:field=value,...]`` setting SamplingParams fields (``parse_spec``), e.g.
 ``dual-cache:threshold=0.9`` or ``dual-cache+early-skip:keep_fractions=1/0.5/0.25``
 (list values are separated by ``/``). Specs run interleaved per batch size on the same prompts,
 so drift of a shared machine hits every method alike."""
@@ -18,46 +18,8 @@ import torch
 
 from ..engine.llm import LLM
 from ..eval import evaluate
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, parse_spec
 from ..tasks import Example
-
-FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
-
-
-def convert(name: str, raw: str):
-    kind = str(FIELD_TYPES[name])
-    if raw.lower() == "none":
-        return None
-    if "tuple" in kind:
-        return tuple(float(x) for x in raw.split("/"))
-    if "list[int]" in kind:
-        return [int(x) for x in raw.split("/")]
-    if "bool" in kind:
-        if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
-            raise ValueError(raw)
-        return raw.lower() in ("1", "true", "yes")
-    if "float" in kind:
-        return float(raw)
-    if "int" in kind:
-        return int(raw)
-    return raw
-
-
-def parse_spec(spec: str, **defaults) -> SamplingParams:
-    """``method[:field=value,...]`` -> SamplingParams (``defaults`` fill fields the spec omits)."""
-    method, _, rest = spec.partition(":")
-    fields = dict(defaults)
-    for item in filter(None, rest.split(",")):
-        name, eq, raw = item.partition("=")
-        if not eq or name not in FIELD_TYPES or name == "method":
-            raise ValueError(f"bad field {item!r} in spec {spec!r}; expected field=value with a "
-                             f"SamplingParams field")
-        try:
-            fields[name] = convert(name, raw)
-        except ValueError:
-            raise ValueError(f"bad value {raw!r} for {name} in spec {spec!r}") from None
-    return SamplingParams(method=method, **fields)
-
 
 class PeakMemory:
     """Peak resident memory (CPU, sampled from /proc) or peak allocated device memory (CUDA)."""
