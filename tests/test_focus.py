@@ -408,6 +408,10 @@ def test_predictor_counts_on_hand_examples():
 class FirstSelection:
     """Mixin: the masked block positions kept at each sequence's first step."""
 
+    def __init__(self, model):
+        super().__init__(model)
+        self.first = {}
+
     def after_forward(self, seq, positions, logits):
         state = block_state(seq)
         if id(seq) not in self.first:
@@ -422,11 +426,11 @@ class FirstSelection:
 
 
 class FirstKept(FirstSelection, TokenEviction):
-    first: dict
+    pass
 
 
 class FirstProbed(FirstSelection, PredictorProbe):
-    first: dict
+    pass
 
 
 @pytest.mark.parametrize("model_type,method", [("sdar", "block+focus"), ("llada", "dual-cache+focus")])
@@ -434,7 +438,6 @@ def test_probe_scores_the_selection_focus_makes_but_evicts_nothing(llms, model_t
     llm = llms[model_type]
     params = SamplingParams(method=method, max_new_tokens=32, block_length=16, threshold=0.9, stop_at_eos=False)
     focus, probe = FirstKept(llm.model), FirstProbed(llm.model)
-    focus.first, probe.first = {}, {}
     run_with(llm, focus, PROMPTS, params)
     probed = run_with(llm, probe, PROMPTS, params)
     # the first step has the same inputs under both: the probe saw FOCUS's own selection

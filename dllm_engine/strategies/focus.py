@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..decoding.decoders import StepPlan
+from ..decoding.rules import confidence
 from ..engine.sequence import Sequence
 from ..models.context import ForwardContext
 from .base import Strategy
@@ -384,9 +385,9 @@ class PredictorProbe(TokenEviction):
         if would is not None:
             masked, kept = would
             row = {p: i for i, p in enumerate(positions.tolist())}
-            picked = logits[[row[p] for p in masked.tolist()]].float()
+            picked = logits[[row[p] for p in masked.tolist()]]  # a copy
             picked[:, seq.ids.mask_id] = -float("inf")
-            conf = torch.softmax(picked, dim=-1).max(dim=-1).values
+            conf = confidence(picked, picked.argmax(dim=-1), "low_confidence", None)
             threshold = seq.params.threshold if seq.params.threshold is not None else 0.9
             self.counts.add(conf, kept, threshold)
         return positions, logits
