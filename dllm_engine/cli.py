@@ -89,13 +89,11 @@ def split_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def split_tasks(text: str) -> list[str] | None:
-    return None if text == "all" else [t for t in text.split(",") if t]
-
-
 def add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="accuracy and speed of one method on the held-out task split")
-    p.add_argument("--tasks", default="all", type=split_tasks, help="comma-separated task names or 'all'")
+    p.add_argument("--tasks", default="all",
+                   help="'all', a family ('copy': short answers, 'worked': step-by-step answers) "
+                        "or comma-separated task names")
     p.add_argument("--limit", type=int, default=None, help="prompts per task")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--json", default=None, help="write the report as JSON here")
@@ -107,6 +105,8 @@ def run_eval(args: argparse.Namespace) -> None:
     import json
     from . import LLM
     from .eval import evaluate
+    from .tasks import resolve_tasks
+    args.tasks = resolve_tasks(args.tasks)  # a typo fails before the model loads
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     params = sampling_params(args, llm)
     report = evaluate(llm, params, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size)
@@ -121,7 +121,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", nargs="+", required=True,
                    help="specs method[:field=value,...], e.g. dual-cache:threshold=0.9")
     p.add_argument("--batch-sizes", type=split_ints, default=[1, 8, 32])
-    p.add_argument("--tasks", default="all", type=split_tasks)
+    p.add_argument("--tasks", default="all",
+                   help="'all', a family ('copy', 'worked') or comma-separated task names")
     p.add_argument("--limit", type=int, default=None, help="prompts per task")
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--block-length", type=int, default=None, help="for every spec that does not set it")
@@ -133,11 +134,12 @@ def run_bench(args: argparse.Namespace) -> None:
     from . import LLM
     from .bench.offline import HEADER, run_bench as bench, table
     from .tasks import load_split
+    examples = load_split(args.tasks, limit=args.limit)  # a typo fails before the model loads
+    args.tasks = list(dict.fromkeys(e.task for e in examples))
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
-    examples = load_split(args.tasks, limit=args.limit)
     defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
                                   ("block_length", args.block_length)) if v is not None}
-    print(f"model: {args.model}  prompts: {len(examples)}  device: {args.device}")
+    print(f"model: {args.model}  prompts: {len(examples)}  tasks: {','.join(args.tasks)}  device: {args.device}")
     print(HEADER)
     records = bench(llm, args.methods, args.batch_sizes, examples, args.out, defaults)
     print()
@@ -156,8 +158,12 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-kv-heads", type=int, default=4)
     p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="written to generation_config.json")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
+    p.add_argument("--export-only", action="store_true",
+                   help="write --work's last saved state to --out as a checkpoint and exit "
+                        "(check a run that is still training)")
     p.add_argument("--ar-weight", type=float, default=1.0,
                    help="weight of the auxiliary causal next-token loss (0 = diffusion loss only)")
     p.add_argument("--task-mix", type=task_mix, default=None, metavar="TASK=N,...",
@@ -184,8 +190,10 @@ def run_train(args: argparse.Namespace) -> None:
     cfg = TrainConfig(family=args.family, out=args.out, work=args.work, steps=args.steps,
                       batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       num_kv_heads=args.num_kv_heads, block_size=args.block_size,
+                      max_new_tokens=args.max_new_tokens,
                       init_from=args.init_from, ar_weight=args.ar_weight, task_mix=args.task_mix)
-    print(f"checkpoint written to {Trainer(cfg).train()}")
+    trainer = Trainer(cfg)
+    print(f"checkpoint written to {trainer.export_saved() if args.export_only else trainer.train()}")
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
@@ -218,7 +226,7 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--concurrency", type=split_ints, default=[1, 8, 32, 64])
     p.add_argument("--num-requests", type=int, default=64, help="requests per concurrency level")
-    p.add_argument("--tasks", default="all", type=split_tasks)
+    p.add_argument("--tasks", default="all", help="'all', a family ('copy', 'worked') or task names")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--method", default=None)
     p.add_argument("--threshold", type=float, default=None)

@@ -15,7 +15,7 @@ from tokenizers import AddedToken, Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
-from .tasks.generators import VOCAB
+from .tasks.registry import VOCAB
 
 PAD, UNK, BOS, EOS = "<|pad|>", "<|unk|>", "<|startoftext|>", "<|endoftext|>"
 LLADA_MASK, SDAR_MASK = "<|mdm_mask|>", "<|MASK|>"

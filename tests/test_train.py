@@ -6,6 +6,7 @@ import torch
 
 from dllm_engine import LLM
 from dllm_engine.train import TrainConfig, Trainer
+from dllm_engine.train.trainer import grow_vocab
 from dllm_engine.train.data import MIN_T, block_diffusion_mask
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
@@ -70,6 +71,19 @@ def test_resume_continues_exactly(tmp_path):
     assert steps == list(range(6))
 
 
+def test_export_only_writes_the_saved_state(tmp_path):
+    with pytest.raises(ValueError, match="no saved state"):
+        trainer(tmp_path, name="empty").export_saved()
+    t = trainer(tmp_path, name="run", steps=4)
+    t.train()
+    again = trainer(tmp_path, name="run", steps=4)
+    out = again.export_saved()
+    assert again.step == 4  # nothing trained
+    exported = LLM(out).model.state_dict()
+    for n, a in t.model.state_dict().items():
+        assert torch.equal(a, exported[n]), n
+
+
 def test_export_is_a_loadable_checkpoint(tmp_path):
     t = trainer(tmp_path, family="sdar", steps=2)
     out = t.train()
@@ -88,15 +102,15 @@ def test_export_is_a_loadable_checkpoint(tmp_path):
 def test_bad_config():
     with pytest.raises(ValueError, match="family must be one of"):
         TrainConfig(family="gpt", out="x", work="y")
-    with pytest.raises(ValueError, match="mix names tasks not in the stream: add"):
-        TrainConfig(family="llada", out="x", work="y", task_mix={"add": 2})
+    with pytest.raises(ValueError, match="mix names tasks not in the stream: addition"):
+        TrainConfig(family="llada", out="x", work="y", task_mix={"addition": 2})
 
 
 def test_task_mix_reaches_the_batches(tmp_path):
     t = trainer(tmp_path, batch_size=16, task_mix={"lookup": 4})
     prompts = [t.tokenizer.decode(row) for step in range(4) for row in t.batch(step).targets]
-    # one pool of 64 examples = 7 whole rounds of 9 (4 lookups each) + 1 example
-    assert 28 <= sum("lookup :" in p for p in prompts) <= 29
+    # one pool of 64 examples = 4 whole rounds of 13 (9 other tasks, 4 lookups) + 12 examples
+    assert 19 <= sum("lookup :" in p for p in prompts) <= 20
 
 
 def test_cli_task_mix(tmp_path, capsys):
@@ -108,3 +122,16 @@ def test_cli_task_mix(tmp_path, capsys):
     assert "expected TASK=N with N >= 1, got 'lookup=0'" in capsys.readouterr().err
     assert main([*base, "--task-mix", "add=2"]) == 2
     assert "mix names tasks not in the stream: add" in capsys.readouterr().err
+
+
+def test_grow_vocab_keeps_old_rows_and_fresh_new_ones():
+    """--init-from a checkpoint with a smaller vocabulary (the tokenizer appends words)."""
+    old = {"embed_tokens.weight": torch.ones(3, 4), "lm_head.weight": torch.ones(3, 4),
+           "norm.weight": torch.ones(4)}
+    fresh = {"embed_tokens.weight": torch.zeros(5, 4), "lm_head.weight": torch.zeros(5, 4),
+             "norm.weight": torch.zeros(4)}
+    out = grow_vocab(old, fresh)
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        assert out[name].shape == (5, 4)
+        assert (out[name][:3] == 1).all() and (out[name][3:] == 0).all()
+    assert out["norm.weight"] is old["norm.weight"]

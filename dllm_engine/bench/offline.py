@@ -72,6 +72,12 @@ class BenchRecord:
     redundancy: float
     prefill_tokens: int
     peak_memory_mb: float
+    tasks: list[str]  # the workload: task names of the prompts, in order
+
+    @property
+    def stop_share(self) -> float:
+        """Decoded tokens the user never receives (EOS padding and after), as a share."""
+        return 1 - self.output_tokens / self.decoded_tokens if self.decoded_tokens else 0.0
 
 
 def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Example],
@@ -85,7 +91,7 @@ def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Exampl
                        seconds=round(s.seconds, 3), nfe=s.nfe, decoded_tokens=s.decoded_tokens,
                        output_tokens=s.output_tokens, processed_tokens=round(s.processed_tokens, 1),
                        redundancy=round(s.redundancy, 3), prefill_tokens=s.prefill_tokens,
-                       peak_memory_mb=mem.mb)
+                       peak_memory_mb=mem.mb, tasks=list(dict.fromkeys(e.task for e in examples)))
 
 
 def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
@@ -120,26 +126,26 @@ def prepare_out_dir(out_dir: str | Path) -> Path:
 
 
 HEADER = (f"{'method':<48} {'batch':>5} {'acc':>6} {'tok/s':>8} {'nfe':>6} {'tok/step':>8} "
-          f"{'redund':>7} {'prefill':>8} {'mem MB':>7}")
+          f"{'redund':>7} {'stop%':>6} {'prefill':>8} {'mem MB':>7}")
 
 
 def format_row(r: BenchRecord) -> str:
     return (f"{r.method:<48} {r.batch_size:>5} {r.accuracy:>6.1%} {r.throughput:>8.1f} {r.nfe:>6} "
-            f"{r.decoded_tokens / max(1, r.nfe):>8.2f} {r.redundancy:>7.2f} {r.prefill_tokens:>8} "
+            f"{r.decoded_tokens / max(1, r.nfe):>8.2f} {r.redundancy:>7.2f} {r.stop_share:>6.1%} {r.prefill_tokens:>8} "
             f"{r.peak_memory_mb:>7.0f}")
 
 
 def table(records: list[BenchRecord]) -> str:
     """Markdown table with each method's speed-up over the first spec at the same batch size."""
     base = {r.batch_size: r for r in records if r.method == records[0].method}
-    lines = ["| method | batch | accuracy | throughput (tok/s) | speed-up | nfe | tokens/step | redundancy | prefill tokens | peak MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | batch | accuracy | throughput (tok/s) | speed-up | nfe | tokens/step | redundancy | stop share | prefill tokens | peak MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         ref = base.get(r.batch_size)
         speedup = r.throughput / ref.throughput if ref and ref.throughput else float("nan")
         lines.append(f"| `{r.method}` | {r.batch_size} | {r.accuracy:.1%} | {r.throughput:.1f} | "
                      f"{speedup:.2f}× | {r.nfe} | {r.decoded_tokens / max(1, r.nfe):.2f} | "
-                     f"{r.redundancy:.2f} | {r.prefill_tokens} | {r.peak_memory_mb:.0f} |")
+                     f"{r.redundancy:.2f} | {r.stop_share:.1%} | {r.prefill_tokens} | {r.peak_memory_mb:.0f} |")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """One request: its canvas, block cursor, random generator and stats."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ class SequenceStats:
     processed_tokens: float = 0.0
     prefill_tokens: int = 0
     seconds: float = 0.0
+    step_commits: Counter = field(default_factory=Counter)  # tokens committed by a step -> steps
 
     @property
     def redundancy(self) -> float:
@@ -35,6 +37,7 @@ class SequenceStats:
         self.output_tokens += other.output_tokens
         self.processed_tokens += other.processed_tokens
         self.prefill_tokens += other.prefill_tokens
+        self.step_commits.update(other.step_commits)
 
     def as_dict(self) -> dict:
         return {"nfe": self.nfe, "decoded_tokens": self.decoded_tokens,
@@ -90,6 +93,7 @@ class Sequence:
         self.start_time = 0.0
         self.schedule = self.block_schedule()
         self.strategy_state: dict = {}  # per-sequence state owned by strategies
+        self.decoded_before_step = 0  # stats.decoded_tokens when the current step began
 
     # -- geometry ----------------------------------------------------------------------------
     @property
@@ -117,6 +121,8 @@ class Sequence:
 
     def advance(self) -> None:
         """After a step's commits: next step, next block, or finish."""
+        self.stats.step_commits[self.stats.decoded_tokens - self.decoded_before_step] += 1
+        self.decoded_before_step = self.stats.decoded_tokens
         self.step += 1
         if len(self.masked_positions()):
             return

@@ -32,7 +32,28 @@ class TaskResult:
         return {"task": self.task, "num_prompts": self.num_prompts, "accuracy": round(self.accuracy, 4),
                 "mean_output_tokens": round(self.stats.output_tokens / max(1, self.num_prompts), 2),
                 "nfe": self.stats.nfe, "tokens_per_step": round(self.stats.tokens_per_step, 3),
-                "redundancy": round(self.stats.redundancy, 3)}
+                "redundancy": round(self.stats.redundancy, 3),
+                "stop_share": round(stop_share(self.stats), 4),
+                "steps_by_commits": commit_histogram(self.stats)}
+
+
+def stop_share(stats: SequenceStats) -> float:
+    """Share of the decoded tokens the user never receives: stop tokens (EOS padding) and anything
+    after the first one."""
+    return 1 - stats.output_tokens / stats.decoded_tokens if stats.decoded_tokens else 0.0
+
+
+COMMIT_BUCKETS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, None))
+
+
+def commit_histogram(stats: SequenceStats) -> dict[str, float]:
+    """Share of steps by the number of tokens they committed (``"3-4"``: 3 or 4 tokens)."""
+    steps = sum(stats.step_commits.values())
+    out = {}
+    for lo, hi in COMMIT_BUCKETS:
+        n = sum(c for k, c in stats.step_commits.items() if k >= lo and (hi is None or k <= hi))
+        out[f"{lo}+" if hi is None else str(lo) if lo == hi else f"{lo}-{hi}"] = round(n / max(1, steps), 4)
+    return out
 
 
 @dataclass
@@ -54,19 +75,24 @@ class EvalReport:
     def as_dict(self) -> dict:
         return {"method": self.method, "accuracy": round(self.accuracy, 4),
                 "throughput": round(self.throughput, 2), **self.stats.as_dict(),
+                "stop_share": round(stop_share(self.stats), 4),
+                "steps_by_commits": commit_histogram(self.stats),
                 "tasks": [t.row() for t in self.tasks.values()],
                 **({"diagnostics": self.diagnostics} if self.diagnostics else {})}
 
     def table(self) -> str:
-        lines = [f"{'task':<10} {'n':>4} {'acc':>7} {'out_len':>8} {'nfe':>6} {'tok/step':>9} {'redund':>7}"]
+        buckets = list(commit_histogram(self.stats))
+        lines = [f"{'task':<10} {'n':>4} {'acc':>7} {'out_len':>8} {'nfe':>6} {'tok/step':>9} {'redund':>7} "
+                 f"{'stop%':>6} | steps committing " + " ".join(f"{b:>5}" for b in buckets) + " tokens"]
         for t in self.tasks.values():
             r = t.row()
             lines.append(f"{t.task:<10} {t.num_prompts:>4} {t.accuracy:>7.1%} {r['mean_output_tokens']:>8} "
-                         f"{r['nfe']:>6} {r['tokens_per_step']:>9} {r['redundancy']:>7}")
+                         f"{r['nfe']:>6} {r['tokens_per_step']:>9} {r['redundancy']:>7} {r['stop_share']:>6.1%}"
+                         f" | {'':>16} " + " ".join(f"{v:>5.0%}" for v in r["steps_by_commits"].values()))
         s = self.stats
         lines.append(f"{'mean':<10} {sum(t.num_prompts for t in self.tasks.values()):>4} {self.accuracy:>7.1%}"
                      f"   throughput {self.throughput:.1f} tok/s, redundancy {s.redundancy:.2f}, "
-                     f"tokens/step {s.tokens_per_step:.2f}, {s.seconds:.1f} s")
+                     f"tokens/step {s.tokens_per_step:.2f}, stop share {stop_share(s):.1%}, {s.seconds:.1f} s")
         if self.diagnostics:
             lines.append("diagnostics: " + ", ".join(f"{k} {v}" for k, v in self.diagnostics.items()))
         return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Synthetic tasks for the embedded tiny checkpoints (and the accuracy of every method).
+"""The ``copy`` task suite (short answers) and the task base class.
 
 Every prompt and answer is a single-space-joined sequence of words from the closed
 vocabulary ``VOCAB``, so a word-level tokenizer round-trips them exactly. Each task is
@@ -28,8 +28,9 @@ NOUNS: tuple[str, ...] = (
 PUNCTUATION: tuple[str, ...] = (":", ",", "=", "?", "|")
 INSTRUCTIONS: tuple[str, ...] = ("sort", "reverse", "spell", "lookup", "dedup", "count")
 
-# The closed word list, in a fixed order so tokenizer ids never shift between builds.
-VOCAB: tuple[str, ...] = DIGITS + LETTERS + DIGIT_WORDS + NOUNS + PUNCTUATION + INSTRUCTIONS
+# The copy suite's closed word list, in a fixed order so tokenizer ids never shift between builds
+# (``registry.VOCAB`` appends the worked tasks' words after it).
+COPY_VOCAB: tuple[str, ...] = DIGITS + LETTERS + DIGIT_WORDS + NOUNS + PUNCTUATION + INSTRUCTIONS
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,4 @@ class CountTask(Task):
         return items, answer
 
 
-TASKS: dict[str, Task] = {
-    t.name: t for t in (SortTask(), ReverseTask(), SpellTask(), LookupTask(), DedupTask(), CountTask())
-}
-TASK_NAMES: list[str] = list(TASKS)
+COPY_TASKS: tuple[Task, ...] = (SortTask(), ReverseTask(), SpellTask(), LookupTask(), DedupTask(), CountTask())

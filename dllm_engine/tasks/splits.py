@@ -13,23 +13,15 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from .generators import TASK_NAMES, TASKS, Example
+from .generators import Example
+from .registry import TASK_NAMES, TASKS, resolve_tasks
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
-def _check_tasks(tasks: list[str] | None) -> list[str]:
-    """Resolve ``None`` to all tasks and reject typos early with the valid names."""
-    names = TASK_NAMES if tasks is None else list(tasks)
-    unknown = [t for t in names if t not in TASKS]
-    if unknown:
-        raise ValueError(f"unknown task(s) {unknown}; known tasks: {TASK_NAMES}")
-    return names
-
-
 def generate_split(task: str, n: int, split: str = "test") -> list[Example]:
     """Generate ``n`` distinct-prompt rows for ``task`` from the ``{split}-`` seed namespace."""
-    gen = TASKS[_check_tasks([task])[0]]
+    gen = TASKS[resolve_tasks([task])[0]]
     rows: list[Example] = []
     seen: set[str] = set()
     i = 0
@@ -88,14 +80,15 @@ def _read_task_file(path: Path, task: str, limit: int | None) -> list[Example]:
     return rows
 
 
-def load_split(tasks: list[str] | None = None, split: str = "test",
+def load_split(tasks: str | list[str] | None = None, split: str = "test",
                limit: int | None = None, data_dir: str | Path | None = None) -> list[Example]:
-    """Load committed rows, task by task in ``TASK_NAMES``/given order.
+    """Load committed rows, task by task in ``TASK_NAMES``/given order (``tasks``: names, a
+    family such as ``worked``, or ``all``; see ``registry.resolve_tasks``).
 
     ``limit`` caps rows *per task* so quick evals stay balanced across tasks.
     ``data_dir`` overrides the packaged data directory (used by tests).
     """
-    names = _check_tasks(tasks)
+    names = resolve_tasks(tasks)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
     root = Path(data_dir) if data_dir is not None else DATA_DIR
@@ -116,7 +109,7 @@ def train_examples(seed: int, tasks: list[str] | None = None,
     every batch is close to its intended mix instead of merely on average. ``mix`` oversamples the
     tasks a model finds hard; leaving it out (or all ones) gives the uniform stream.
     """
-    names = _check_tasks(tasks)  # validated here, not lazily at the first next()
+    names = resolve_tasks(tasks)  # validated here, not lazily at the first next()
     mix = check_mix(mix, names)
     rounds = [t for t in names for _ in range(mix.get(t, 1))]
     return _train_stream(random.Random(f"train-{seed}"), rounds, _test_prompts())
@@ -126,7 +119,7 @@ def check_mix(mix: dict[str, int] | None, tasks: list[str] | None = None) -> dic
     """``mix`` (None = uniform) if every name is one of ``tasks`` (default all) and every weight
     an integer >= 1; a clear ValueError otherwise."""
     mix = mix or {}
-    unknown = sorted(set(mix) - set(_check_tasks(tasks)))
+    unknown = sorted(set(mix) - set(resolve_tasks(tasks)))
     if unknown:
         raise ValueError(f"mix names tasks not in the stream: {', '.join(unknown)}")
     bad = {t: w for t, w in mix.items() if not isinstance(w, int) or w < 1}
@@ -147,4 +140,4 @@ def _train_stream(rng: random.Random, rounds: list[str], blocked: frozenset[str]
 
 def grade(example: Example, output_text: str) -> bool:
     """Grade ``output_text`` with the grader of ``example.task``."""
-    return TASKS[_check_tasks([example.task])[0]].grade(output_text, example)
+    return TASKS[resolve_tasks([example.task])[0]].grade(output_text, example)

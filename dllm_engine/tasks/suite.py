@@ -9,7 +9,7 @@ import argparse
 import random
 from pathlib import Path
 
-from .generators import TASKS
+from .registry import TASKS
 from .splits import DATA_DIR, write_split
 
 

@@ -47,7 +47,7 @@ class TrainConfig:
     num_kv_heads: int = 4
     intermediate_size: int = 384
     block_size: int = 32  # SDAR: trained block size
-    max_new_tokens: int = 128  # written to generation_config.json
+    max_new_tokens: int = 256  # written to generation_config.json (worked answers reach 177 tokens)
     save_every: int = 50
     init_from: str | None = None  # continue from a saved checkpoint's weights (fresh optimizer)
     ar_weight: float = 1.0  # auxiliary causal next-token loss; 0 = the pure diffusion objective
@@ -61,6 +61,18 @@ class TrainConfig:
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
         check_mix(self.task_mix)  # a bad mix fails here, not at the first step
+
+
+def grow_vocab(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``source`` weights for a model whose vocabulary extends the source's: the embedding and
+    head rows of the source's ids are copied, the new ids keep ``target``'s fresh initialisation
+    (the tokenizer appends new words, so the old ids keep their meaning)."""
+    out = dict(source)
+    for name, fresh in target.items():
+        old = source.get(name)
+        if old is not None and old.dim() == 2 and old.shape[1] == fresh.shape[1] and old.shape[0] < fresh.shape[0]:
+            out[name] = torch.cat([old, fresh[old.shape[0]:]])
+    return out
 
 
 class Trainer:
@@ -111,7 +123,7 @@ class Trainer:
         if source.config.model_type != self.model.config.model_type:
             raise ValueError(f"--init-from {path} is a {source.config.model_type} checkpoint, "
                              f"not {self.model.config.model_type}")
-        self.model.load_state_dict(source.state_dict())
+        self.model.load_state_dict(grow_vocab(source.state_dict(), self.model.state_dict()))
 
     def lr_at(self, step: int) -> float:
         c = self.cfg
@@ -202,6 +214,15 @@ class Trainer:
                "bos_token_id": self.tokenizer.bos_token_id}
         (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         return out
+
+    def export_saved(self) -> Path:
+        """Export the last saved state of ``work`` without training (a mid-run check of a run
+        that is still going: its state.pt is replaced atomically)."""
+        if not (self.work / "state.pt").is_file():
+            raise ValueError(f"no saved state in {self.work} (state.pt) to export")
+        self.load_state()
+        self.model.eval()
+        return self.export()
 
     # -- loop ------------------------------------------------------------------------------
     def train(self) -> Path:

@@ -1,0 +1,46 @@
+"""Every task by name, the task families, and the vocabulary they share.
+
+Two families: ``copy`` (``generators``: short answers a model can write nearly at once, the quick
+demo) and ``worked`` (``worked``: long step-by-step answers, the workload that looks like a real
+dLLM's). ``--tasks`` of ``dllm eval`` / ``dllm bench`` takes a family, ``all`` or task names.
+"""
+from __future__ import annotations
+
+from .generators import COPY_TASKS, COPY_VOCAB, Task
+from .worked import WORKED_TASKS, WORKED_WORDS
+
+# Tokenizer ids follow this order: the worked words come after the copy suite's, so a checkpoint
+# trained on the copy suite keeps its ids when the vocabulary grows.
+VOCAB: tuple[str, ...] = COPY_VOCAB + WORKED_WORDS
+
+TASKS: dict[str, Task] = {t.name: t for t in (*COPY_TASKS, *WORKED_TASKS)}
+TASK_NAMES: list[str] = list(TASKS)
+TASK_FAMILIES: dict[str, list[str]] = {
+    "copy": [t.name for t in COPY_TASKS],
+    "worked": [t.name for t in WORKED_TASKS],
+}
+
+
+def resolve_tasks(spec: str | list[str] | None) -> list[str]:
+    """Task names for ``spec``: ``None`` / ``all`` = every task, a family name, task names, or a
+    comma-separated mix of those (``worked,sort``); unknown names raise ValueError listing the
+    valid ones."""
+    if spec is None:
+        return list(TASK_NAMES)
+    words = [w.strip() for w in (spec.split(",") if isinstance(spec, str) else spec) if w.strip()]
+    if not words:
+        raise ValueError("no tasks given; use 'all', a family (copy, worked) or task names")
+    names: list[str] = []
+    for word in words:
+        group = TASK_NAMES if word == "all" else TASK_FAMILIES.get(word, [word])
+        unknown = [t for t in group if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task {word!r}; use 'all', a family ({', '.join(TASK_FAMILIES)}) "
+                             f"or task names: {', '.join(TASK_NAMES)}")
+        names += [t for t in group if t not in names]
+    return names
+
+
+def task_family(name: str) -> str:
+    """The family a task belongs to."""
+    return next(f for f, names in TASK_FAMILIES.items() if name in names)
