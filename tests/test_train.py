@@ -120,8 +120,8 @@ def test_cli_task_mix(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*base, "--task-mix", "lookup=0"])
     assert "expected TASK=N with N >= 1, got 'lookup=0'" in capsys.readouterr().err
-    assert main([*base, "--task-mix", "add=2"]) == 2
-    assert "mix names tasks not in the stream: add" in capsys.readouterr().err
+    assert main([*base, "--task-mix", "addition=2"]) == 2
+    assert "mix names tasks not in the stream: addition" in capsys.readouterr().err
 
 
 def test_grow_vocab_keeps_old_rows_and_fresh_new_ones():
