@@ -19,6 +19,7 @@ import torch
 
 from ..engine.llm import LLM
 from ..engine.sequence import Sequence
+from ..engine.stop_strings import committed_end, committed_ids, find_stop, tokens_through_stop
 from .metrics import Metrics
 from .protocol import ApiError, ChoiceResult
 
@@ -64,12 +65,6 @@ class Track:
     end: int = -1  # committed canvas end at the last update
 
 
-def find_stop(text: str, stops: list[str]) -> int | None:
-    """Index of the earliest stop string in ``text``, or None."""
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
-    return min(hits) if hits else None
-
-
 def held_back(text: str, stops: list[str]) -> str:
     """``text`` minus a tail that could still become a stop string or a broken character."""
     keep = len(text)
@@ -79,21 +74,6 @@ def held_back(text: str, stops: list[str]) -> str:
                 keep = min(keep, len(text) - n)
                 break
     return text[:keep].rstrip("\ufffd")
-
-
-def committed_end(seq: Sequence) -> int:
-    """Canvas end of the generated tokens that are final (whole finished blocks)."""
-    end = seq.canvas_len if seq.finished else seq.block[0]
-    return max(seq.prompt_len, min(end, seq.prompt_len + seq.params.max_new_tokens))
-
-
-def committed_ids(seq: Sequence) -> list[int]:
-    """Final generated tokens up to, not including, the first stop token."""
-    if seq.finished:
-        return seq.output_ids()
-    gen = seq.canvas[seq.prompt_len: committed_end(seq)].tolist()
-    cut = next((i for i, t in enumerate(gen) if t in seq.ids.stop_ids), len(gen))
-    return gen[:cut]
 
 
 def progress(seq: Sequence) -> tuple[int, int, bool]:
@@ -286,7 +266,7 @@ class EngineLoop:
             return
         if cut is not None:
             text = text[:cut]
-            ids = ids[: self.tokens_through_stop(ids, job.stops)]
+            ids = ids[: tokens_through_stop(ids, job.stops, self.decode)]
             if not seq.finished:
                 self.engine.cancel(seq.seq_id)
         self.send(track, text)
@@ -313,14 +293,3 @@ class EngineLoop:
             return ""
         with self.tokenizer_lock:
             return tok.decode(ids, skip_special_tokens=True)
-
-    def tokens_through_stop(self, ids: list[int], stops: list[str]) -> int:
-        """The fewest leading tokens whose text holds a stop string (binary search: monotone)."""
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if find_stop(self.decode(ids[:mid]), stops) is None:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
