@@ -1,4 +1,4 @@
-"""The ``dllm`` command: generate, eval, bench, train, serve."""
+"""The ``dllm`` command: generate, eval, bench, train, serve, lm-eval."""
 from __future__ import annotations
 
 import argparse
@@ -37,16 +37,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace, llm) -> "SamplingParams":
-    method = args.method or ("block" if "block" in llm.model.family.methods else "dual-cache")
-    threshold = args.threshold
-    if threshold is None and args.method is None and args.factor is None:
-        threshold = 0.9  # the default method is a parallel decoder
     fields = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length, steps=args.steps,
-                  threshold=threshold, factor=args.factor, temperature=args.temperature,
+                  threshold=args.threshold, factor=args.factor, temperature=args.temperature,
                   remasking=args.remasking, seed=args.seed, cfg_scale=args.cfg_scale,
                   stop_at_eos=args.stop_at_eos)
-    from .sampling_params import parse_spec
-    return parse_spec(method, **fields)  # a spec's own fields (method:field=value) win
+    from .sampling_params import method_params
+    return method_params(args.method, llm.model.family.methods, **fields)
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -254,19 +250,56 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         print(f"\nwrote {args.out}/serve_bench.json and {args.out}/serve_bench.png")
 
 
+def add_lm_eval_tasks(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lm-eval-tasks", help="write the held-out splits as lm-eval YAML tasks "
+                       "(for lm_eval --include_path DIR)")
+    p.add_argument("--out", required=True, help="folder for dllm_<task>.yaml and dllm_suite.yaml")
+
+
+def run_lm_eval_tasks(args: argparse.Namespace) -> None:
+    from .integrations.lm_eval_tasks import GROUP, write_tasks
+    names = write_tasks(args.out)
+    print(f"wrote {len(names)} tasks ({', '.join(names)}) and the group {GROUP} to {args.out}")
+
+
+def run_lm_eval(argv: list[str]) -> int:
+    """``dllm lm-eval ARGS``: lm-eval's command line with the ``dllm`` model registered and the
+    embedded tasks on its include path (unless ARGS sets ``--include_path``)."""
+    import tempfile
+    try:
+        from .integrations import lm_eval  # noqa: F401  (registers the model "dllm")
+    except ImportError as e:
+        print(f"error: dllm lm-eval needs the lm-eval extra (pip install -e '.[lm-eval]'): {e}",
+              file=sys.stderr)
+        return 2
+    from lm_eval.__main__ import cli_evaluate
+    from .integrations.lm_eval_tasks import write_tasks
+    with tempfile.TemporaryDirectory(prefix="dllm-lm-eval-") as tasks_dir:
+        write_tasks(tasks_dir)
+        extra = [] if any(a.startswith("--include_path") for a in argv) else ["--include_path", tasks_dir]
+        sys.argv = ["lm-eval", *argv, *extra]
+        cli_evaluate()
+    return 0
+
+
 COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eval),
             "bench": (add_bench, run_bench), "train": (add_train, run_train),
-            "serve": (add_serve, run_serve), "bench-serve": (add_bench_serve, run_bench_serve)}
+            "serve": (add_serve, run_serve), "bench-serve": (add_bench_serve, run_bench_serve),
+            "lm-eval-tasks": (add_lm_eval_tasks, run_lm_eval_tasks)}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "serve"]:  # the load generator lives beside the offline bench
         argv = ["bench-serve", *argv[2:]]
+    if argv[:1] == ["lm-eval"]:  # every other argument belongs to lm-eval's own parser
+        return run_lm_eval(argv[1:])
     parser = argparse.ArgumentParser(prog="dllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add, _ in COMMANDS.values():
         add(sub)
+    sub.add_parser("lm-eval", help="lm-evaluation-harness with the model 'dllm' and the embedded tasks "
+                   "(needs the lm-eval extra; every argument goes to lm-eval: dllm lm-eval --help)")
     args = parser.parse_args(argv)
     try:
         COMMANDS[args.command][1](args)

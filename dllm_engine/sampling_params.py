@@ -188,3 +188,13 @@ def parse_spec(spec: str, **defaults) -> SamplingParams:
         except ValueError:
             raise ValueError(f"bad value {raw!r} for {name} in spec {spec!r}") from None
     return SamplingParams(method=method, **fields)
+
+
+def method_params(method: str | None, family_methods: tuple[str, ...], **fields) -> SamplingParams:
+    """``method`` (a spec; None = the family's parallel decoder, ``block`` or ``dual-cache``, at
+    threshold 0.9) with ``fields`` filling what the spec leaves out."""
+    if method is None:
+        method = "block" if "block" in family_methods else "dual-cache"
+        if fields.get("threshold") is None and fields.get("factor") is None:
+            fields["threshold"] = 0.9
+    return parse_spec(method, **fields)  # a spec's own fields (method:field=value) win
