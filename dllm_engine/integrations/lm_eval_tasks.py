@@ -1,0 +1,67 @@
+"""The embedded task suite as lm-eval tasks: one YAML per committed split file, and a group.
+
+``write_tasks(DIR)`` writes ``dllm_<file stem>.yaml`` for every ``*.jsonl`` in the held-out split
+folder (whatever families it holds) and ``dllm_suite.yaml`` grouping them; ``lm_eval --include_path
+DIR --tasks dllm_suite`` then runs offline (the rows are read by the ``datasets`` json loader). Each
+answer is graded by the task's own grader (``tasks.grade``, the one ``dllm eval`` uses), so both
+report the same accuracy; the group's score is the mean of the tasks' scores, as ``dllm eval``'s.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..tasks import Example, grade
+from ..tasks.splits import DATA_DIR
+
+GROUP = "dllm_suite"
+PREFIX = "dllm_"
+
+
+def task_yaml(name: str, data_file: Path) -> str:
+    """One generate_until task over ``data_file`` (JSON is valid YAML: values are JSON-quoted)."""
+    config = {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data_file.resolve())}},
+        "test_split": "test",
+        "output_type": "generate_until",
+        "doc_to_text": "{{prompt}}",
+        "doc_to_target": "{{answer}}",
+        # no max_gen_toks: the model's own default (the checkpoint's generation_config) applies
+        "generation_kwargs": {"until": [], "do_sample": False},
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": 1.0},
+    }
+    lines = [f"{key}: {json.dumps(value)}" for key, value in config.items()]
+    lines.append(f"process_results: !function {__name__}.process_results")
+    return "\n".join(lines) + "\n"
+
+
+def group_yaml(tasks: list[str]) -> str:
+    config = {"group": GROUP, "task": tasks,
+              "aggregate_metric_list": [{"metric": "exact_match", "aggregation": "mean",
+                                         "weight_by_size": False}],
+              "metadata": {"version": 1.0}}
+    return "\n".join(f"{key}: {json.dumps(value)}" for key, value in config.items()) + "\n"
+
+
+def write_tasks(out_dir: str | Path, split_dir: str | Path | None = None) -> list[str]:
+    """Write the task and group YAMLs into ``out_dir``; returns the task names."""
+    split_dir = Path(split_dir) if split_dir is not None else DATA_DIR / "test"
+    files = sorted(split_dir.glob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no *.jsonl split files in {split_dir}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [PREFIX + f.stem for f in files]
+    for name, path in zip(names, files):
+        (out / f"{name}.yaml").write_text(task_yaml(name, path), encoding="utf-8")
+    (out / f"{GROUP}.yaml").write_text(group_yaml(names), encoding="utf-8")
+    return names
+
+
+def process_results(doc: dict, results: list[str]) -> dict[str, float]:
+    """lm-eval hook: grade the first response with the task's own grader."""
+    example = Example(doc["task"], doc["prompt"], doc["answer"], id=doc.get("id"))
+    return {"exact_match": float(grade(example, results[0]))}

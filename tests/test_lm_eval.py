@@ -1,0 +1,215 @@
+"""lm-evaluation-harness: the ``dllm`` model, the embedded tasks as YAML, and the OpenAI route.
+
+Runs offline: the tasks read the committed JSONL splits; the task manager indexes only them."""
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+lm_eval = pytest.importorskip("lm_eval")  # the lm-eval extra (make test installs it)
+
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from dllm_engine import LLM, SamplingParams  # noqa: E402
+from dllm_engine.cli import main  # noqa: E402
+from dllm_engine.eval import evaluate  # noqa: E402
+from dllm_engine.integrations.lm_eval import DllmLM  # noqa: E402
+from dllm_engine.integrations.lm_eval_tasks import GROUP, write_tasks  # noqa: E402
+from dllm_engine.tasks import load_split  # noqa: E402
+from fixtures import write_checkpoint  # noqa: E402
+from test_server import serving  # noqa: E402
+
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+LIMIT = 2  # prompts per task
+
+
+@pytest.fixture(scope="module")
+def task_manager(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lm_eval_tasks")
+    write_tasks(folder)
+    return TaskManager(include_path=str(folder), include_defaults=False)
+
+
+@pytest.fixture(scope="module")
+def llada():
+    return DllmLM(str(CHECKPOINTS / "tiny-llada"), method="dual-cache", threshold=0.9, batch_size=8)
+
+
+def chat_context(lm, prompt: str) -> str:
+    return lm.apply_chat_template([{"role": "user", "content": prompt}])
+
+
+def request(kind: str, *args) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+def run_suite(lm, task_manager, tasks=(GROUP,)) -> dict:
+    return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=LIMIT, apply_chat_template=True,
+                                   task_manager=task_manager, bootstrap_iters=0, log_samples=True)
+
+
+def responses(results: dict) -> dict[str, list[str]]:
+    """Each task's answers, in document order."""
+    return {task: [s["resps"][0][0] for s in sorted(samples, key=lambda s: s["doc_id"])]
+            for task, samples in results["samples"].items()}
+
+
+def test_simple_evaluate_equals_dllm_eval(llada, task_manager):
+    results = run_suite(llada, task_manager)
+    report = evaluate(llada.llm, llada.params, limit=LIMIT, batch_size=8, use_tqdm=False)
+    for task, result in report.tasks.items():
+        assert results["results"][f"dllm_{task}"]["exact_match,none"] == result.accuracy, task
+    assert results["results"][GROUP]["exact_match,none"] == pytest.approx(report.accuracy)
+    # the answers themselves are the engine's, token for token
+    examples = load_split(limit=LIMIT)
+    outs = llada.llm.chat([[{"role": "user", "content": e.prompt}] for e in examples], llada.params)
+    got = responses(results)
+    for i, (ex, out) in enumerate(zip(examples, outs)):
+        assert got[f"dllm_{ex.task}"][i % LIMIT] == out.text
+    stats = llada.stats.as_dict()["generate_until"]
+    assert stats["requests"] == len(examples) and stats["nfe"] == outs.stats.nfe
+
+
+def test_tasks_follow_the_split_files(tmp_path):
+    split = tmp_path / "split"
+    split.mkdir()
+    for name in ("sort", "zeta"):  # a family the code has never heard of gets its task too
+        (split / f"{name}.jsonl").write_text('{"id": "x", "task": "sort", "prompt": "a", "answer": "b"}\n')
+    assert write_tasks(tmp_path / "out", split) == ["dllm_sort", "dllm_zeta"]
+    group = yaml.safe_load((tmp_path / "out" / f"{GROUP}.yaml").read_text())
+    assert group["group"] == GROUP and group["task"] == ["dllm_sort", "dllm_zeta"]
+    assert str((split / "zeta.jsonl").resolve()) in (tmp_path / "out" / "dllm_zeta.yaml").read_text()
+
+
+def test_missing_split_folder_is_reported(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no .*jsonl split files in"):
+        write_tasks(tmp_path / "out", tmp_path)
+
+
+def test_batch_sizes_1_and_8_give_the_same_answers():
+    sdar = str(CHECKPOINTS / "tiny-sdar")
+    lms = [DllmLM(sdar, method="block+focus", threshold=0.9, batch_size=b) for b in (1, 8)]
+    assert [lm.llm.engine.max_num_seqs for lm in lms] == [1, 8]
+    reqs = [request("generate_until", chat_context(lms[0], e.prompt), {"until": []})
+            for e in load_split(limit=LIMIT)[:8]]
+    one, eight = (lm.generate_until(reqs, disable_tqdm=True) for lm in lms)
+    assert one == eight and all(one)
+
+
+def test_until_cuts_each_request_at_its_own_stop_strings(llada):
+    contexts = [chat_context(llada, e.prompt) for e in load_split(["sort", "reverse", "spell"], limit=1)]
+    full = llada.generate_until([request("generate_until", c, {"until": []}) for c in contexts], True)
+    words = [text.split() for text in full]
+    stops = [[words[0][2]], ["not-in-any-answer", words[1][3], words[1][1]], words[2][4]]  # list / list / str
+    got = llada.generate_until([request("generate_until", c, {"until": s}) for c, s in zip(contexts, stops)],
+                               True)
+    for text, stop, answer in zip(full, stops, got):
+        stop = [stop] if isinstance(stop, str) else stop
+        cut = min(text.find(s) for s in stop if s in text)
+        assert answer == text[:cut]  # the stop string itself is left out, as lm-eval expects
+
+
+def test_a_stop_string_ends_the_sequence_early(llada):
+    context = chat_context(llada, load_split(["sort"], limit=1)[0].prompt)
+    plain, stopped = llada.generation(context, {}), llada.generation(context, {"until": ["5"]})
+    llada.run([plain, stopped])
+    assert "5" in plain.text and stopped.text == plain.text[:plain.text.find("5")]
+    # 128-token canvas, 4 blocks: the stop shows up in the first one, so the rest is never decoded
+    assert stopped.seq.stats.nfe < plain.seq.stats.nfe
+    assert 0 < stopped.seq.stats.output_tokens < plain.seq.stats.output_tokens
+
+
+def test_max_gen_toks_is_per_request(llada):
+    context = chat_context(llada, load_split(["spell"], limit=1)[0].prompt)
+    short, default = llada.generate_until([request("generate_until", context, {"max_gen_toks": 5}),
+                                           request("generate_until", context, {})], True)
+    ids = llada.llm.encode(context)
+    # 5 tokens need one 32-token block (dual-cache decodes whole blocks); the answer is cut to 5
+    canvas = llada.llm.generate([ids], llada.params.replace(max_new_tokens=32))[0]
+    assert short == llada.decode(canvas.token_ids[:5])
+    assert default == llada.llm.generate([ids], llada.params)[0].text and len(default.split()) > 5
+
+
+@pytest.mark.parametrize("name", ["tiny-llada", "tiny-sdar"])
+def test_loglikelihood_ranks_the_right_answer_first(name):
+    lm = DllmLM(str(CHECKPOINTS / name), mc_num=16, mc_batch=16, check_greedy=True)
+    greedy = []
+    for ex in load_split(["sort", "reverse"], limit=2):
+        words = ex.answer.split()  # wrong answers of the same length: other orders of its words
+        wrong = [" ".join(reversed(words)), " ".join(words[1:] + words[:1]), " ".join(words[-1:] + words[:-1])]
+        assert ex.answer not in wrong
+        context = chat_context(lm, ex.prompt)
+        scores = lm.loglikelihood([request("loglikelihood", context, " " + c) for c in [ex.answer, *wrong]],
+                                  disable_tqdm=True)
+        values = [v for v, _ in scores]
+        assert values.index(max(values)) == 0, (ex.prompt, values)
+        assert not any(g for _, g in scores[1:])
+        greedy.append(scores[0][1])
+    # one token per step on an answer-sized canvas writes the answer (tiny-llada misses one sort)
+    assert sum(greedy) >= 3
+    assert lm.stats.loglikelihood_requests == 16 and lm.stats.loglikelihood_nfe == 16
+
+
+def test_loglikelihood_is_deterministic_and_rolling_conditions_on_bos():
+    lm = DllmLM(str(CHECKPOINTS / "tiny-llada"), mc_num=8, mc_batch=8)
+    req = request("loglikelihood", "sort : 3 1 2", " 1 2 3")
+    assert lm.loglikelihood([req], True) == lm.loglikelihood([req], True)
+    text = "sort : 3 1 2 1 2 3"
+    bos = lm.llm.tokenizer.bos_token_id
+    assert lm.loglikelihood_rolling([request("loglikelihood_rolling", text)], True) == \
+        [lm.score([bos], lm.llm.encode(text))]
+
+
+@pytest.fixture(scope="module")
+def random_ckpt(tmp_path_factory):
+    return str(write_checkpoint(tmp_path_factory.mktemp("llada"), "llada"))
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(thresold=0.9), r"unknown dllm model_args \['thresold'\]"),
+    (dict(threshold="high"), "bad value 'high' for model_args threshold"),
+    (dict(method="block"), "method 'block' cannot run on this model's attention pattern"),
+    (dict(batch_size=0), "batch_size must be >= 1 or 'auto'"),
+    (dict(mc_num=10, mc_batch=4), r"mc_num \(10\) must be a positive multiple of mc_batch"),
+])
+def test_bad_model_args(random_ckpt, kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        DllmLM(random_ckpt, **kwargs)
+
+
+def test_model_args_win_over_lm_eval_flags(random_ckpt):
+    lm = DllmLM.create_from_arg_string(f"pretrained={random_ckpt},device=cpu,method=reference",
+                                       {"device": "cuda:0", "batch_size": 4, "max_batch_size": None})
+    assert str(lm.device) == "cpu" and lm.llm.engine.max_num_seqs == 4 and lm.params.method == "reference"
+
+
+def test_dllm_lm_eval_command(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["dllm"])
+    # lm-eval's command line indexes its thousands of built-in tasks first (~20 s): only ours here
+    monkeypatch.setattr("lm_eval.tasks.TaskManager", functools.partial(TaskManager, include_defaults=False))
+    stats = tmp_path / "dllm_stats.json"
+    args = f"pretrained={CHECKPOINTS / 'tiny-sdar'},method=block,threshold=0.9,stats_path={stats}"
+    assert main(["lm-eval", "--model", "dllm", "--model_args", args, "--tasks", "dllm_sort", "--limit", "1",
+                 "--device", "cpu", "--apply_chat_template", "--output_path", str(tmp_path / "out")]) == 0
+    results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
+    assert results["results"]["dllm_sort"]["exact_match,none"] == 1.0
+    record = json.loads(stats.read_text())
+    assert record["method"] == "block" and record["generate_until"]["requests"] == 1
+    assert record["generate_until"]["nfe"] > 0
+
+
+@pytest.mark.parametrize("model", ["local-completions", "local-chat-completions"])
+def test_openai_route_gives_the_adapters_answers(llada, task_manager, model):
+    """lm-eval's own OpenAI clients against ``dllm serve``, unchanged: same answers as ``dllm``."""
+    tasks = ["dllm_sort", "dllm_count"]
+    served = LLM(CHECKPOINTS / "tiny-llada")
+    with serving(served, defaults=SamplingParams(method="dual-cache", threshold=0.9)) as (url, _):
+        route = "chat/completions" if model == "local-chat-completions" else "completions"
+        client = get_model(model)(base_url=f"{url}/v1/{route}", model="tiny", max_gen_toks=128,
+                                  tokenizer=str(CHECKPOINTS / "tiny-llada"), num_concurrent=4, max_retries=1)
+        over_http = responses(run_suite(client, task_manager, tasks))
+    assert over_http == responses(run_suite(llada, task_manager, tasks))
