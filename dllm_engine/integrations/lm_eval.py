@@ -266,16 +266,18 @@ class DllmLM(LM):
 
     def greedy(self, pairs: list[tuple[list[int], list[int]]]) -> list[bool]:
         """Whether one-token-per-step greedy decoding (LLaDA's check) writes exactly the target."""
-        base = "block" if self.llm.model.config.is_block_causal else "reference"
-        gens = []
-        for prompt, target in pairs:
-            shape = {} if base == "block" else {"block_length": len(target)}
-            params = SamplingParams(method=base, max_new_tokens=len(target), unmasking="low_confidence_static"
-                                    if base == "block" else None, stop_at_eos=False, **shape)
-            gens.append(Generation(self.llm.make_sequence(prompt, params), [], len(target)))
+        gens = [Generation(self.llm.make_sequence(prompt, self.greedy_params(len(target))), [], len(target))
+                for prompt, target in pairs]
         self.run(gens)
         return [g.seq.canvas[g.seq.prompt_len: g.seq.prompt_len + len(t)].tolist() == t
                 for g, (_, t) in zip(gens, pairs)]
+
+    def greedy_params(self, n: int) -> SamplingParams:
+        """One token per step over an ``n``-token canvas (block diffusion: the family's blocks)."""
+        if self.llm.model.config.is_block_causal:
+            return SamplingParams(method="block", max_new_tokens=n, unmasking="low_confidence_static",
+                                  stop_at_eos=False)
+        return SamplingParams(method="reference", max_new_tokens=n, block_length=n, stop_at_eos=False)
 
     # -- stats ------------------------------------------------------------------------------------
     def report(self) -> None:
