@@ -47,7 +47,7 @@ def request(kind: str, *args) -> Instance:
     return Instance(request_type=kind, doc={}, arguments=args, idx=0)
 
 
-def run_suite(lm, task_manager, tasks=(GROUP,)) -> dict:
+def run_suite(lm, task_manager, tasks=("dllm_copy",)) -> dict:
     return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=LIMIT, apply_chat_template=True,
                                    task_manager=task_manager, bootstrap_iters=0, log_samples=True)
 
@@ -59,13 +59,13 @@ def responses(results: dict) -> dict[str, list[str]]:
 
 
 def test_simple_evaluate_equals_dllm_eval(llada, task_manager):
-    results = run_suite(llada, task_manager)
-    report = evaluate(llada.llm, llada.params, limit=LIMIT, batch_size=8, use_tqdm=False)
+    results = run_suite(llada, task_manager)  # the family the shipped checkpoints learned
+    report = evaluate(llada.llm, llada.params, tasks="copy", limit=LIMIT, batch_size=8, use_tqdm=False)
     for task, result in report.tasks.items():
         assert results["results"][f"dllm_{task}"]["exact_match,none"] == result.accuracy, task
-    assert results["results"][GROUP]["exact_match,none"] == pytest.approx(report.accuracy)
+    assert results["results"]["dllm_copy"]["exact_match,none"] == pytest.approx(report.accuracy)
     # the answers themselves are the engine's, token for token
-    examples = load_split(limit=LIMIT)
+    examples = load_split("copy", limit=LIMIT)
     outs = llada.llm.chat([[{"role": "user", "content": e.prompt}] for e in examples], llada.params)
     got = responses(results)
     for i, (ex, out) in enumerate(zip(examples, outs)):
@@ -82,6 +82,9 @@ def test_tasks_follow_the_split_files(tmp_path):
     assert write_tasks(tmp_path / "out", split) == ["dllm_sort", "dllm_zeta"]
     group = yaml.safe_load((tmp_path / "out" / f"{GROUP}.yaml").read_text())
     assert group["group"] == GROUP and group["task"] == ["dllm_sort", "dllm_zeta"]
+    family = yaml.safe_load((tmp_path / "out" / "dllm_copy.yaml").read_text())
+    assert family["task"] == ["dllm_sort"]  # families group the files they have
+    assert not (tmp_path / "out" / "dllm_worked.yaml").exists()
     assert str((split / "zeta.jsonl").resolve()) in (tmp_path / "out" / "dllm_zeta.yaml").read_text()
 
 
@@ -95,7 +98,7 @@ def test_batch_sizes_1_and_8_give_the_same_answers():
     lms = [DllmLM(sdar, method="block+focus", threshold=0.9, batch_size=b) for b in (1, 8)]
     assert [lm.llm.engine.max_num_seqs for lm in lms] == [1, 8]
     reqs = [request("generate_until", chat_context(lms[0], e.prompt), {"until": []})
-            for e in load_split(limit=LIMIT)[:8]]
+            for e in load_split("copy", limit=LIMIT)[:8]]
     one, eight = (lm.generate_until(reqs, disable_tqdm=True) for lm in lms)
     assert one == eight and all(one)
 

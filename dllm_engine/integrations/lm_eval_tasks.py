@@ -1,17 +1,18 @@
-"""The embedded task suite as lm-eval tasks: one YAML per committed split file, and a group.
+"""The embedded task suites as lm-eval tasks: one YAML per committed split file, and groups.
 
 ``write_tasks(DIR)`` writes ``dllm_<file stem>.yaml`` for every ``*.jsonl`` in the held-out split
-folder (whatever families it holds) and ``dllm_suite.yaml`` grouping them; ``lm_eval --include_path
-DIR --tasks dllm_suite`` then runs offline (the rows are read by the ``datasets`` json loader). Each
-answer is graded by the task's own grader (``tasks.grade``, the one ``dllm eval`` uses), so both
-report the same accuracy; the group's score is the mean of the tasks' scores, as ``dllm eval``'s.
+folder, ``dllm_<family>.yaml`` grouping each task family's files (``dllm_copy``, ``dllm_worked``) and
+``dllm_suite.yaml`` grouping them all; ``lm_eval --include_path DIR --tasks dllm_suite`` then runs
+offline (the rows are read by the ``datasets`` json loader). Each answer is graded by the task's own
+grader (``tasks.grade``, the one ``dllm eval`` uses), so both report the same accuracy; a group's
+score is the mean of its tasks' scores, as ``dllm eval``'s.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ..tasks import Example, grade
+from ..tasks import TASK_FAMILIES, Example, grade
 from ..tasks.splits import DATA_DIR
 
 GROUP = "dllm_suite"
@@ -38,8 +39,8 @@ def task_yaml(name: str, data_file: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def group_yaml(tasks: list[str]) -> str:
-    config = {"group": GROUP, "task": tasks,
+def group_yaml(group: str, tasks: list[str]) -> str:
+    config = {"group": group, "task": tasks,
               "aggregate_metric_list": [{"metric": "exact_match", "aggregation": "mean",
                                          "weight_by_size": False}],
               "metadata": {"version": 1.0}}
@@ -47,7 +48,7 @@ def group_yaml(tasks: list[str]) -> str:
 
 
 def write_tasks(out_dir: str | Path, split_dir: str | Path | None = None) -> list[str]:
-    """Write the task and group YAMLs into ``out_dir``; returns the task names."""
+    """Write the task and group YAMLs into ``out_dir``; returns the task names (groups aside)."""
     split_dir = Path(split_dir) if split_dir is not None else DATA_DIR / "test"
     files = sorted(split_dir.glob("*.jsonl"))
     if not files:
@@ -57,8 +58,16 @@ def write_tasks(out_dir: str | Path, split_dir: str | Path | None = None) -> lis
     names = [PREFIX + f.stem for f in files]
     for name, path in zip(names, files):
         (out / f"{name}.yaml").write_text(task_yaml(name, path), encoding="utf-8")
-    (out / f"{GROUP}.yaml").write_text(group_yaml(names), encoding="utf-8")
+    for group, members in groups([f.stem for f in files]).items():
+        (out / f"{group}.yaml").write_text(group_yaml(group, members), encoding="utf-8")
     return names
+
+
+def groups(stems: list[str]) -> dict[str, list[str]]:
+    """Group name -> task names: every family with split files here, then the whole suite."""
+    families = {f"{PREFIX}{family}": [PREFIX + s for s in stems if s in members]
+                for family, members in TASK_FAMILIES.items()}
+    return {**{g: tasks for g, tasks in families.items() if tasks}, GROUP: [PREFIX + s for s in stems]}
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
