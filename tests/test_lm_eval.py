@@ -216,3 +216,14 @@ def test_openai_route_gives_the_adapters_answers(llada, task_manager, model):
                                   tokenizer=str(CHECKPOINTS / "tiny-llada"), num_concurrent=4, max_retries=1)
         over_http = responses(run_suite(client, task_manager, tasks))
     assert over_http == responses(run_suite(llada, task_manager, tasks))
+
+
+def test_dllm_lm_eval_without_the_extra_says_how_to_install(monkeypatch, capsys):
+    import sys
+
+    import dllm_engine.integrations as integrations
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if lm-eval were not installed
+    monkeypatch.delitem(sys.modules, "dllm_engine.integrations.lm_eval")
+    monkeypatch.delattr(integrations, "lm_eval")
+    assert main(["lm-eval", "--model", "dllm"]) == 2
+    assert "dllm lm-eval needs the lm-eval extra (pip install -e '.[lm-eval]')" in capsys.readouterr().err
