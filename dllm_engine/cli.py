@@ -253,13 +253,15 @@ def run_bench_serve(args: argparse.Namespace) -> None:
 def add_lm_eval_tasks(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("lm-eval-tasks", help="write the held-out splits as lm-eval YAML tasks "
                        "(for lm_eval --include_path DIR)")
-    p.add_argument("--out", required=True, help="folder for dllm_<task>.yaml and dllm_suite.yaml")
+    p.add_argument("--out", required=True,
+                   help="folder for dllm_<task>.yaml, a group per task family and dllm_suite.yaml")
 
 
 def run_lm_eval_tasks(args: argparse.Namespace) -> None:
-    from .integrations.lm_eval_tasks import GROUP, write_tasks
+    from .integrations.lm_eval_tasks import groups, write_tasks
     names = write_tasks(args.out)
-    print(f"wrote {len(names)} tasks ({', '.join(names)}) and the group {GROUP} to {args.out}")
+    print(f"wrote {len(names)} tasks ({', '.join(names)}) and the groups "
+          f"{', '.join(groups([n.removeprefix('dllm_') for n in names]))} to {args.out}")
 
 
 def run_lm_eval(argv: list[str]) -> int:
@@ -278,7 +280,11 @@ def run_lm_eval(argv: list[str]) -> int:
         write_tasks(tasks_dir)
         extra = [] if any(a.startswith("--include_path") for a in argv) else ["--include_path", tasks_dir]
         sys.argv = ["lm-eval", *argv, *extra]
-        cli_evaluate()
+        try:
+            cli_evaluate()
+        except ValueError as e:  # bad model_args of dllm, an unknown task, ...: one line, as elsewhere
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

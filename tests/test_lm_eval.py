@@ -190,10 +190,14 @@ def test_model_args_win_over_lm_eval_flags(random_ckpt):
     assert str(lm.device) == "cpu" and lm.llm.engine.max_num_seqs == 4 and lm.params.method == "reference"
 
 
-def test_dllm_lm_eval_command(tmp_path, monkeypatch):
+@pytest.fixture
+def own_tasks_only(monkeypatch):
+    """lm-eval's command line indexes its thousands of built-in tasks first (~20 s): only ours here."""
     monkeypatch.setattr("sys.argv", ["dllm"])
-    # lm-eval's command line indexes its thousands of built-in tasks first (~20 s): only ours here
     monkeypatch.setattr("lm_eval.tasks.TaskManager", functools.partial(TaskManager, include_defaults=False))
+
+
+def test_dllm_lm_eval_command(tmp_path, own_tasks_only):
     stats = tmp_path / "dllm_stats.json"
     args = f"pretrained={CHECKPOINTS / 'tiny-sdar'},method=block,threshold=0.9,stats_path={stats}"
     assert main(["lm-eval", "--model", "dllm", "--model_args", args, "--tasks", "dllm_sort", "--limit", "1",
@@ -203,6 +207,13 @@ def test_dllm_lm_eval_command(tmp_path, monkeypatch):
     record = json.loads(stats.read_text())
     assert record["method"] == "block" and record["generate_until"]["requests"] == 1
     assert record["generate_until"]["nfe"] > 0
+
+
+def test_dllm_lm_eval_reports_bad_model_args_in_one_line(own_tasks_only, capsys):
+    args = f"pretrained={CHECKPOINTS / 'tiny-sdar'},thresold=0.9"
+    assert main(["lm-eval", "--model", "dllm", "--model_args", args, "--tasks", "dllm_sort",
+                 "--device", "cpu"]) == 2
+    assert "error: unknown dllm model_args ['thresold']" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model", ["local-completions", "local-chat-completions"])
