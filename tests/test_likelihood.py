@@ -7,7 +7,7 @@ import torch
 
 from dllm_engine.eval.likelihood import (LikelihoodConfig, draw_masks, loglikelihood, mask_counts,
                                          segments)
-from fixtures import IDS, random_model
+from fixtures import IDS, random_llada2_model, random_model
 
 MASK = IDS["mask_token_id"]
 PROMPT = [5, 17, 30, 22, 9, 41]
@@ -48,13 +48,14 @@ def reference_loglikelihood(model, cfg: LikelihoodConfig) -> float:
 
 
 @pytest.mark.parametrize("family,cfg_scale", [("llada", 0.0), ("llada", 1.5), ("Dream", 0.0),
-                                              ("sdar", 0.0)])
+                                              ("sdar", 0.0), ("llada2_moe", 0.0)])
 def test_matches_plain_pytorch_reference(family, cfg_scale):
-    model = random_model(family, seed=3, block_size=4)
+    model = (random_llada2_model(seed=3) if family == "llada2_moe"
+             else random_model(family, seed=3, block_size=4))
     cfg = LikelihoodConfig(mc_num=4, mc_batch=2, cfg_scale=cfg_scale, seed=7)
     got = loglikelihood(model, PROMPT, TARGET, MASK, cfg)
     assert got.value == pytest.approx(reference_loglikelihood(model, cfg), rel=1e-4)
-    num_spans = 3 if family == "sdar" else 1
+    num_spans = 3 if model.config.is_block_causal else 1  # block size 4, continuation at 6..13
     assert got.nfe == num_spans * 2 * (2 if cfg_scale else 1)
 
 
