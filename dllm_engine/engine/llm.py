@@ -107,9 +107,13 @@ class LLM:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                        tokenize=True, return_dict=False))
 
+    def resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """``params`` with unset fields filled in, checked against this model and prompt length."""
+        return params.resolve(self.generation_config, self.model.family.methods,
+                              self.model.config.max_position_embeddings, prompt_len)
+
     def make_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        p = params.resolve(self.generation_config, self.model.family.methods,
-                           self.model.config.max_position_embeddings, len(prompt_ids))
+        p = self.resolve_params(params, len(prompt_ids))
         ids = self.token_ids
         if p.stop_token_ids:
             ids = TokenIds(ids.mask_id, ids.eos_id, ids.stop_ids | frozenset(p.stop_token_ids))

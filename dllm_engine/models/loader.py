@@ -93,17 +93,21 @@ def check_tensors(tensors: dict, model: DiffusionLM, family: Family, folder: Pat
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu") -> DiffusionLM:
-    """Build the family's model from a local checkpoint folder."""
+    """Build the family's model from a local checkpoint folder. On the ``meta`` device the
+    weights are not read: the model has its config and shapes only (an HTTP front that
+    tokenizes and validates for replicas elsewhere needs nothing more)."""
     folder = Path(path)
     _, family, cfg = read_config(folder)
     with torch.device("meta"):
         model = DiffusionLM(cfg)
+    model.family = family
+    if torch.device(device).type == "meta":
+        return model.to(parse_dtype(dtype)).eval()
     state = check_tensors(read_tensors(folder), model, family, folder)
     model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=False)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.family = family
     return model.to(parse_dtype(dtype)).eval()
 
 

@@ -1,4 +1,5 @@
-"""``dllm serve``: an OpenAI-compatible HTTP server over one engine loop (SPEC §8).
+"""``dllm serve``: an OpenAI-compatible HTTP server (SPEC §8) over an ``EngineClient``: the engine
+loop in this process, or Ray Serve replicas (``server.replicated``).
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (both with SSE streaming of committed text,
 block by block), ``/v1/models``, ``/health``, ``/metrics`` (Prometheus)."""
@@ -17,7 +18,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from ..engine.llm import LLM
 from ..sampling_params import SamplingParams
-from .loop import EngineLoop, Event, Job
+from .engine_client import EngineClient, GenerateRequest, InProcessEngine
+from .loop import Event
 from .metrics import Metrics
 from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, chat_body,
                        chat_chunk, completion_body, completion_chunk, now, usage, validation_error,
@@ -35,13 +37,13 @@ def sse(payload: dict | str) -> str:
 
 
 class Server:
-    """What the routes share: the LLM, its engine loop, default options and metrics."""
+    """What the routes share: the LLM (tokenizer, config, validation), the engine client, default
+    options and the HTTP side's metrics."""
 
-    def __init__(self, llm: LLM, defaults: SamplingParams, model_name: str, max_queue: int,
-                 shutdown_timeout: float) -> None:
-        self.llm, self.defaults, self.model_name = llm, defaults, model_name
-        self.metrics = Metrics()
-        self.loop = EngineLoop(llm, max_queue=max_queue, metrics=self.metrics)
+    def __init__(self, llm: LLM, engine: EngineClient, defaults: SamplingParams, model_name: str,
+                 metrics: Metrics, shutdown_timeout: float) -> None:
+        self.llm, self.engine, self.defaults, self.model_name = llm, engine, defaults, model_name
+        self.metrics = metrics
         self.shutdown_timeout = shutdown_timeout
         self.created = now()
 
@@ -51,24 +53,26 @@ class Server:
             raise ApiError(404, f"model {model!r} is not served here; use {self.model_name!r}",
                            "model", kind="not_found_error")
 
-    def make_job(self, body, prompts: list[list[int]]) -> Job:
+    def make_request(self, body, prompts: list[list[int]], request_id: str) -> GenerateRequest:
+        """Validated here, before any engine sees the request (a bad option is a 400)."""
         try:
             params = self.defaults.replace(**body.sampling_overrides())
-            seqs = [self.llm.make_sequence(ids, params) for ids in prompts]
+            for ids in prompts:
+                self.llm.resolve_params(params, len(ids))
         except ValueError as e:
             raise value_error(e) from None
-        return Job(seqs, body.stop_strings(), body.stream)
+        return GenerateRequest(request_id, prompts, params, body.stop_strings(), body.stream)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         try:
-            with self.loop.tokenizer_lock:
+            with self.engine.tokenizer_lock:
                 return self.llm.encode(prompt)
         except ValueError as e:
             raise value_error(e) from None
 
     def chat_prompt(self, body) -> list[int]:
         try:
-            with self.loop.tokenizer_lock:
+            with self.engine.tokenizer_lock:
                 ids = self.llm.apply_chat_template([m.as_dict() for m in body.messages])
             return self.llm.check_ids(ids)
         except ValueError as e:
@@ -76,30 +80,35 @@ class Server:
 
     # -- answers -----------------------------------------------------------------------------
     async def answer(self, request: Request, body, prompts: list[list[int]], chat: bool) -> Response:
-        job = self.make_job(body, prompts)
-        self.loop.submit(job)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self.stream(job, request, rid, chat, include_usage),
-                                     media_type="text/event-stream")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # unique across replicas
+        start = time.perf_counter()
+        events = self.events(self.make_request(body, prompts, rid), request)
         try:
-            results = [ev.result async for ev in self.events(job, request) if ev.result]
+            await anext(events)  # admitted, or the engine's 429 / 503 as this response's status
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return StreamingResponse(self.stream(events, start, rid, chat, include_usage, len(prompts)),
+                                         media_type="text/event-stream")
+            results = [ev.result async for ev in events if ev.result]
         except ClientGone:
             self.metrics.count_request("cancelled")
             return Response(status_code=499)
+        finally:
+            if not body.stream:
+                await events.aclose()
         results.sort(key=lambda r: r.index)
-        self.finished(job, 200)
+        self.finished(start, 200)
         build = chat_body if chat else completion_body
         return JSONResponse(build(rid, self.model_name, now(), results))
 
-    async def events(self, job: Job, request: Request) -> AsyncIterator[Event]:
-        """The job's events until every choice has its result; cancels the job if the client
-        goes away (or the handler is cancelled) first."""
-        pending, getter = len(job.seqs), None
+    async def events(self, req: GenerateRequest, request: Request) -> AsyncIterator[Event]:
+        """The engine's events for ``req``, ending with the last choice's result; raises an error
+        event as ApiError, and ClientGone (cancelling the request) if the client goes away."""
+        source = self.engine.generate(req)
+        pending, getter = len(req.prompts), None
         try:
             while pending:
-                getter = getter or asyncio.ensure_future(job.events.get())
+                getter = getter or asyncio.ensure_future(anext(source))
                 done, _ = await asyncio.wait({getter}, timeout=POLL_S)
                 if not done:
                     if await request.is_disconnected():
@@ -108,17 +117,16 @@ class Server:
                 event, getter = getter.result(), None
                 if event.error is not None:
                     raise event.error
-                if event.result is not None:
-                    pending -= 1
+                pending -= event.result is not None
                 yield event
         finally:
             if getter is not None:
                 getter.cancel()
-            if pending:
-                self.loop.cancel(job)
+                await asyncio.gather(getter, return_exceptions=True)
+            await source.aclose()  # a request still running is cancelled
 
-    async def stream(self, job: Job, request: Request, rid: str, chat: bool,
-                     include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, events: AsyncIterator[Event], start: float, rid: str, chat: bool,
+                     include_usage: bool, num_choices: int) -> AsyncIterator[str]:
         """SSE: committed text as blocks finish, a final chunk per choice, [DONE]."""
         created, results, status, first = now(), [], "cancelled", True
 
@@ -130,13 +138,13 @@ class Server:
 
         try:
             if chat:
-                for i in range(len(job.seqs)):
+                for i in range(num_choices):
                     yield chunk(i, "", None, role=True)
-            async with aclosing(self.events(job, request)) as events:
+            async with aclosing(events):
                 async for event in events:
                     if event.text:
                         if first:
-                            self.metrics.observe_first_chunk(time.perf_counter() - job.start)
+                            self.metrics.observe_first_chunk(time.perf_counter() - start)
                             first = False
                         yield chunk(event.index, event.text, None)
                     if event.result is not None:
@@ -155,11 +163,11 @@ class Server:
         except ClientGone:
             pass
         finally:
-            self.finished(job, status)
+            self.finished(start, status)
 
-    def finished(self, job: Job, status: int | str) -> None:
+    def finished(self, start: float, status: int | str) -> None:
         self.metrics.count_request(status)
-        self.metrics.observe_latency(time.perf_counter() - job.start)
+        self.metrics.observe_latency(time.perf_counter() - start)
 
     def models(self) -> dict:
         cfg = self.llm.model.config
@@ -171,17 +179,23 @@ class Server:
 
 
 def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str | None = None,
-               max_queue: int = 256, shutdown_timeout: float = 30.0) -> FastAPI:
-    """The FastAPI app serving ``llm``. The engine loop starts and stops with the app's lifespan
-    (``shutdown_timeout``: how long in-flight requests may finish before they are cancelled)."""
-    server = Server(llm, defaults or SamplingParams(method=default_method(llm), threshold=0.9),
-                    model_name or llm.path.name, max_queue, shutdown_timeout)
+               max_queue: int = 256, shutdown_timeout: float = 30.0,
+               engine: EngineClient | None = None) -> FastAPI:
+    """The FastAPI app serving ``llm``: on ``engine`` if given (``llm`` then only tokenizes and
+    validates, and may live on the meta device), else on ``llm``'s own engine loop in this
+    process (``max_queue`` waiting sequences). The engine starts and stops with the app's
+    lifespan (``shutdown_timeout``: how long in-flight requests may finish before they are
+    cancelled)."""
+    metrics = Metrics()
+    engine = engine or InProcessEngine(llm, max_queue, metrics)
+    server = Server(llm, engine, defaults or SamplingParams(method=default_method(llm), threshold=0.9),
+                    model_name or llm.path.name, metrics, shutdown_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.loop.start()
+        server.engine.start()
         yield
-        await asyncio.to_thread(server.loop.shutdown, server.shutdown_timeout)
+        await asyncio.to_thread(server.engine.shutdown, server.shutdown_timeout)
 
     app = FastAPI(title="dllm-engine", lifespan=lifespan)
     app.state.server = server
@@ -227,10 +241,10 @@ def add_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = server.loop.thread.is_alive() and server.loop.accepting
+        ok = await server.engine.is_healthy()
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        text = server.metrics.render(server.loop.queue_depth(), server.loop.num_running())
+        text = await server.engine.render_metrics(server.metrics)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")

@@ -28,12 +28,13 @@ log = logging.getLogger("dllm_engine.server")
 
 @dataclass
 class Event:
-    """What the engine thread tells a request: new text of choice ``index``, its final result,
-    or an error that ends the whole request."""
+    """What the engine tells a request: that it was admitted (``accepted``, the first event),
+    new text of choice ``index``, its final result, or an error that ends the whole request."""
     index: int = 0
     text: str = ""
     result: ChoiceResult | None = None
     error: ApiError | None = None
+    accepted: bool = False
 
 
 class Job:

@@ -26,6 +26,11 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def add(self, other: "Histogram") -> None:
+        self.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        self.sum += other.sum
+        self.count += other.count
+
     def lines(self, name: str) -> list[str]:
         out, running = [], 0
         for bound, n in zip([*map(repr, self.buckets), "+Inf"], self.counts):
@@ -46,6 +51,26 @@ class Metrics:
         self.latency = Histogram(LATENCY_BUCKETS)
         self.first_chunk = Histogram(LATENCY_BUCKETS)
         self.step_time = Histogram(STEP_BUCKETS)
+
+    def __getstate__(self) -> dict:  # picklable (a replica sends its metrics to the front)
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
+
+    def merged(self, others: list["Metrics"]) -> "Metrics":
+        """A new Metrics holding the sums of this one and ``others`` (e.g. every replica's)."""
+        out = Metrics()
+        for m in [self, *others]:
+            with m.lock:
+                out.requests.update(m.requests)
+                out.totals = SequenceStats.total([out.totals, m.totals], 0.0)
+                out.prompt_tokens += m.prompt_tokens
+                out.steps += m.steps
+                for name in ("latency", "first_chunk", "step_time"):
+                    getattr(out, name).add(getattr(m, name))
+        return out
 
     def count_request(self, status: int | str) -> None:
         with self.lock:

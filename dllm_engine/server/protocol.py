@@ -26,6 +26,9 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
+    def __reduce__(self):  # picklable: a replica process sends it to the HTTP front
+        return ApiError, (self.status, self.message, self.param, self.kind)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.status}}

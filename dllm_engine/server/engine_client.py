@@ -1,0 +1,96 @@
+"""The seam between the HTTP app and the engine behind it.
+
+The app validates a request (tokenizing, checking its options against the model) and hands an
+``EngineClient`` a ``GenerateRequest``; the client answers with a stream of ``Event``s. Two
+clients exist: ``InProcessEngine`` (the engine loop in this process: ``dllm serve``) and
+``server.replicated.RayServeEngine`` (Ray Serve replicas, each an ``InProcessEngine``:
+``dllm serve --replicas N``). Everything the app does — routes, validation, SSE, errors,
+cancellation — is the same code for both."""
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..engine.llm import LLM
+from ..sampling_params import SamplingParams
+from .loop import EngineLoop, Event, Job
+from .metrics import Metrics
+from .protocol import ApiError, value_error
+
+
+@dataclass
+class GenerateRequest:
+    """A validated request, as the engine needs it (picklable: it may cross processes)."""
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    stops: list[str]
+    stream: bool
+
+
+class EngineClient(Protocol):
+    """What the HTTP app needs from the engine it serves."""
+
+    tokenizer_lock: threading.Lock  # held while the app's tokenizer encodes
+
+    def start(self) -> None: ...
+
+    def shutdown(self, timeout: float) -> None:
+        """Refuse new requests, let in-flight ones finish for up to ``timeout`` s, cancel the rest."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """The request's events: first ``accepted`` or an error (429 / 503 / 400), then text and
+        one result per prompt. An error event ends the stream; closing it early cancels the request."""
+
+    async def is_healthy(self) -> bool: ...
+
+    async def render_metrics(self, front: Metrics) -> str:
+        """Prometheus text: the app's own ``front`` metrics with the engine's."""
+
+
+class InProcessEngine:
+    """The engine loop of ``llm``, driven by a thread of this process."""
+
+    def __init__(self, llm: LLM, max_queue: int = 256, metrics: Metrics | None = None) -> None:
+        self.llm = llm
+        self.loop = EngineLoop(llm, max_queue=max_queue, metrics=metrics)
+        self.tokenizer_lock = self.loop.tokenizer_lock
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def shutdown(self, timeout: float) -> None:
+        self.loop.shutdown(timeout)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        try:
+            job = Job([self.llm.make_sequence(ids, request.params) for ids in request.prompts],
+                      request.stops, request.stream)
+            self.loop.submit(job)
+        except ValueError as e:
+            yield Event(error=value_error(e))
+            return
+        except ApiError as e:
+            yield Event(error=e)
+            return
+        pending = len(job.seqs)
+        try:
+            yield Event(accepted=True)
+            while pending:
+                event = await job.events.get()
+                # an error ends the job: the loop has dropped it already
+                pending = 0 if event.error is not None else pending - (event.result is not None)
+                yield event
+        finally:
+            if pending:
+                self.loop.cancel(job)
+
+    async def is_healthy(self) -> bool:
+        return self.loop.thread.is_alive() and self.loop.accepting
+
+    async def render_metrics(self, front: Metrics) -> str:
+        # the loop records into ``front`` itself when the app made it share one Metrics
+        metrics = front if front is self.loop.metrics else front.merged([self.loop.metrics])
+        return metrics.render(self.loop.queue_depth(), self.loop.num_running())
