@@ -205,9 +205,41 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info")
     add_model_args(p, model=False)
     add_sampling_args(p)  # the defaults of requests that leave an option out
+    add_replica_args(p)
+
+
+def replicas(text: str) -> int | str:
+    """``--replicas``: a count, or ``auto`` (Ray Serve autoscaling)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--replicas must be a number or 'auto', got {text!r}") from None
+
+
+def add_replica_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data-parallel replicas on Ray Serve (pip install -e '.[distributed]')")
+    g.add_argument("--replicas", type=replicas, default=None, metavar="N|auto",
+                   help="serve N copies of the model, each in its own process, behind one endpoint "
+                   "(default: one engine in this process, no Ray)")
+    g.add_argument("--min-replicas", type=int, default=1, help="--replicas auto: fewest replicas")
+    g.add_argument("--max-replicas", type=int, default=4, help="--replicas auto: most replicas")
+    g.add_argument("--target-ongoing-requests", type=float, default=16.0,
+                   help="--replicas auto: ongoing requests per replica that autoscaling aims at")
+    g.add_argument("--threads-per-replica", type=int, default=None,
+                   help="torch CPU threads of each replica (default: CPU cores / replicas)")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. auto, ray://head:10001); default: start a "
+                   "local Ray instance for the server's lifetime")
 
 
 def run_serve(args: argparse.Namespace) -> None:
+    if args.replicas is not None:
+        return run_serve_replicated(args)
+    if args.ray_address is not None:
+        raise ValueError("--ray-address needs --replicas N or --replicas auto: the single-process "
+                         "server runs no Ray")
     from . import LLM
     from .server import run_server
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs)
@@ -215,6 +247,23 @@ def run_serve(args: argparse.Namespace) -> None:
     print(f"serving {args.model} at http://{args.host}:{args.port}/v1  default method: {defaults.method}")
     run_server(llm, args.host, args.port, defaults, args.served_model_name, args.max_queue,
                args.shutdown_timeout, args.log_level)
+
+
+def run_serve_replicated(args: argparse.Namespace) -> None:
+    import os
+    try:
+        from .server.replicated import ReplicaOptions, Scaling, run_replicated
+    except ImportError as e:
+        raise ValueError(f"--replicas needs Ray Serve ({e}): pip install -e '.[distributed]'") from None
+    from . import LLM
+    scaling = Scaling(None if args.replicas == "auto" else args.replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests)
+    threads = args.threads_per_replica
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // scaling.most)
+    replica = ReplicaOptions(args.model, args.dtype, args.device, args.max_num_seqs, args.max_queue,
+                             threads, args.shutdown_timeout)
+    defaults = sampling_params(args, LLM(args.model, dtype=args.dtype, device="meta"))  # reads no weights
+    run_replicated(replica, scaling, defaults, args.served_model_name, args.host, args.port, args.ray_address)
 
 
 def add_bench_serve(sub: argparse._SubParsersAction) -> None:
