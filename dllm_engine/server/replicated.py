@@ -139,7 +139,7 @@ class EngineReplica:
     async def __init__(self, options: ReplicaOptions, board) -> None:
         if torch.device(options.device).type == "cpu":
             torch.set_num_threads(options.threads)
-        self.options, self.board = options, board
+        self.board = board
         self.llm = LLM(options.model, dtype=options.dtype, device=options.device,
                        max_num_seqs=options.max_num_seqs)
         self.metrics = Metrics()
