@@ -256,7 +256,8 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
     except ImportError as e:
         raise ValueError(f"--replicas needs Ray Serve ({e}): pip install -e '.[distributed]'") from None
     from . import LLM
-    scaling = Scaling(None if args.replicas == "auto" else args.replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests)
+    scaling = Scaling(None if args.replicas == "auto" else args.replicas, args.min_replicas,
+                      args.max_replicas, args.target_ongoing_requests)
     threads = args.threads_per_replica
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // scaling.most)

@@ -265,11 +265,13 @@ def test_killing_a_replica_mid_load_ends_its_requests_clearly_and_ray_replaces_i
 def test_scaling_options_become_ray_serve_deployment_options():
     replica = ReplicaOptions("m", max_num_seqs=64, max_queue=128, threads=2, shutdown_timeout=7)
     fixed = Scaling(replicas=3).deployment_options(replica)
-    assert fixed == {"num_replicas": 3, "ray_actor_options": {"num_cpus": 2}, "max_ongoing_requests": 64,
-                     "max_queued_requests": 128, "graceful_shutdown_timeout_s": 7}
+    normal = {"runtime_env": {"env_vars": {"RAY_worker_niceness": "0"}}}
+    assert fixed == {"num_replicas": 3, "ray_actor_options": {"num_cpus": 2, **normal},
+                     "max_ongoing_requests": 64, "max_queued_requests": 128, "graceful_shutdown_timeout_s": 7}
     auto = Scaling(replicas=None, min_replicas=1, max_replicas=5, target_ongoing_requests=8)
     opts = auto.deployment_options(ReplicaOptions("m", device="cuda"))
-    assert opts["num_replicas"] == "auto" and opts["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1}
+    assert opts["num_replicas"] == "auto"
+    assert opts["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1, **normal}
     assert opts["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 5, "target_ongoing_requests": 8}
 
 

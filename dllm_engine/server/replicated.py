@@ -49,6 +49,9 @@ STALE_S = 10.0  # a replica silent for this long is reported down
 REPLICA_LOST = (RayActorError, ActorUnavailableError)  # the replica's process died or is unreachable
 RETRIES = 1  # a request nothing was sent for yet is re-sent this many times after its replica died
 FRONT_MAX_ONGOING = 100_000  # the front only waits on replicas: no reason to cap it
+# Ray runs its workers at nice 15, below its own daemons; the front and the replicas are the
+# service itself, so they run at normal priority, as the single-process server does
+NORMAL_PRIORITY = {"runtime_env": {"env_vars": {"RAY_worker_niceness": "0"}}}
 
 
 @dataclass
@@ -69,8 +72,8 @@ class ReplicaOptions:
     def actor_options(self) -> dict:
         """Ray resources of one replica: a GPU on CUDA, else ``threads`` CPUs."""
         if torch.device(self.device).type == "cuda":
-            return {"num_cpus": 1, "num_gpus": 1}
-        return {"num_cpus": self.threads}
+            return {"num_cpus": 1, "num_gpus": 1} | NORMAL_PRIORITY
+        return {"num_cpus": self.threads} | NORMAL_PRIORITY
 
 
 @dataclass
@@ -314,7 +317,7 @@ def build_app(replica: ReplicaOptions, scaling: Scaling, defaults: SamplingParam
     engine = serve.deployment(EngineReplica, name="engine",
                               **scaling.deployment_options(replica)).bind(replica, board)
     front = serve.deployment(Front, name="front", num_replicas=1, max_ongoing_requests=FRONT_MAX_ONGOING,
-                             ray_actor_options={"num_cpus": 0})
+                             ray_actor_options={"num_cpus": 0} | NORMAL_PRIORITY)
     return front.bind(engine, board, replica.model, replica.dtype, defaults, model_name)
 
 
@@ -334,7 +337,8 @@ def run_replicated(replica: ReplicaOptions, scaling: Scaling, defaults: Sampling
     """``dllm serve --replicas``: serve until SIGINT / SIGTERM. Without ``ray_address`` a local
     Ray instance is started (with enough CPUs for the replicas) and stopped with the server."""
     local = ray_address is None
-    if local:
+    if local:  # the instance only serves: its HTTP proxy and controller get normal priority too
+        os.environ.update(NORMAL_PRIORITY["runtime_env"]["env_vars"])
         ray.init(num_cpus=max(os.cpu_count() or 1, scaling.most * replica.threads), include_dashboard=False)
     else:
         ray.init(address=ray_address)
