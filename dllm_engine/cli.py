@@ -15,6 +15,15 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: tiny-llada)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU: let glibc reuse freed activations instead of returning them to the OS "
+                        "(faster; the process keeps its peak heap; see engine/host_memory.py)")
+
+
+def load_llm(args: argparse.Namespace, **kw):
+    from . import LLM
+    return LLM(args.model, dtype=args.dtype, device=args.device,
+               keep_freed_memory=args.keep_freed_memory, **kw)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -54,8 +63,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    from . import LLM
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = load_llm(args)
     params = sampling_params(args, llm)
     expected = None
     if args.prompt is None:
@@ -99,11 +107,10 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
 
 def run_eval(args: argparse.Namespace) -> None:
     import json
-    from . import LLM
     from .eval import evaluate
     from .tasks import resolve_tasks
     args.tasks = resolve_tasks(args.tasks)  # a typo fails before the model loads
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = load_llm(args)
     params = sampling_params(args, llm)
     report = evaluate(llm, params, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size)
     print(f"model: {args.model}  method: {params.method}")
@@ -127,15 +134,16 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    from . import LLM
     from .bench.offline import HEADER, run_bench as bench, table
     from .tasks import load_split
     examples = load_split(args.tasks, limit=args.limit)  # a typo fails before the model loads
     args.tasks = list(dict.fromkeys(e.task for e in examples))
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = load_llm(args)
     defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
                                   ("block_length", args.block_length)) if v is not None}
-    print(f"model: {args.model}  prompts: {len(examples)}  tasks: {','.join(args.tasks)}  device: {args.device}")
+    from .engine.host_memory import is_kept
+    print(f"model: {args.model}  prompts: {len(examples)}  tasks: {','.join(args.tasks)}  device: {args.device}  "
+          f"keep_freed_memory: {'on' if is_kept() else 'off'}")
     print(HEADER)
     records = bench(llm, args.methods, args.batch_sizes, examples, args.out, defaults)
     print()
@@ -240,9 +248,8 @@ def run_serve(args: argparse.Namespace) -> None:
     if args.ray_address is not None:
         raise ValueError("--ray-address needs --replicas N or --replicas auto: the single-process "
                          "server runs no Ray")
-    from . import LLM
     from .server import run_server
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs)
+    llm = load_llm(args, max_num_seqs=args.max_num_seqs)
     defaults = sampling_params(args, llm)
     print(f"serving {args.model} at http://{args.host}:{args.port}/v1  default method: {defaults.method}")
     run_server(llm, args.host, args.port, defaults, args.served_model_name, args.max_queue,
@@ -262,7 +269,7 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // scaling.most)
     replica = ReplicaOptions(args.model, args.dtype, args.device, args.max_num_seqs, args.max_queue,
-                             threads, args.shutdown_timeout)
+                             threads, args.shutdown_timeout, args.keep_freed_memory)
     defaults = sampling_params(args, LLM(args.model, dtype=args.dtype, device="meta"))  # reads no weights
     run_replicated(replica, scaling, defaults, args.served_model_name, args.host, args.port, args.ray_address)
 

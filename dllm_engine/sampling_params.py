@@ -10,6 +10,7 @@ from .strategies.registry import REGISTRY
 BASE_METHODS = ("reference", "prefix-cache", "dual-cache", "block")
 REMASKING = ("low_confidence", "maskgit_plus", "random", "topk_margin", "entropy")
 UNMASKING = ("low_confidence_dynamic", "low_confidence_static")
+BLOCK_STARTS = ("prefix", "last-commits", "canvas")  # early-skip: what a block's first step computes
 
 
 @dataclass
@@ -37,9 +38,10 @@ class SamplingParams:
     keep_fractions: tuple[float, ...] = (1.0, 0.5, 0.25)
     skip_depths: tuple[float, ...] = (0.0, 0.125, 0.25)
     skip_alpha: float = 0.5
-    prompt_refresh: int | None = None  # steps between full-canvas cache rebuilds
+    prompt_refresh: int | None = None  # steps between no-skip recomputes of [0, block end)
     block_refresh: int | None = None  # steps between steps that skip nothing
-    refresh_blocks: bool = False  # early-skip: full-canvas forward at each block start (as dual-cache)
+    skip_block_start: str = "prefix"  # a block's first step: prefix | last-commits | canvas
+    delay_eos: bool = True  # ES-dLLM's delay_eos_generation (strategies/early_skip.py)
     # ODB-dLLM adaptive length (strategies/adaptive_length.py) and jump-share (jump_share.py)
     eos_threshold: float = 0.9
     min_length: int = 0
@@ -78,6 +80,9 @@ class SamplingParams:
                                  f"available: {', '.join(REGISTRY)}")
         if len(set(self.strategies)) != len(self.strategies):
             raise ValueError(f"method {self.method!r} names a strategy twice")
+        if self.strategies:
+            from .strategies.base import check_method
+            check_method(self.base_method, self.strategies)
         self.check_strategy_options()
 
     def check_strategy_options(self) -> None:
@@ -97,6 +102,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.skip_block_start not in BLOCK_STARTS:
+            raise ValueError(f"skip_block_start must be one of {', '.join(BLOCK_STARTS)}, "
+                             f"got {self.skip_block_start!r}")
         if self.eos_threshold <= 0:
             raise ValueError(f"eos_threshold must be > 0 (> 1 never cuts), got {self.eos_threshold}")
         if self.min_length < 0:
@@ -116,7 +124,7 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
     def resolve(self, defaults: dict, family_methods: tuple[str, ...], max_context: int,
-                prompt_len: int) -> "SamplingParams":
+                prompt_len: int, logit_shift: int = 0) -> "SamplingParams":
         """Fill unset fields and check what depends on the model and the prompt."""
         p = self.replace(
             max_new_tokens=self.max_new_tokens or defaults.get("max_new_tokens", 128),
@@ -127,11 +135,8 @@ class SamplingParams:
         if p.base_method not in family_methods:
             raise ValueError(f"method {p.base_method!r} cannot run on this model's attention "
                              f"pattern; use one of {', '.join(family_methods)}")
-        from .strategies.base import strategy_class
-        for name in p.strategies:
-            bases = strategy_class(name).bases
-            if p.base_method not in bases:
-                raise ValueError(f"strategy {name!r} runs on {', '.join(bases)}, not on {p.base_method!r}")
+        from .strategies.base import check_method
+        check_method(p.base_method, p.strategies, logit_shift)
         if p.stop_at_eos is None:
             p.stop_at_eos = p.base_method == "block" or "adaptive-length" in p.strategies
         if p.steps is None:

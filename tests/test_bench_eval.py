@@ -121,3 +121,10 @@ def test_eval_reports_a_diagnostic_strategy(ckpt, capsys):
     assert again.diagnostics == report.diagnostics  # counted afresh for each evaluation
     plain = evaluate(llm, params.replace(method="dual-cache"), tasks=["sort"], limit=2, use_tqdm=False)
     assert plain.diagnostics == {} and "diagnostics" not in plain.as_dict()
+
+
+def test_eval_with_default_params_resolves_the_method(ckpt):
+    """``SamplingParams()`` leaves the method to the model: it reaches the engine resolved."""
+    from dllm_engine import SamplingParams
+    report = evaluate(LLM(ckpt), SamplingParams(), examples=load_split(limit=1)[:1], use_tqdm=False)
+    assert report.method == "reference" and report.stats.nfe > 0

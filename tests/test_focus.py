@@ -224,7 +224,7 @@ def delayed_block_reference(model, prompt, gen_length, block_length, threshold, 
     total = -(-(len(prompt) + gen_length) // block_length) * block_length
     x = torch.tensor(prompt + [mask_id] * (total - len(prompt)))
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-    cache.reshape_rows([], 1, total)
+    cache.arrange([[0]], total)
     final_below, processed = 0, 0
     for lo in range((len(prompt) // block_length) * block_length, total, block_length):
         hi = lo + block_length
@@ -277,7 +277,7 @@ def delayed_dual_cache_reference(model, prompt, gen_length, block_length, thresh
     x = torch.tensor(prompt + [mask_id] * gen_length)
     n = len(x)
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-    cache.reshape_rows([], 1, n)
+    cache.arrange([[0]], n)
     processed = 0
     for lo in range(len(prompt), n, block_length):
         hi = lo + block_length
@@ -446,10 +446,8 @@ def test_probe_scores_the_selection_focus_makes_but_evicts_nothing(llms, model_t
     delayed = run_with(llm, DelayedCache(llm.model), PROMPTS, params)
     for a, b in zip(probed, delayed):
         assert a.token_ids == b.token_ids and a.stats.processed_tokens == b.stats.processed_tokens
-    d = probe.diagnostics()
+    d = probed.diagnostics["focus-probe"].summary()
     assert d["probed_steps"] > 0 and 0 < d["kept_share"] < 1
-    probe.reset_diagnostics()
-    assert probe.diagnostics()["probed_steps"] == 0
 
 
 def test_focus_rejects_other_bases_and_small_alpha(llms):

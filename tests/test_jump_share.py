@@ -126,10 +126,14 @@ def test_accepted_copy_applies_its_drafts_and_its_own_commits(llms):
             logits[r, tok] = value
             r += 1
     positions = torch.cat([layout.masked[~layout.drafted[c]] for c in range(4)])
-    assert js.after_forward(seq, positions, logits) is None
+    def no_base_rule(*args):
+        raise AssertionError("a verifying step must not fall back to the base rule")
+
+    committed = js.commit(seq, positions, logits, no_base_rule)
     # copy 3 = {d0, d1} is accepted (d0 by copy 0, d1 by copy {d0}); its own commit (3 -> 37) too
+    assert sorted(committed.tolist()) == [3, 4, 6]
     assert seq.canvas[3:7].tolist() == [37, 7, IDS.mask_id, 8]
-    assert seq.stats.decoded_tokens == 3 and seq.step == 2
+    assert seq.stats.decoded_tokens == 3 and seq.step == 1  # the engine advances after after_commit
     pos, tok, _ = seq.strategy_state["jump-share"]["drafts"]
     assert pos.tolist() == [5] and tok.tolist() == [38]
 

@@ -372,10 +372,10 @@ def test_an_exception_in_one_request_fails_only_that_request(live, offline, monk
     engine = live[1].state.server.llm.engine
     commit = engine.commit
 
-    def faulty(seq, *args):
+    def faulty(seq, *args, **kwargs):
         if seq.params.seed == 666:
             raise RuntimeError("boom")
-        return commit(seq, *args)
+        return commit(seq, *args, **kwargs)
 
     monkeypatch.setattr(engine, "commit", faulty)
 

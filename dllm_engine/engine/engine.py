@@ -2,10 +2,12 @@
 
 Sequences join and leave at step boundaries, each with its own block cursor, so the same loop
 serves offline ``LLM.generate`` and the server's continuous batching. Running sequences are kept
-ordered by method so each group's cache rows are one contiguous, copy-free slice."""
+in cache-row order, each method group one contiguous range of rows (``KVCache.arrange``), so a
+group's forward reads its rows as a copy-free slice."""
 from __future__ import annotations
 
 import itertools
+from functools import partial
 import time
 from collections import deque
 
@@ -37,6 +39,9 @@ class Engine:
         self.pipelines: dict[str, Pipeline] = {}
 
     def pipeline(self, method: str) -> Pipeline:
+        if not method:
+            raise ValueError("the engine runs resolved methods only; pass SamplingParams through "
+                             "LLM.make_sequence (SamplingParams.resolve) first")
         if method not in self.pipelines:
             self.pipelines[method] = Pipeline(method.split("+")[1:], self.model)
         return self.pipelines[method]
@@ -58,17 +63,18 @@ class Engine:
             seq.start_time = time.perf_counter()
             new.append(seq)
         if new:
-            need = max(self.cache_len(s) for s in self.running + new)
-            self.cache.reshape_rows(list(range(len(self.running))), len(new), need)
-            self.running += new
-            self.reorder()
+            self.arrange(self.running + new)
 
-    def reorder(self) -> None:
-        """Sort rows by method so each group is contiguous (new rows were appended at the end)."""
-        merged = sorted(range(len(self.running)), key=lambda i: self.running[i].params.method)
-        if merged != list(range(len(self.running))):
-            self.cache.reshape_rows(merged, 0, 0)
-            self.running = [self.running[i] for i in merged]
+    def arrange(self, seqs: list[Sequence]) -> None:
+        """Make ``seqs`` the running set: cache rows grouped by method (only moved rows are
+        copied; the cache shrinks when the longest sequences have left)."""
+        groups: dict[str, list[Sequence]] = {}
+        for seq in sorted(seqs, key=lambda s: s.params.method):
+            groups.setdefault(seq.params.method, []).append(seq)
+        by_id = {s.seq_id: s for s in seqs}
+        need = max((self.cache_len(s) for s in seqs), default=0)
+        order = self.cache.arrange([[s.seq_id for s in g] for g in groups.values()], need)
+        self.running = [by_id[i] for ids in order for i in ids]
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
@@ -90,14 +96,15 @@ class Engine:
                 seq.committed_len = seq.block[0]
             if seq.params.cfg_scale > 0:
                 positions, logits = guided_logits(seq, positions, logits)
-            out = pipeline.after_forward(seq, positions, logits)
-            if out is None:  # the strategy committed and advanced by itself
-                continue
-            pipeline.after_commit(seq, self.commit(seq, *out))
+            positions, logits = pipeline.after_forward(seq, positions, logits)
+            committed = pipeline.commit(seq, positions, logits, partial(self.commit, pipeline=pipeline))
+            pipeline.after_commit(seq, committed)
             seq.advance()
 
-    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor) -> Tensor:
-        """Apply the base commit rule; returns the committed positions."""
+    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None = None
+               ) -> Tensor:
+        """Apply the base commit rule (confidences adjusted by ``pipeline``); returns the
+        committed positions."""
         if not positions.numel():
             return positions
         p = seq.params
@@ -105,13 +112,19 @@ class Engine:
         logits[:, seq.ids.mask_id] = -float("inf")
         x0 = sample_tokens(logits, p.temperature, seq.generator)
         conf = confidence(logits, x0, p.remasking, seq.generator)
+        if pipeline is not None:
+            conf = pipeline.confidence(seq, positions, x0, conf)
         chosen = select(seq, conf)
         seq.commit(positions[chosen], x0[chosen])
         return positions[chosen]
 
     def release(self, keep: list[int]) -> None:
-        self.running = [self.running[i] for i in keep]
-        self.cache.reshape_rows(keep, 0, 0)
+        self.arrange([self.running[i] for i in keep])
+
+    def abort(self, seq_ids: set[int]) -> None:
+        """Drop these sequences wherever they are (a failed call must leave the engine empty)."""
+        self.waiting = deque(s for s in self.waiting if s.seq_id not in seq_ids)
+        self.release([i for i, s in enumerate(self.running) if s.seq_id not in seq_ids])
 
     def release_finished(self) -> list[Sequence]:
         done = [s for s in self.running if s.finished]

@@ -9,12 +9,15 @@ for the same work; with the thresholds below the two are level. Raising the mmap
 glibc's maximum (32 MiB) and the trim threshold to 1 GiB lets freed blocks be reused, as a caching
 allocator does on a GPU. The cost: the process keeps its peak heap.
 
-Set ``DLLM_KEEP_FREED_MEMORY=0`` to leave glibc's defaults alone."""
+The setting is process-wide, so it is never applied behind the caller's back: ``LLM(...,
+keep_freed_memory=True)`` applies it (library default: off, since the host process owns its
+allocator), and the ``dllm`` commands do by default (``--no-keep-freed-memory`` opts out: the
+engine owns that process, and its benchmarks are measured with it on). ``dllm bench`` prints
+whether it is in effect."""
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
 
 M_TRIM_THRESHOLD = -1
@@ -30,7 +33,7 @@ def keep_freed_memory() -> bool:
     global _applied
     if _applied:
         return True
-    if os.environ.get("DLLM_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -39,4 +42,9 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return _applied
+
+
+def is_kept() -> bool:
+    """Whether this process applied the thresholds."""
     return _applied

@@ -1,4 +1,4 @@
-"""KV storage for the running batch: one row per sequence, indexed by canvas position.
+"""KV storage for the running batch: a pool of rows, one per sequence, indexed by canvas position.
 
 Attention writes the K/V of every token it computes at that token's canvas position, then reads
 the row's prefix. What a decoder recomputes each step decides the cache policy:
@@ -6,12 +6,20 @@ the row's prefix. What a decoder recomputes each step decides the cache policy:
 - prefix cache: block + suffix, so positions before the block keep the K/V of the block's first step;
 - dual cache: the block only, so prefix and suffix keep theirs;
 - block diffusion: the positions not yet final, so committed blocks are computed exactly once.
-Rows change only when sequences join or leave, never inside a step.
+
+Rows change only when sequences join or leave, never inside a step (``arrange``). A sequence keeps
+its row while it runs; a join or a leave moves only the rows that must move for each method group
+to stay one contiguous range (so a forward reads its group's rows as a view, without a copy). The
+pool is reallocated when it must grow, and shrinks when it holds more than ``SHRINK_AT`` times the
+rows or positions the running sequences need, so one long request does not inflate every row
+until the process ends.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+SHRINK_AT = 2  # reallocate smaller once the pool is this many times larger than needed
 
 
 class KVCache:
@@ -19,11 +27,14 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str) -> None:
         self.shape = (num_kv_heads, head_dim)
         self.dtype, self.device = dtype, device
-        self.k: list[Tensor] = [self.empty(0, 1) for _ in range(num_layers)]
-        self.v: list[Tensor] = [self.empty(0, 1) for _ in range(num_layers)]
+        self.k: list[Tensor] = [self.empty(0, 0) for _ in range(num_layers)]
+        self.v: list[Tensor] = [self.empty(0, 0) for _ in range(num_layers)]
+        self.rows: dict[int, int] = {}  # sequence id -> row
 
     def empty(self, rows: int, length: int) -> Tensor:
-        return torch.zeros(rows, self.shape[0], length, self.shape[1], dtype=self.dtype, device=self.device)
+        """Zeroed storage for ``rows`` rows of ``length`` positions (+ the padding sink)."""
+        return torch.zeros(rows, self.shape[0], length + 1, self.shape[1], dtype=self.dtype,
+                           device=self.device)
 
     @property
     def num_rows(self) -> int:
@@ -34,17 +45,65 @@ class KVCache:
         """Usable positions per row; the last column is a sink for padding tokens' writes."""
         return self.k[0].shape[2] - 1
 
-    def reshape_rows(self, keep: list[int], num_new: int, min_len: int) -> None:
-        """Keep rows ``keep`` (in that order), append ``num_new`` empty rows, and make every row
-        hold at least ``min_len`` positions."""
-        length = max(self.capacity, min_len) + 1
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @torch.inference_mode()  # the storage is made and read in inference mode (engine steps)
+    def arrange(self, groups: list[list[int]], length: int) -> list[list[int]]:
+        """Give every sequence id of ``groups`` a row, each group's rows one contiguous range in
+        group order from row 0, every row at least ``length`` positions long; ids not listed
+        give their rows up. Returns each group's ids in row order."""
+        ranges, start = [], 0
+        for ids in groups:
+            ranges.append(range(start, start + len(ids)))
+            start += len(ids)
+        target = self.place(groups, ranges)
+        if self.must_resize(start, length):
+            self.reallocate(target, start, length)
+        else:
+            self.move(target)
+        self.rows = target
+        return [sorted(ids, key=target.__getitem__) for ids in groups]
+
+    def place(self, groups: list[list[int]], ranges: list[range]) -> dict[int, int]:
+        """Target row of each id: its current row when that lies in its group's range, else a
+        free row of that range."""
+        target: dict[int, int] = {}
+        for ids, rows in zip(groups, ranges):
+            stay = {i: self.rows[i] for i in ids if self.rows.get(i, -1) in rows}
+            free = iter(sorted(set(rows) - set(stay.values())))
+            target.update(stay)
+            target.update({i: next(free) for i in ids if i not in stay})
+        return target
+
+    def must_resize(self, rows: int, length: int) -> bool:
+        too_small = rows > self.num_rows or length > self.capacity
+        too_big = self.num_rows > SHRINK_AT * rows or self.capacity > SHRINK_AT * length
+        return too_small or too_big
+
+    def reallocate(self, target: dict[int, int], rows: int, length: int) -> None:
+        """New storage of exactly ``rows`` x ``length``; running sequences' K/V are copied over."""
+        kept = [i for i in target if i in self.rows]
+        src = torch.tensor([self.rows[i] for i in kept], dtype=torch.long, device=self.device)
+        dst = torch.tensor([target[i] for i in kept], dtype=torch.long, device=self.device)
+        width = min(self.capacity, length)
         for store in (self.k, self.v):
             for layer, old in enumerate(store):
-                new = self.empty(len(keep) + num_new, length)
-                if keep:
-                    new[: len(keep), :, : old.shape[2] - 1] = old.index_select(0, idx)[:, :, :-1]
+                new = self.empty(rows, length)
+                new[dst, :, :width] = old[src, :, :width]
                 store[layer] = new
+
+    def move(self, target: dict[int, int]) -> None:
+        """Copy the rows of the sequences whose row changes (nothing else)."""
+        moved = [i for i in target if i in self.rows and self.rows[i] != target[i]]
+        if not moved:
+            return
+        src = torch.tensor([self.rows[i] for i in moved], dtype=torch.long, device=self.device)
+        dst = torch.tensor([target[i] for i in moved], dtype=torch.long, device=self.device)
+        for store in (self.k, self.v):
+            for t in store:
+                t[dst] = t[src]  # the right side is gathered first, so overlapping moves are safe
 
     def view(self, start: int, end: int) -> "KVCacheView":
         """Rows [start, end) without copying (one forward group of the batch)."""

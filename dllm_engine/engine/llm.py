@@ -13,7 +13,7 @@ from tqdm import tqdm
 from ..models import load_model
 from ..sampling_params import SamplingParams
 from .engine import Engine
-from .host_memory import keep_freed_memory
+from . import host_memory
 from .sequence import Sequence, SequenceStats, TokenIds
 
 
@@ -27,8 +27,12 @@ class RequestOutput:
 
 
 class GenerateResult(list):
-    """The outputs, in prompt order, plus ``stats``: the call's summed SPEC §1 metrics."""
+    """The outputs, in prompt order, plus ``stats`` (the call's summed SPEC §1 metrics),
+    ``method`` (as resolved for this model) and ``diagnostics`` (records of diagnostic
+    strategies such as ``focus-probe``, summed over the call's sequences)."""
     stats: SequenceStats
+    method: str
+    diagnostics: dict
 
 
 def ids_list(value) -> list[int]:
@@ -39,10 +43,12 @@ def ids_list(value) -> list[int]:
 
 class LLM:
     def __init__(self, model: str | Path, dtype: str = "float32", device: str = "cpu",
-                 max_num_seqs: int = 256) -> None:
+                 max_num_seqs: int = 256, keep_freed_memory: bool = False) -> None:
+        """``keep_freed_memory``: on CPU, tune this process's glibc allocator to reuse freed
+        activations (faster, keeps the peak heap; process-wide: see ``engine/host_memory.py``)."""
         self.path = Path(model)
-        if torch.device(device).type == "cpu":
-            keep_freed_memory()
+        if keep_freed_memory and torch.device(device).type == "cpu":
+            host_memory.keep_freed_memory()
         self.model = load_model(self.path, dtype=dtype, device=device)
         self.device = torch.device(device)
         self.tokenizer = self.load_tokenizer()
@@ -55,14 +61,11 @@ class LLM:
     def load_tokenizer(self):
         if not (self.path / "tokenizer.json").is_file() and not (self.path / "tokenizer_config.json").is_file():
             return None  # token-id prompts still work
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # it warns that it does not know our model_type: expected
-        try:
-            return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-        finally:
-            hf_logging.set_verbosity(verbosity)
+        from transformers import AutoTokenizer, PretrainedConfig
+        # an empty config: the tokenizer files name their class, and transformers would otherwise
+        # read config.json and warn that it does not know the engine's model_type
+        return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True,
+                                             config=PretrainedConfig())
 
     def resolve_ids(self) -> TokenIds:
         """mask / eos / stop ids from config.json, generation_config.json, then the tokenizer."""
@@ -110,7 +113,8 @@ class LLM:
     def resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """``params`` with unset fields filled in, checked against this model and prompt length."""
         return params.resolve(self.generation_config, self.model.family.methods,
-                              self.model.config.max_position_embeddings, prompt_len)
+                              self.model.config.max_position_embeddings, prompt_len,
+                              self.model.config.logit_shift)
 
     def make_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         p = self.resolve_params(params, len(prompt_ids))
@@ -138,15 +142,24 @@ class LLM:
             raise ValueError("no prompts given")
         seqs = [self.make_sequence(ids, params) for ids in prompt_ids]  # validate all first
         start = time.perf_counter()
-        for seq in seqs:
-            self.engine.add(seq)
-        bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm)
-        while self.engine.has_work():
-            bar.update(len(self.engine.step()))
-        bar.close()
+        try:
+            self.drive(seqs, use_tqdm)
+        except BaseException:
+            self.engine.abort({s.seq_id for s in seqs})  # leave the engine empty and usable
+            raise
         result = GenerateResult(self.output(s) for s in seqs)
         result.stats = SequenceStats.total([s.stats for s in seqs], time.perf_counter() - start)
+        result.method = seqs[0].params.method
+        result.diagnostics = self.engine.pipeline(result.method).diagnostics(seqs)
         return result
+
+    def drive(self, seqs: list[Sequence], use_tqdm: bool) -> None:
+        """Add ``seqs`` to the engine and step until it is idle."""
+        for seq in seqs:
+            self.engine.add(seq)
+        with tqdm(total=len(seqs), desc="generate", disable=not use_tqdm) as bar:
+            while self.engine.has_work():
+                bar.update(len(self.engine.step()))
 
     def output(self, seq: Sequence) -> RequestOutput:
         ids = seq.output_ids()

@@ -91,7 +91,6 @@ class Sequence:
         self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
         self.stats = SequenceStats()
         self.start_time = 0.0
-        self.schedule = self.block_schedule()
         self.strategy_state: dict = {}  # per-sequence state owned by strategies
         self.decoded_before_step = 0  # stats.decoded_tokens when the current step began
 
@@ -108,11 +107,12 @@ class Sequence:
         start, end = self.block
         return (self.canvas[start:end] == self.ids.mask_id).nonzero()[:, 0] + start
 
-    def block_schedule(self) -> list[int]:
-        return num_transfer_tokens(len(self.masked_positions()), self.params.steps)
-
     def tokens_this_step(self) -> int:
-        return self.schedule[self.step] if self.step < len(self.schedule) else 1
+        """Fixed-step rules: the block's masks left, split evenly over its steps left (remainder
+        first; the block's own schedule while every step commits its share). A step past the
+        block's ``steps`` (a strategy let fewer tokens commit) takes every mask left."""
+        steps_left = max(self.params.steps - self.step, 1)
+        return num_transfer_tokens(len(self.masked_positions()), steps_left)[0]
 
     # -- progress ----------------------------------------------------------------------------
     def commit(self, positions: Tensor, tokens: Tensor) -> None:
@@ -134,7 +134,6 @@ class Sequence:
             return
         self.block_idx += 1
         self.step = 0
-        self.schedule = self.block_schedule()
 
     def stop_tensor(self) -> Tensor:
         return torch.tensor(sorted(self.ids.stop_ids), dtype=torch.long, device=self.canvas.device)

@@ -9,6 +9,7 @@ from tqdm import tqdm
 from ..engine.llm import LLM
 from ..engine.sequence import SequenceStats
 from ..sampling_params import SamplingParams
+from ..strategies.base import merge_diagnostics
 from ..tasks import Example, grade, load_split
 
 
@@ -108,20 +109,20 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     examples = examples if examples is not None else load_split(tasks, limit=limit)
-    report = EvalReport(method=params.method)
-    pipeline = llm.engine.pipeline(params.method)
-    pipeline.reset_diagnostics()
+    report = EvalReport(method=params.method or "")
     all_stats: list[SequenceStats] = []
+    records: list[dict] = []
     bar = tqdm(total=len(examples), desc=f"eval {params.method}", disable=not use_tqdm)
     start = time.perf_counter()
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
         outs = llm.chat([chat_prompt(e) for e in chunk], params)
+        report.method, records = outs.method, records + [outs.diagnostics]
         for ex, out in zip(chunk, outs):
             report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(grade(ex, out.text), out.stats)
             all_stats.append(out.stats)
         bar.update(len(chunk))
     bar.close()
     report.stats = SequenceStats.total(all_stats, time.perf_counter() - start)
-    report.diagnostics = pipeline.diagnostics()
+    report.diagnostics = {k: v for rec in merge_diagnostics(records).values() for k, v in rec.summary().items()}
     return report

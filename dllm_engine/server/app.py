@@ -55,6 +55,9 @@ class Server:
 
     def make_request(self, body, prompts: list[list[int]], request_id: str) -> GenerateRequest:
         """Validated here, before any engine sees the request (a bad option is a 400)."""
+        if body.stop_strings() and self.llm.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer, so stop strings cannot match; "
+                           "use stop_token_ids", "stop")
         try:
             params = self.defaults.replace(**body.sampling_overrides())
             for ids in prompts:

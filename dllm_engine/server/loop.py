@@ -53,7 +53,8 @@ class Job:
         try:
             self.aloop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # its event loop is closed: nobody is listening any more
-            pass
+            log.warning("job %d: event dropped, its event loop is closed (%s)", self.job_id,
+                        "result" if event.result else "error" if event.error else "text")
 
 
 @dataclass

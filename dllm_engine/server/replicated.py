@@ -64,6 +64,7 @@ class ReplicaOptions:
     max_queue: int = 256
     threads: int = 1  # torch CPU threads per replica
     shutdown_timeout: float = 30.0
+    keep_freed_memory: bool = True  # CPU allocator tuning of the replica process (--no-keep-freed-memory)
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -144,7 +145,7 @@ class EngineReplica:
             torch.set_num_threads(options.threads)
         self.board = board
         self.llm = LLM(options.model, dtype=options.dtype, device=options.device,
-                       max_num_seqs=options.max_num_seqs)
+                       max_num_seqs=options.max_num_seqs, keep_freed_memory=options.keep_freed_memory)
         self.metrics = Metrics()
         self.engine = InProcessEngine(self.llm, options.max_queue, self.metrics)
         self.engine.start()

@@ -2,15 +2,26 @@
 
 A strategy never edits a model file or a base decoder. It may:
 - ``setup``: give a new sequence its own state (``seq.strategy_state``);
-- ``plan``: change what a step computes (positions, cache slots, tokens, key masks, logits wanted);
+- ``plan``: change what a step computes (positions, cache slots, tokens, key masks, logits
+  wanted). ``plan`` has no side effects beyond overwriting its own per-step fields: the server
+  may replay a step after a failure;
 - ``layer_hooks``: shrink the active token set inside the layer stack (``ForwardContext.shrink``);
-- ``after_forward``: look at the logits before the commit rule (or commit by itself);
-- ``after_commit``: update its statistics from what was committed.
+- ``after_forward``: look at the logits before the commit rule;
+- ``confidence``: reweigh the commit rule's candidates;
+- ``commit``: replace the base commit rule (at most one strategy per method does);
+- ``after_commit``: update its per-sequence state from what was committed.
+
+Everything a strategy learns about a sequence lives on the sequence; the instances hold only
+the model's constants, so one instance serves every request of a method.
+
+Composition is decided when the method string is parsed (``check_method``): a method either runs
+on every step or is refused up front naming the conflict. The pipeline applies its strategies in
+a fixed order (``stage``), whatever order the method string names them in.
 """
 from __future__ import annotations
 
 import importlib
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 from torch import Tensor
 
@@ -21,10 +32,18 @@ from ..models.layers import DiffusionLM
 
 from .registry import REGISTRY
 
+CommitRule = Callable[[Sequence, Tensor, Tensor], Tensor]  # (seq, positions, logits) -> committed
+
 
 class Strategy:
     name: ClassVar[str] = ""
     bases: ClassVar[tuple[str, ...]] = ()  # base decoders it composes with
+    # order inside a pipeline: 0 changes which tokens a forward computes, 1 reads extra logits,
+    # 2 replaces the commit rule
+    stage: ClassVar[int] = 1
+    shrinks_tokens: ClassVar[bool] = False  # drops tokens inside the forward (layer hooks)
+    owns_commit: ClassVar[bool] = False  # replaces the base commit rule (``commit``)
+    needs_unshifted_logits: ClassVar[bool] = False  # reads position p's logits at p (not Dream)
 
     def __init__(self, model: DiffusionLM) -> None:
         self.model = model
@@ -38,11 +57,18 @@ class Strategy:
     def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> LayerHooks | None:
         return None
 
-    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
-                      ) -> tuple[Tensor, Tensor] | None:
-        """Return the (positions, logits) the commit rule should see, or None when this
-        strategy committed by itself."""
+    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """The (positions, logits) the commit rule should see."""
         return positions, logits
+
+    def confidence(self, seq: Sequence, positions: Tensor, tokens: Tensor, conf: Tensor) -> Tensor:
+        """The commit rule's confidence [N] in ``tokens`` at ``positions`` (reweighed or not)."""
+        return conf
+
+    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, base: CommitRule) -> Tensor:
+        """Only where ``owns_commit``: commit and return the committed positions (``base`` is
+        the decoder's own rule)."""
+        return base(seq, positions, logits)
 
     def after_commit(self, seq: Sequence, committed: Tensor) -> None:
         pass
@@ -51,13 +77,10 @@ class Strategy:
         """Cache positions needed beyond the canvas (e.g. speculative copies of the block)."""
         return 0
 
-    def diagnostics(self) -> dict:
-        """Figures a diagnostic strategy gathered since ``reset_diagnostics`` (``dllm eval``
-        prints them)."""
+    def diagnostics(self, seq: Sequence) -> dict:
+        """Additive records (each with ``+`` and ``summary()``) a diagnostic strategy gathered
+        on ``seq``; ``dllm eval`` sums and prints them."""
         return {}
-
-    def reset_diagnostics(self) -> None:
-        pass
 
 
 def strategy_class(name: str) -> type[Strategy]:
@@ -70,11 +93,39 @@ def strategy_class(name: str) -> type[Strategy]:
         raise ValueError(f"strategy {name!r} is not available in this build ({e})") from None
 
 
+def check_method(base: str, names: list[str], logit_shift: int | None = None) -> None:
+    """Refuse, naming the conflict, a method whose strategies cannot run together on every step:
+    a strategy on a base it does not support, two strategies that drop tokens inside the forward,
+    a strategy that verifies every copy at the last layer beside one that drops tokens, or (when
+    ``logit_shift`` is known) a strategy that needs unshifted logits on a shifted model (Dream)."""
+    classes = [strategy_class(n) for n in names]
+    for cls in classes:
+        if base not in cls.bases:
+            raise ValueError(f"strategy {cls.name!r} runs on {', '.join(cls.bases)}, not on {base!r}")
+    shrink = [c.name for c in classes if c.shrinks_tokens]
+    if len(shrink) > 1:
+        raise ValueError(f"{shrink[0]!r} and {shrink[1]!r} both drop tokens inside the forward; "
+                         f"use one of them")
+    owners = [c.name for c in classes if c.owns_commit]
+    if len(owners) > 1:
+        raise ValueError(f"{owners[0]!r} and {owners[1]!r} both replace the commit rule; use one of them")
+    if owners and shrink:
+        raise ValueError(f"{owners[0]!r} verifies every copy of the block at the last layer, and "
+                         f"{shrink[0]!r} drops tokens before it; use one of them")
+    unshifted = [c.name for c in classes if c.needs_unshifted_logits]
+    if logit_shift and unshifted:
+        raise ValueError(f"{unshifted[0]!r} needs a model without logit shift (LLaDA); this model "
+                         f"reads position p's logits at p - 1 (Dream)")
+
+
 class Pipeline:
-    """The strategies of one method, applied in the order the method string names them."""
+    """The strategies of one method, applied in ``stage`` order (the method string's order does
+    not matter: ``check_method`` refused the combinations where it would)."""
 
     def __init__(self, names: list[str], model: DiffusionLM) -> None:
-        self.strategies = [strategy_class(n)(model) for n in names]
+        strategies = [strategy_class(n)(model) for n in names]
+        self.strategies = sorted(strategies, key=lambda s: s.stage)
+        self.owner = next((s for s in self.strategies if s.owns_commit), None)
 
     def setup(self, seq: Sequence) -> None:
         for s in self.strategies:
@@ -87,17 +138,24 @@ class Pipeline:
 
     def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> LayerHooks | None:
         hooks = [h for s in self.strategies if (h := s.layer_hooks(seqs, plans)) is not None]
-        if len(hooks) > 1:
-            raise ValueError("at most one strategy per method may shrink the token set")
+        if len(hooks) > 1:  # check_method refuses such methods: reaching this is a bug
+            raise RuntimeError("two strategies of one method returned layer hooks")
         return hooks[0] if hooks else None
 
-    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor):
-        out: tuple[Tensor, Tensor] | None = (positions, logits)
+    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
         for s in self.strategies:
-            out = s.after_forward(seq, *out)
-            if out is None:
-                return None
-        return out
+            positions, logits = s.after_forward(seq, positions, logits)
+        return positions, logits
+
+    def confidence(self, seq: Sequence, positions: Tensor, tokens: Tensor, conf: Tensor) -> Tensor:
+        for s in self.strategies:
+            conf = s.confidence(seq, positions, tokens, conf)
+        return conf
+
+    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, base: CommitRule) -> Tensor:
+        if self.owner is not None:
+            return self.owner.commit(seq, positions, logits, base)
+        return base(seq, positions, logits)
 
     def after_commit(self, seq: Sequence, committed: Tensor) -> None:
         for s in self.strategies:
@@ -106,9 +164,15 @@ class Pipeline:
     def extra_cache_slots(self, seq: Sequence) -> int:
         return sum(s.extra_cache_slots(seq) for s in self.strategies)
 
-    def diagnostics(self) -> dict:
-        return {k: v for s in self.strategies for k, v in s.diagnostics().items()}
+    def diagnostics(self, seqs: list[Sequence]) -> dict:
+        """Each diagnostic strategy's records, summed over ``seqs``."""
+        return merge_diagnostics([s.diagnostics(seq) for seq in seqs for s in self.strategies])
 
-    def reset_diagnostics(self) -> None:
-        for s in self.strategies:
-            s.reset_diagnostics()
+
+def merge_diagnostics(records: list[dict]) -> dict:
+    """Sum diagnostic records by name (see ``Strategy.diagnostics``)."""
+    out: dict = {}
+    for rec in records:
+        for name, value in rec.items():
+            out[name] = out[name] + value if name in out else value
+    return out

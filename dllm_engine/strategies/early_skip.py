@@ -9,7 +9,7 @@ each block token gets an importance score
 
     I = alpha * conf_prev + (1 - alpha) * dh,    dh = mean|h - h_prev| / (RMS(h_prev) + 1e-6)
 
-(dh divided by its maximum over the row; h_prev = the token's hidden state at the same layer the
+(dh divided by max(its maximum over the row, 1), as the official code does; h_prev = the token's hidden state at the same layer the
 last time it was computed) plus bonuses that protect progress: +2 for the two most confident
 tokens (when alpha > 0), +5 for the leftmost masked position, +3 for positions committed at the
 previous step (when alpha < 1). The top ``max(int(p * |block|), min(last_decoded + 2, |block|))``
@@ -25,17 +25,20 @@ Choices where the paper leaves room (documented so results can be read against t
   output predicts (p + 1); the +3 bonus goes to the committed token itself (its input changed).
   The token before the block is in the plan only to predict the first block position: it is
   never skipped and not counted in |block|.
-- dh is divided by its row maximum (SPEC §5); the reference code divides by max(row max, 1).
 - Pruning after the last layer would save nothing and only drop logits, so it is never done.
-- ``prompt_refresh`` / ``block_refresh`` count the sequence's forwards since it started.
-- Block starts (SPEC §5, as the paper's code): the cache is rebuilt by a full-canvas forward only
-  at the first forward and every ``prompt_refresh`` forwards, not at every block start as the
-  dual-cache decoder does. A block's first step computes from the leftmost position committed at
-  the previous step (its K/V were computed while it was still masked) to the block end; the later
-  blocks' K/V stay those of the last rebuild. ``refresh_blocks=True`` restores the dual-cache
-  rebuild. Rebuilds and block-first steps never skip: the new block's hidden-state window is
-  filled by that step (the paper's code does skip there, against hidden states it keeps for the
-  whole canvas).
+- Steps are counted as the official code counts them: ``block_idx * block_length + step`` (its
+  counter jumps to the next block's multiple when a block ends early). ``prompt_refresh`` steps
+  recompute [0, block end) without skipping, ``block_refresh`` steps skip nothing.
+- Block starts (``skip_block_start``): ``prefix`` (default, the official schedule: its
+  ``prompt_update_freq`` is the block length) recomputes [0, block end) without skipping; the
+  suffix keeps the K/V of the first, full-canvas forward. ``last-commits`` (cheaper) computes
+  from the leftmost position committed at the previous step (its K/V were computed while it was
+  still masked) to the block end. ``canvas`` recomputes the whole canvas, as the dual-cache
+  decoder does. A block's first step never skips: it fills the new block's hidden-state window.
+- ``delay_eos`` (default on, the official ``delay_eos_generation``): an EOS predicted at a position
+  whose left neighbour in the block is still masked, while no EOS is committed yet, gets
+  confidence 0, for the commit rule and for the next step's skip score. (The official Dream path
+  zeroes it after recording the skip score; the engine uses one rule for both families.)
 """
 from __future__ import annotations
 
@@ -97,7 +100,7 @@ def importance(conf: Tensor, delta: Tensor, candidate: Tensor, bonus: Tensor, al
 
     conf, delta, bonus: [B, T]; candidate: [B, T] bool; alpha: [B] (skip_alpha per row)."""
     delta = delta.masked_fill(~candidate, 0.0)
-    delta = delta / delta.amax(1, keepdim=True).clamp_min(1e-12)
+    delta = delta / delta.amax(1, keepdim=True).clamp_min(1.0)  # the official max(row max, 1)
     a = alpha[:, None].to(conf.dtype)
     score = a * conf + (1 - a) * delta + bonus
     top2 = (rank_of(conf, candidate) < 2) & candidate & (a > 0)
@@ -130,10 +133,10 @@ def pad_stack(windows: list[Tensor]) -> Tensor:
 class SkipState:
     conf: Tensor  # [L] last confidence of each canvas position (0 once committed)
     last_committed: Tensor  # positions committed at the previous step
-    num_steps: int = 0  # forwards planned so far (refresh counter)
-    skip: bool = False  # whether this step may skip
+    skip: bool = False  # whether this step may skip (set by plan)
     window_lo: int = -1  # first canvas position of the hidden-state window
     hidden: dict[int, Tensor] = field(default_factory=dict)  # layer -> [W, d] over the block window
+    pending: dict[int, Tensor] = field(default_factory=dict)  # this forward's update of ``hidden``
 
 
 def state(seq: Sequence) -> SkipState:
@@ -184,13 +187,14 @@ class SkipHooks:
         return select_kept(score, candidate, ctx.token_valid, self.counts[layer_idx])
 
     def store(self, layer_idx: int, hidden: Tensor, offset: Tensor, keep: Tensor) -> None:
-        """Partial update: the survivors' hidden states replace the cached ones."""
+        """Partial update: the survivors' hidden states replace the cached ones. The sequences'
+        own caches take it after the commit (``EarlySkip.after_commit``), so a replayed step
+        sees the same hidden states."""
         cache = self.previous[layer_idx]
         rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None].expand_as(offset)
         cache[rows[keep], offset[keep]] = hidden[keep].to(cache.dtype)
         for b, seq in enumerate(self.seqs):
-            own = state(seq).hidden[layer_idx]
-            own.copy_(cache[b, : own.shape[0]])
+            state(seq).pending[layer_idx] = cache[b, : state(seq).hidden[layer_idx].shape[0]]
 
 
 # -- the strategy ----------------------------------------------------------------------------
@@ -198,6 +202,8 @@ class EarlySkip(Strategy):
     """ES-dLLM: skip low-importance block tokens at early layers (arXiv 2603.10088)."""
     name = KEY
     bases = ("dual-cache",)
+    stage = 0
+    shrinks_tokens = True
 
     def __init__(self, model: DiffusionLM) -> None:
         super().__init__(model)
@@ -213,15 +219,17 @@ class EarlySkip(Strategy):
 
     # -- step planning -------------------------------------------------------------------------
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
-        st, p = state(seq), seq.params
-        count = st.num_steps
-        st.num_steps += 1
-        if p.prompt_refresh is not None and count % p.prompt_refresh == 0:
-            plan = self.full_canvas(seq, plan)
-        elif seq.step == 0 and count > 0 and not p.refresh_blocks:
+        """What this step computes (no side effect but ``skip``, rewritten at every plan)."""
+        p = seq.params
+        count = seq.block_idx * p.block_length + seq.step  # the official step counter
+        if count > 0 and p.prompt_refresh is not None and count % p.prompt_refresh == 0:
+            plan = self.prefix(seq, plan)
+        elif count > 0 and seq.step == 0 and p.skip_block_start == "prefix":
+            plan = self.prefix(seq, plan)
+        elif count > 0 and seq.step == 0 and p.skip_block_start == "last-commits":
             plan = self.from_last_commits(seq, plan)
         no_skip_step = p.block_refresh is not None and count % p.block_refresh == 0
-        st.skip = self.block_only(seq, plan) and not no_skip_step
+        state(seq).skip = self.block_only(seq, plan) and not no_skip_step
         return plan
 
     @staticmethod
@@ -230,9 +238,9 @@ class EarlySkip(Strategy):
         positions = torch.arange(lo, hi, device=seq.canvas.device)
         return StepPlan(positions, torch.full_like(positions, seq.canvas_len), plan.logit_positions)
 
-    def full_canvas(self, seq: Sequence, plan: StepPlan) -> StepPlan:
-        """The cache rebuild: every canvas position."""
-        return self.span(seq, plan, 0, seq.canvas_len)
+    def prefix(self, seq: Sequence, plan: StepPlan) -> StepPlan:
+        """The official refresh: every position up to the block end."""
+        return self.span(seq, plan, 0, seq.block[1])
 
     def from_last_commits(self, seq: Sequence, plan: StepPlan) -> StepPlan:
         """A block's first step without a cache rebuild: from the leftmost position committed at
@@ -254,6 +262,7 @@ class EarlySkip(Strategy):
         layers = sorted({i for f in fractions for i in prune_layers(f)})
         for seq in seqs:
             self.ensure_window(seq, layers)
+            state(seq).pending = {}
         width = max(len(p) for p in plans)
         values = [self.row_values(s, p, width) for s, p in zip(seqs, plans)]
         rows = {k: torch.stack([v[k] for v in values]) for k in ("candidate", "conf", "bonus")}
@@ -305,18 +314,37 @@ class EarlySkip(Strategy):
         return torch.tensor(counts, device=seq.canvas.device)
 
     # -- after the forward ---------------------------------------------------------------------
-    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
-                      ) -> tuple[Tensor, Tensor] | None:
+    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Record each predicted position's confidence (softmax probability of the argmax, the
-        mask id excluded, as the commit rule sees it) for the next step's scores."""
+        mask id excluded, as the commit rule sees it; 0 for a delayed EOS) for the next step's
+        scores."""
         if positions.numel():
             mask_col = torch.tensor([seq.ids.mask_id], device=logits.device)
             scores = logits.float().index_fill(1, mask_col, -float("inf"))
-            conf = (scores.amax(-1) - torch.logsumexp(scores, -1)).exp()
+            top, tokens = scores.max(-1)
+            conf = (top - torch.logsumexp(scores, -1)).exp()
+            conf = conf.masked_fill(delayed_eos(seq, positions, tokens), 0.0)
             state(seq).conf[positions] = conf.to(state(seq).conf.dtype)
         return positions, logits
+
+    def confidence(self, seq: Sequence, positions: Tensor, tokens: Tensor, conf: Tensor) -> Tensor:
+        return conf.masked_fill(delayed_eos(seq, positions, tokens), 0.0)
 
     def after_commit(self, seq: Sequence, committed: Tensor) -> None:
         st = state(seq)
         st.conf[committed] = 0.0
         st.last_committed = committed.clone()
+        for layer, update in st.pending.items():
+            st.hidden[layer].copy_(update)
+        st.pending = {}
+
+
+def delayed_eos(seq: Sequence, positions: Tensor, tokens: Tensor) -> Tensor:
+    """bool [N]: ES-dLLM's ``delay_eos_generation``: an EOS predicted while its left neighbour in
+    the current block is still masked and no EOS has been committed yet."""
+    if not seq.params.delay_eos or bool((seq.canvas[seq.prompt_len:] == seq.ids.eos_id).any()):
+        return torch.zeros_like(positions, dtype=torch.bool)
+    start, end = seq.block
+    left = positions - 1
+    left_masked = (left >= start) & (left < end) & (seq.canvas[left.clamp(min=0)] == seq.ids.mask_id)
+    return (tokens == seq.ids.eos_id) & left_masked

@@ -254,6 +254,8 @@ class TokenEviction(Strategy):
     Option: ``SamplingParams.focus_alpha`` (>= 1, default 1.5) scales the eviction budget."""
     name = "focus"
     bases = ("block", "dual-cache")
+    stage = 0
+    shrinks_tokens = True
     evict = True
 
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
@@ -338,6 +340,9 @@ class PredictorCounts:
     confident: int = 0  # masked tokens whose confidence reaches the threshold ...
     confident_kept: int = 0  # ... of which the selection keeps
 
+    def __add__(self, other: "PredictorCounts") -> "PredictorCounts":
+        return PredictorCounts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
     def add(self, conf: Tensor, kept: Tensor, threshold: float) -> None:
         """conf [M]: the full model's confidence in each masked token; kept [M] bool."""
         self.steps += 1
@@ -368,9 +373,8 @@ class PredictorProbe(TokenEviction):
     the method's threshold (0.9 when it has none)."""
     name = "focus-probe"
 
-    def __init__(self, model) -> None:
-        super().__init__(model)
-        self.counts = PredictorCounts()
+    def setup(self, seq: Sequence) -> None:
+        seq.strategy_state[self.name] = PredictorCounts()
 
     def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> EvictionHooks | None:
         hooks = super().layer_hooks(seqs, plans)
@@ -389,11 +393,8 @@ class PredictorProbe(TokenEviction):
             picked[:, seq.ids.mask_id] = -float("inf")
             conf = confidence(picked, picked.argmax(dim=-1), "low_confidence", None)
             threshold = seq.params.threshold if seq.params.threshold is not None else 0.9
-            self.counts.add(conf, kept, threshold)
+            seq.strategy_state[self.name].add(conf, kept, threshold)
         return positions, logits
 
-    def diagnostics(self) -> dict:
-        return self.counts.summary()
-
-    def reset_diagnostics(self) -> None:
-        self.counts = PredictorCounts()
+    def diagnostics(self, seq: Sequence) -> dict:
+        return {self.name: seq.strategy_state[self.name]}

@@ -29,8 +29,9 @@ reference's 86-92 switch point); before that 4 copies. Drafts never cover every 
 (k <= n_mask - 1), so each copy still predicts something. With ``max_copies = 1`` the step is the
 base decoder's step (same tokens).
 
-Restrictions: models without a logit shift (LLaDA), since a shifted model (Dream) reads
-position p's prediction at p - 1, which may be a shared token. On a block's first step (the full
+Restrictions (refused when the method is parsed): models without a logit shift (LLaDA), since a
+shifted model (Dream) reads position p's prediction at p - 1, which may be a shared token; no
+strategy that drops tokens inside the forward (every copy must reach the last layer). On a block's first step (the full
 forward) the base decoder runs unchanged and its argmax predictions are kept as drafts.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ from torch import Tensor
 from ..decoding import confidence, sample_tokens
 from ..decoding.decoders import StepPlan, select
 from ..engine.sequence import Sequence
-from .base import Strategy
+from .base import CommitRule, Strategy
 
 KEY = "jump-share"
 SHARE_BUDGET = 2.8  # 8 copies once block + 3·n_mask <= SHARE_BUDGET · block
@@ -72,10 +73,11 @@ class JumpShare(Strategy):
     name: ClassVar[str] = KEY
     bases: ClassVar[tuple[str, ...]] = ("prefix-cache", "dual-cache")
 
+    stage: ClassVar[int] = 2
+    owns_commit: ClassVar[bool] = True
+    needs_unshifted_logits: ClassVar[bool] = True  # refused on Dream by check_method
+
     def setup(self, seq: Sequence) -> None:
-        if self.model.config.logit_shift:
-            raise ValueError("jump-share needs a model without logit shift (LLaDA); this model "
-                             "reads position p's logits at p - 1 (Dream)")
         seq.strategy_state[KEY] = {"drafts": None, "layout": None}
 
     def extra_cache_slots(self, seq: Sequence) -> int:
@@ -92,21 +94,20 @@ class JumpShare(Strategy):
         return share_plan(seq, plan, layout)
 
     # -- verify and commit -----------------------------------------------------------------
-    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
-                      ) -> tuple[Tensor, Tensor] | None:
+    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, base: CommitRule) -> Tensor:
+        """Verify the copies and commit the accepted one; on a block's first step the base rule
+        commits and its argmax predictions become the drafts."""
         state = seq.strategy_state[KEY]
         layout: CopyLayout | None = state["layout"]
-        if layout is None:  # a block's first step: the base rule commits; keep its predictions
+        if layout is None:
             state["drafts"] = argmax_drafts(seq, positions, logits)
-            return positions, logits
-        if positions.numel() != sum(layout.counts()):
-            raise ValueError("jump-share cannot be combined with a strategy that drops tokens "
-                             "inside the forward (token eviction / early skipping)")
+            return base(seq, positions, logits)
+        if positions.numel() != sum(layout.counts()):  # check_method refuses what could cause it
+            raise RuntimeError(f"jump-share expected {sum(layout.counts())} logit rows, got "
+                               f"{positions.numel()}: a strategy dropped tokens inside the forward")
         x0, conf, commit = self.copy_predictions(seq, layout, logits)
         best = accepted_copy(layout.sets, layout.draft_idx, layout.draft_tokens, x0, commit)
-        self.apply(seq, layout, best, x0[best], conf[best], commit[best])
-        seq.advance()
-        return None
+        return self.apply(seq, layout, best, x0[best], conf[best], commit[best])
 
     @staticmethod
     def copy_predictions(seq: Sequence, layout: CopyLayout, logits: Tensor
@@ -131,9 +132,9 @@ class JumpShare(Strategy):
 
     @staticmethod
     def apply(seq: Sequence, layout: CopyLayout, best: int, x0: Tensor, conf: Tensor,
-              commit: Tensor) -> None:
-        """Commit copy ``best``'s drafts and its own commits; its other predictions become the
-        next step's drafts."""
+              commit: Tensor) -> Tensor:
+        """Commit copy ``best``'s drafts and its own commits (returns their positions); its other
+        predictions become the next step's drafts."""
         mine = list(layout.sets[best])
         tokens = x0.clone()
         tokens[layout.draft_idx[mine]] = layout.draft_tokens[mine]
@@ -141,6 +142,7 @@ class JumpShare(Strategy):
         seq.commit(layout.masked[done], tokens[done])
         rest = ~done
         seq.strategy_state[KEY]["drafts"] = ranked(layout.masked[rest], x0[rest], conf[rest])
+        return layout.masked[done]
 
 
 # -- layout ------------------------------------------------------------------------------------

@@ -1,0 +1,323 @@
+"""Contracts of issue 21: every method combination decided up front, order-free pipelines,
+per-request strategy state, replay-safe plans, a usable engine after a failed call, a cache that
+shrinks and copies only the rows that move, no silent fallbacks."""
+import asyncio
+import copy
+import itertools
+import logging
+
+import pytest
+import torch
+
+from dllm_engine import LLM, SamplingParams
+from dllm_engine.engine.kv_cache import KVCache
+from dllm_engine.engine.sequence import Sequence, TokenIds
+from dllm_engine.sampling_params import BASE_METHODS
+from dllm_engine.strategies.base import Pipeline
+from dllm_engine.strategies.registry import REGISTRY
+from fixtures import write_checkpoint
+
+PROMPTS = [[42, 13, 14, 15, 16, 17, 18], [20, 21, 22]]
+FAMILIES = ("llada", "Dream", "sdar")
+OPTIONS = dict(max_new_tokens=16, block_length=8, threshold=0.5, stop_at_eos=False)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {mt: write_checkpoint(root / mt, mt, tokenizer=False) for mt in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def llms(ckpts):
+    return {mt: LLM(path) for mt, path in ckpts.items()}
+
+
+def all_methods() -> list[str]:
+    names = list(REGISTRY)
+    subsets = [c for n in range(len(names) + 1) for c in itertools.combinations(names, n)]
+    return ["+".join((base, *subset)) for base in BASE_METHODS for subset in subsets]
+
+
+def accepted(llm: LLM, method: str) -> bool:
+    """Whether validation (parse, then resolution against the model) accepts ``method``; a
+    refusal must be a one-line ValueError."""
+    try:
+        llm.make_sequence(PROMPTS[0], SamplingParams(method=method, **OPTIONS))
+    except ValueError as e:
+        assert "\n" not in str(e) and str(e)
+        return False
+    return True
+
+
+# -- item 1: the combination matrix ------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_combination_is_refused_up_front_or_completes(ckpts, llms, family):
+    shared = llms[family]
+    ran = 0
+    for method in all_methods():
+        if not accepted(shared, method):
+            continue
+        params = SamplingParams(method=method, **OPTIONS)
+        fresh = LLM(ckpts[family]).generate(PROMPTS, params)
+        again = shared.generate(PROMPTS, params)  # one LLM for every combination: no poisoning
+        assert [o.token_ids for o in again] == [o.token_ids for o in fresh], method
+        assert all(len(o.token_ids) for o in fresh) and fresh.stats.nfe > 0
+        assert shared.engine.running == [] and not shared.engine.waiting
+        ran += 1
+    assert ran >= {"llada": 16, "Dream": 12, "sdar": 6}[family]
+
+
+@pytest.mark.parametrize("method,family,conflict", [
+    ("dual-cache+focus+early-skip", "llada", "'focus' and 'early-skip' both drop tokens"),
+    ("dual-cache+focus+focus-probe", "llada", "'focus' and 'focus-probe' both drop tokens"),
+    ("dual-cache+focus+jump-share", "llada", "'jump-share' verifies every copy"),
+    ("dual-cache+early-skip+jump-share", "llada", "'jump-share' verifies every copy"),
+    ("dual-cache+jump-share", "Dream", "'jump-share' needs a model without logit shift"),
+    ("block+early-skip", "sdar", "strategy 'early-skip' runs on dual-cache, not on 'block'"),
+])
+def test_conflicts_are_named(llms, method, family, conflict):
+    with pytest.raises(ValueError, match=conflict):
+        llms[family].make_sequence(PROMPTS[0], SamplingParams(method=method, **OPTIONS))
+
+
+def test_family_free_conflicts_are_refused_when_the_method_is_parsed():
+    with pytest.raises(ValueError, match="both drop tokens"):
+        SamplingParams(method="dual-cache+early-skip+focus")
+
+
+# -- item 2: the order of the method string does not matter --------------------------------------
+def test_strategies_run_in_stage_order_whatever_the_method_says(llms):
+    llm = llms["llada"]
+    a = llm.generate(PROMPTS, SamplingParams(method="dual-cache+jump-share+adaptive-length", **OPTIONS))
+    b = llm.generate(PROMPTS, SamplingParams(method="dual-cache+adaptive-length+jump-share", **OPTIONS))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b] and a.stats.nfe == b.stats.nfe
+    names = [s.name for s in Pipeline(["jump-share", "adaptive-length"], llm.model).strategies]
+    assert names == ["adaptive-length", "jump-share"]
+
+
+def test_a_strategy_that_commits_hides_no_other_strategy(llms, monkeypatch):
+    """Every strategy sees every commit, including those the commit-owning strategy makes."""
+    from dllm_engine.strategies.adaptive_length import AdaptiveLength
+    seen = []
+    original = AdaptiveLength.after_commit
+
+    def spy(self, seq, committed):
+        seen.append(int(committed.numel()))
+        return original(self, seq, committed)
+
+    monkeypatch.setattr(AdaptiveLength, "after_commit", spy)
+    params = SamplingParams(method="dual-cache+jump-share+adaptive-length", **OPTIONS)
+    out = llms["llada"].generate(PROMPTS, params)
+    assert len(seen) == out.stats.nfe and sum(seen) == out.stats.decoded_tokens
+
+
+# -- item 3: per-request state, replay-safe plans ---------------------------------------------
+REPLAYED = [("sdar", "block+focus"), ("sdar", "block+focus-probe"), ("llada", "dual-cache+focus"),
+            ("llada", "dual-cache+early-skip"), ("Dream", "dual-cache+early-skip"),
+            ("llada", "dual-cache+adaptive-length"), ("llada", "dual-cache+jump-share"),
+            ("llada", "dual-cache+early-skip:block_refresh=3,prompt_refresh=5")]
+
+
+@pytest.mark.parametrize("family,spec", REPLAYED)
+def test_planning_a_step_twice_changes_nothing(llms, monkeypatch, family, spec):
+    """The server replays a failed step: ``plan`` must leave no trace."""
+    from dllm_engine.sampling_params import parse_spec
+    llm, params = llms[family], parse_spec(spec, **OPTIONS)
+    once = llm.generate(PROMPTS, params)
+    original = Pipeline.plan
+
+    def twice(self, seq, plan):
+        original(self, seq, copy.deepcopy(plan))
+        planned_once = copy.deepcopy(seq.strategy_state)
+        out = original(self, seq, plan)  # the replay
+        assert_same_state(planned_once, seq.strategy_state)
+        return out
+
+    monkeypatch.setattr(Pipeline, "plan", twice)
+    replayed = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in replayed] == [o.token_ids for o in once]
+    assert replayed.stats.processed_tokens == once.stats.processed_tokens
+
+
+def assert_same_state(a, b) -> None:
+    """Strategy states equal (layouts compared by their tensors)."""
+    per_step = set()
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            if k not in per_step:
+                assert_same_state(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif hasattr(a, "__dict__"):
+        assert_same_state(vars(a), vars(b))
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_state(x, y)
+    else:
+        assert a == b
+
+
+def test_diagnostics_are_per_call_and_per_request(llms):
+    llm = llms["sdar"]
+    params = SamplingParams(method="block+focus-probe", **OPTIONS)
+    first = llm.generate([PROMPTS[0]], params).diagnostics["focus-probe"]
+    again = llm.generate([PROMPTS[0]], params).diagnostics["focus-probe"]
+    other = llm.generate([PROMPTS[1]], params).diagnostics["focus-probe"]
+    both = llm.generate(PROMPTS, params).diagnostics["focus-probe"]
+    assert first.steps > 0 and first == again  # nothing carried over from the earlier call
+    assert both == first + other  # each request counts its own steps
+
+
+# -- item 4: the engine never sees an unresolved method ------------------------------------------
+def test_default_params_reach_the_engine_resolved(llms):
+    out = llms["sdar"].generate([PROMPTS[0]], SamplingParams())
+    assert out.method == "block" and out[0].token_ids is not None
+    with pytest.raises(ValueError, match="resolved methods only"):
+        llms["sdar"].engine.pipeline(None)
+
+
+# -- item 8: a failed call leaves the engine empty and usable ------------------------------------
+def test_a_call_that_raises_mid_step_leaves_the_engine_usable(llms, monkeypatch):
+    from dllm_engine.strategies.adaptive_length import AdaptiveLength
+    llm = llms["llada"]
+    want = llm.generate(PROMPTS, SamplingParams(method="dual-cache", **OPTIONS))
+
+    def boom(self, seq, positions, logits):
+        raise RuntimeError("boom")
+
+    with monkeypatch.context() as m:
+        m.setattr(AdaptiveLength, "after_forward", boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            llm.generate(PROMPTS * 3, SamplingParams(method="dual-cache+adaptive-length", **OPTIONS))
+    assert llm.engine.running == [] and not llm.engine.waiting
+    got = llm.generate(PROMPTS, SamplingParams(method="dual-cache", **OPTIONS))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+# -- item 5: the KV cache pool -------------------------------------------------------------------
+def filled_cache(ids_by_group, length):
+    cache = KVCache(2, 1, 2, torch.float32, "cpu")
+    order = cache.arrange(ids_by_group, length)
+    with torch.inference_mode():  # as the engine's steps write it
+        for ids in order:
+            for i in ids:  # each row holds its sequence id
+                for t in cache.k + cache.v:
+                    t[cache.rows[i]] = float(i)
+    return cache
+
+
+def test_a_leave_moves_only_the_rows_that_must_move():
+    cache = filled_cache([[1, 2, 3, 4]], 10)
+    storage = cache.k[0].data_ptr()
+    order = cache.arrange([[1, 3, 4]], 10)  # 2 leaves: 4 takes its row, 1 and 3 stay
+    assert cache.k[0].data_ptr() == storage  # no reallocation
+    assert cache.rows == {1: 0, 3: 2, 4: 1} and order == [[1, 4, 3]]
+    for i, row in cache.rows.items():
+        assert bool((cache.k[1][row] == i).all()) and bool((cache.v[0][row] == i).all())
+
+
+def test_groups_stay_contiguous_as_sequences_join_and_leave():
+    cache = filled_cache([[1, 2], [3]], 8)
+    order = cache.arrange([[1, 5], [3, 6]], 8)  # 2 leaves, 5 joins group 0, 6 joins group 1
+    rows = [[cache.rows[i] for i in ids] for ids in order]
+    assert rows == [[0, 1], [2, 3]] and cache.rows[1] == 0
+    assert bool((cache.k[0][cache.rows[3], :, :8] == 3).all())  # moved with the growth
+
+
+def test_the_cache_shrinks_when_the_long_sequences_leave():
+    cache = filled_cache([[1, 2, 3]], 1000)
+    cache.arrange([[2, 3]], 64)  # the long one left: rows hold what the others need
+    assert cache.capacity == 64 and cache.num_rows == 2
+    assert bool((cache.k[0][cache.rows[3], :, :64] == 3).all())
+    cache.arrange([], 0)
+    assert cache.nbytes == 0
+
+
+def test_engine_cache_follows_the_running_sequences(llms):
+    llm = llms["llada"]
+    engine = llm.engine
+    short = SamplingParams(method="dual-cache", max_new_tokens=8, block_length=8)
+    long = SamplingParams(method="dual-cache", max_new_tokens=128, block_length=8, stop_at_eos=False)
+    seqs = [llm.make_sequence(PROMPTS[0], long)] + [llm.make_sequence(p, short) for p in PROMPTS * 2]
+    for s in seqs:
+        engine.add(s)
+    engine.step()
+    assert engine.cache.capacity >= seqs[0].canvas_len
+    while not seqs[0].finished:
+        engine.step()
+    assert engine.cache.nbytes == 0 and engine.running == []  # the short ones left before
+
+
+# -- item 6: no silent fallbacks -----------------------------------------------------------------
+def test_a_step_past_the_schedule_commits_every_mask_left():
+    params = SamplingParams(method="dual-cache", max_new_tokens=8, block_length=8, steps=2)
+    p = params.resolve({}, ("dual-cache",), 64, 3)
+    seq = Sequence(0, [5, 6, 7], p, TokenIds(mask_id=4, eos_id=3, stop_ids=frozenset({3})))
+    assert seq.tokens_this_step() == 4  # 8 masks over 2 steps
+    seq.canvas[3:5] = 9
+    seq.step = 1
+    assert seq.tokens_this_step() == 6  # fell behind: what is left, not 1
+    seq.step = 2
+    assert seq.tokens_this_step() == 6
+
+
+def test_stop_strings_need_a_tokenizer(llms):
+    from dllm_engine.server.app import Server
+    from dllm_engine.server.protocol import ApiError, CompletionRequest
+    server = Server(llms["llada"], SamplingParams(), "tiny", max_queue=4, shutdown_timeout=1)
+    body = CompletionRequest(prompt=PROMPTS[0], max_tokens=8, stop=["x"])
+    with pytest.raises(ApiError, match="no tokenizer, so stop strings cannot match") as e:
+        server.make_job(body, [PROMPTS[0]])
+    assert e.value.status == 400
+
+
+def test_an_event_for_a_closed_loop_is_logged(caplog):
+    from dllm_engine.server.loop import Event, Job
+
+    async def make():
+        return Job([], [], stream=False)
+
+    job = asyncio.run(make())  # its loop is closed once run() returns
+    with caplog.at_level(logging.WARNING, logger="dllm_engine.server"):
+        job.emit(Event(text="late"))
+    assert "event dropped" in caplog.text
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture()
+def hf_warnings():
+    from transformers.utils import logging as hf_logging
+    logger, handler = hf_logging.get_logger("transformers"), Collect()
+    logger.addHandler(handler)
+    yield handler.messages
+    logger.removeHandler(handler)
+
+
+def test_tokenizer_warnings_are_not_muted(tmp_path, monkeypatch, hf_warnings):
+    import transformers
+    from transformers.utils import logging as hf_logging
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def noisy(*args, **kwargs):
+        hf_logging.get_logger("transformers").warning("tokenizer warning for the user")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", noisy)
+    LLM(write_checkpoint(tmp_path / "tok", "llada"))
+    assert "tokenizer warning for the user" in hf_warnings
+
+
+def test_the_engine_model_type_gives_no_tokenizer_warning(tmp_path, hf_warnings):
+    LLM(write_checkpoint(tmp_path / "tok", "llada"))
+    assert not [m for m in hf_warnings if "model of type" in m]
