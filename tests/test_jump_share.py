@@ -26,6 +26,7 @@ def test_copy_sets_and_copy_count_rule():
     assert draft_sets(4) == [(), (0,), (1,), (0, 1), (2,), (0, 1, 2), (3,), (0, 1, 2, 3)]
     # block 32: 8 copies once 32 + 3 n <= 89.6, i.e. n <= 19
     assert num_copies(8, 19, 32) == 8 and num_copies(8, 20, 32) == 4
+    assert num_copies(8, 3, 32, first=True) == 4  # a block's first speculative step: 4 (official)
     assert num_copies(4, 3, 32) == 4 and num_copies(1, 3, 32) == 1 and num_copies(2, 30, 32) == 2
 
 
@@ -231,3 +232,22 @@ def test_strategy_order_in_the_method_string_does_not_matter(llms):
     b = llm.generate(PROMPTS, params.replace(method="dual-cache+jump-share+adaptive-length"))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.stats.nfe for o in a] == [o.stats.nfe for o in b]
+
+
+def test_drafts_may_cover_every_masked_position(llms):
+    """As in the official code: with two masks left and four copies, both are drafted; the copy
+    holding both predicts nothing itself and is accepted when the others confirm its drafts."""
+    seq = make_seq(max_copies=4)  # block [3, 7)
+    seq.canvas[3], seq.canvas[5] = 20, 21
+    seq.step = 2
+    drafts = (torch.tensor([6, 4]), torch.tensor([61, 62]), torch.tensor([0.9, 0.8]))
+    layout = make_layout(seq, seq.masked_positions(), drafts)
+    assert layout.draft_idx.tolist() == [1, 0] and layout.counts() == [2, 1, 1, 0]
+    js = JumpShare(llms["llada"].model)
+    js.setup(seq)
+    seq.strategy_state["jump-share"]["layout"] = layout
+    logits = torch.full((4, 96), -1.0)
+    logits[0, 62], logits[1, 61], logits[2, 62], logits[3, 61] = 9.0, 9.0, 9.0, 9.0
+    positions = torch.cat([layout.masked[~layout.drafted[c]] for c in range(4)])
+    committed = js.commit(seq, positions, logits, lambda *a: None)
+    assert sorted(committed.tolist()) == [4, 6] and seq.canvas[3:7].tolist() == [20, 62, 21, 61]

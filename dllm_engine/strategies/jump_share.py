@@ -15,7 +15,12 @@ the block, all in ONE forward:
   part of copy 0; only the masked positions are duplicated per copy, into cache slots past the
   canvas (``extra_cache_slots``). A copy token sees the cache, the shared tokens and its own
   copy, never copy 0's masks nor another copy (``copy_key_mask``). The shared tokens themselves
-  are computed in copy 0's context, the sharing approximation of the paper.
+  are computed in copy 0's context, the sharing approximation of the paper. (Deviation: the
+  official code's 4-copy layout copies the whole block, so each copy recomputes the committed
+  positions in its own context; the engine shares them in every layout, as SPEC §6 defines
+  "share" and as the official 8-copy layout does, which keeps one layout and one cost model.
+  Tokens differ only where a committed position's K/V depend on the drafts, seen at threshold
+  0.99 on tiny-llada.)
 
 Acceptance ("jump"): copy 0 is accepted. A copy with draft set D is accepted when a smaller
 accepted copy D' (a subset of D) predicts every draft of D \\ D' with the same token and would
@@ -23,16 +28,18 @@ commit it under the commit rule. The accepted copy with the most drafts wins; it
 own commits are applied, so one forward can advance two steps. Its remaining predictions become
 the next step's drafts.
 
-Copy count: ``max_copies`` (1, 2, 4, 8). 8 copies cost block + 7·n_mask tokens, so they are used
-only once the 4-copy layout is small enough: block + 3·n_mask <= 2.8·block (89 for block 32, the
-reference's 86-92 switch point); before that 4 copies. Drafts never cover every masked position
-(k <= n_mask - 1), so each copy still predicts something. With ``max_copies = 1`` the step is the
-base decoder's step (same tokens).
+Copy count: ``max_copies`` (1, 2, 4, 8). As in the official code, a block's first speculative
+step uses at most 4 copies; later, 8 copies (block + 7·n_mask tokens) are used once the 4-copy
+layout is small enough: block + 3·n_mask <= 2.8·block (89 for block 32, the official code's 86-92
+switch point), else 4. As in the official code, the drafts may cover every masked position (a
+copy holding them all predicts nothing itself and is accepted on the others' confirmation). With
+``max_copies = 1`` the step is the base decoder's step (same tokens).
 
 Restrictions (refused when the method is parsed): models without a logit shift (LLaDA), since a
 shifted model (Dream) reads position p's prediction at p - 1, which may be a shared token; no
-strategy that drops tokens inside the forward (every copy must reach the last layer). On a block's first step (the full
-forward) the base decoder runs unchanged and its argmax predictions are kept as drafts.
+strategy that drops tokens inside the forward (every copy must reach the last layer). On a
+block's first step (the full forward) the base decoder runs unchanged and its argmax predictions
+are kept as drafts.
 """
 from __future__ import annotations
 
@@ -146,9 +153,10 @@ class JumpShare(Strategy):
 
 
 # -- layout ------------------------------------------------------------------------------------
-def num_copies(max_copies: int, num_masked: int, block_length: int) -> int:
-    """Copies this step: 8 only once block + 3·n_mask <= SHARE_BUDGET·block, else at most 4."""
-    if max_copies == 8 and block_length + 3 * num_masked > SHARE_BUDGET * block_length:
+def num_copies(max_copies: int, num_masked: int, block_length: int, first: bool = False) -> int:
+    """Copies this step: at most 4 on the block's ``first`` speculative step; later 8 only once
+    block + 3·n_mask <= SHARE_BUDGET·block, else at most 4."""
+    if max_copies == 8 and (first or block_length + 3 * num_masked > SHARE_BUDGET * block_length):
         return 4
     return max_copies
 
@@ -184,13 +192,13 @@ def make_layout(seq: Sequence, masked: Tensor, drafts: tuple[Tensor, Tensor, Ten
                 ) -> CopyLayout:
     """Pick the drafts (most confident still-masked predictions) and the copies that hold them."""
     n = masked.numel()
-    copies = num_copies(seq.params.max_copies, n, seq.params.block_length)
+    copies = num_copies(seq.params.max_copies, n, seq.params.block_length, first=seq.step == 1)
     idx = torch.empty(0, dtype=torch.long, device=masked.device)
     tokens = idx.clone()
     if drafts is not None:
         pos, tok, _ = drafts
         live = torch.isin(pos, masked)  # keeps the confidence order
-        k = min(copies // 2, int(live.sum()), n - 1)
+        k = min(copies // 2, int(live.sum()))
         idx = torch.searchsorted(masked, pos[live][:k])
         tokens = tok[live][:k]
     sets = draft_sets(idx.numel())
