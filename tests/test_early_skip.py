@@ -384,3 +384,47 @@ def test_per_token_inputs_follow_the_predicted_position(llms, model_type, alpha)
     assert got["conf"].tolist() == pytest.approx([float(st.conf[p + shift]) for p in pos] + [0, 0])
     bonus = [5.0 * (p + shift == start + 2) + 3.0 * (p == start + 1 and alpha < 1) for p in pos]
     assert got["bonus"].tolist() == bonus + [0, 0]
+
+
+# -- the official defaults (issue 21 item 10) --------------------------------------------------
+def test_delay_eos_follows_the_official_rule():
+    """An EOS predicted while its left in-block neighbour is masked and no EOS is committed yet
+    gets confidence 0 (the official delay_eos_generation), for the commit rule and the skip score."""
+    from dllm_engine.engine.sequence import Sequence, TokenIds
+    ids = TokenIds(mask_id=4, eos_id=3, stop_ids=frozenset({3}))
+    params = SamplingParams(method=ES, max_new_tokens=16, block_length=8)
+    p = params.resolve({}, ("dual-cache",), 64, 3)
+    seq = Sequence(0, [10, 11, 12], p, ids)  # block [3, 11)
+    seq.canvas[5] = 20  # committed: left neighbour of 6
+    positions = torch.tensor([3, 4, 6, 7, 8])
+    eos = torch.full((5,), 3)
+    # 3: left is the prompt; 4: left (3) masked; 6: left (5) committed; 7: left (6) masked
+    assert early_skip.delayed_eos(seq, positions, eos).tolist() == [False, True, False, True, True]
+    assert not early_skip.delayed_eos(seq, positions, torch.full((5,), 9)).any()  # not an EOS
+    seq.canvas[9] = 3  # an EOS exists: nothing is delayed any more
+    assert not early_skip.delayed_eos(seq, positions, eos).any()
+    seq.canvas[9] = 4
+    seq.params = seq.params.replace(delay_eos=False)
+    assert not early_skip.delayed_eos(seq, positions, eos).any()
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_block_starts_recompute_the_prefix_by_default(llms, model_type, monkeypatch):
+    """The official schedule: every block start recomputes [0, block end) without skipping."""
+    llm = llms[model_type, 8]
+    seen = []
+    original = early_skip.EarlySkip.plan
+
+    def spy(self, seq, plan):
+        out = original(self, seq, plan)
+        seen.append((seq.block_idx, seq.step, out.positions.tolist(), seq.block, early_skip.state(seq).skip))
+        return out
+
+    monkeypatch.setattr(early_skip.EarlySkip, "plan", spy)
+    tokens(llm, [PROMPTS[0]], method=ES, max_new_tokens=24, block_length=8)
+    starts = [s for s in seen if s[1] == 0]
+    assert [s[0] for s in starts] == [0, 1, 2]
+    assert starts[0][2] == list(range(len(PROMPTS[0]) + 24))  # the first forward: the canvas
+    for _, _, positions, (start, end), skip in starts[1:]:
+        assert positions == list(range(end)) and not skip
+    assert any(s[4] for s in seen if s[1] > 0)  # later steps do skip
