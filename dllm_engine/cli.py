@@ -281,6 +281,9 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=int, default=64, help="requests per concurrency level")
     p.add_argument("--tasks", default="all", help="'all', a family ('copy', 'worked') or task names")
     p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--length-mix", default=None,
+                   help="per-request max_tokens, e.g. 64x200,960x10 (sets the number of requests; "
+                        "each length spread evenly over the run)")
     p.add_argument("--method", default=None)
     p.add_argument("--threshold", type=float, default=None)
     p.add_argument("--block-length", type=int, default=None)
@@ -291,7 +294,7 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
 
 def run_bench_serve(args: argparse.Namespace) -> None:
     import json
-    from .bench.serve import HEADER, run_serve_bench
+    from .bench.serve import HEADER, parse_length_mix, run_serve_bench
     extra = {k: v for k, v in (("max_tokens", args.max_tokens), ("method", args.method),
                                ("threshold", args.threshold), ("block_length", args.block_length))
              if v is not None}
@@ -300,9 +303,12 @@ def run_bench_serve(args: argparse.Namespace) -> None:
             extra.update(json.loads(args.options))
         except (json.JSONDecodeError, TypeError, ValueError) as e:
             raise ValueError(f"--options must be a JSON object: {e}") from None
-    print(f"server: {args.url}  requests per level: {args.num_requests}  options: {extra}")
+    lengths = parse_length_mix(args.length_mix) if args.length_mix else None
+    print(f"server: {args.url}  requests per level: {len(lengths) if lengths else args.num_requests}  "
+          f"options: {extra}" + (f"  length mix: {args.length_mix}" if lengths else ""))
     print(HEADER)
-    run_serve_bench(args.url, args.concurrency, args.num_requests, args.out, extra, args.tasks, args.timeout)
+    run_serve_bench(args.url, args.concurrency, args.num_requests, args.out, extra, args.tasks, args.timeout,
+                    lengths=lengths)
     if args.out:
         print(f"\nwrote {args.out}/serve_bench.json and {args.out}/serve_bench.png")
 

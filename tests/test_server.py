@@ -479,6 +479,14 @@ def test_percentile_matches_numpy():
     assert percentile([], 50) is None
 
 
+def test_length_mix_spreads_each_length_over_the_run():
+    from dllm_engine.bench.serve import parse_length_mix
+    assert parse_length_mix("64x4,960x2") == [64, 960, 64, 64, 960, 64]
+    for bad, msg in (("64", "expected TOKENSxCOUNT"), ("64x0", "positive"), ("", "empty")):
+        with pytest.raises(ValueError, match=msg):
+            parse_length_mix(bad)
+
+
 def test_dllm_serve_and_dllm_bench_serve(ckpt, tmp_path):
     """`dllm serve` in a subprocess, `dllm bench serve` against it, then SIGINT: clean exit."""
     with socket.socket() as s:
@@ -498,7 +506,7 @@ def test_dllm_serve_and_dllm_bench_serve(ckpt, tmp_path):
             except httpx.HTTPError:
                 time.sleep(0.1)
         out = tmp_path / "bench"
-        assert main(["bench", "serve", "--url", url, "--concurrency", "1,4", "--num-requests", "4",
+        assert main(["bench", "serve", "--url", url, "--concurrency", "1,4", "--length-mix", "8x3,16x1",
                      "--tasks", "sort,count", "--out", str(out)]) == 0
         report = json.loads((out / "serve_bench.json").read_text())
         assert report["model"] == ckpt.name

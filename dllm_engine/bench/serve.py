@@ -101,16 +101,18 @@ async def send(client: httpx.AsyncClient, model: str, example: Example, extra: d
 
 
 async def run_level(url: str, model: str, examples: list[Example], concurrency: int,
-                    num_requests: int, extra: dict, timeout: float) -> LevelResult:
+                    num_requests: int, extra: dict, timeout: float,
+                    lengths: list[int] | None = None) -> LevelResult:
     """``concurrency`` clients share ``num_requests`` requests, each sending its next as soon as
-    the previous one finished."""
+    the previous one finished (request i asks for ``lengths[i]`` tokens when given)."""
     todo = iter(range(num_requests))
     records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         for i in todo:
-            records.append(await send(client, model, examples[i % len(examples)], extra))
+            fields = extra if lengths is None else {**extra, "max_tokens": lengths[i]}
+            records.append(await send(client, model, examples[i % len(examples)], fields))
 
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         start = time.perf_counter()
@@ -148,6 +150,24 @@ def interleave(examples: list[Example]) -> list[Example]:
     return [e for row in rounds for e in row if e is not None]
 
 
+def parse_length_mix(text: str) -> list[int]:
+    """``"64x200,960x10"`` -> 210 max_tokens values, each length's requests spread evenly
+    over the run (so the long ones join and leave among the short ones)."""
+    slots = []
+    for item in filter(None, text.split(",")):
+        tokens, _, count = item.partition("x")
+        try:
+            n, c = int(tokens), int(count)
+        except ValueError:
+            raise ValueError(f"bad length mix item {item!r}; expected TOKENSxCOUNT, e.g. 64x200") from None
+        if n < 1 or c < 1:
+            raise ValueError(f"length mix item {item!r} needs positive tokens and count")
+        slots += [((k + 0.5) / c, n) for k in range(c)]
+    if not slots:
+        raise ValueError("the length mix is empty; expected e.g. 64x200,960x10")
+    return [n for _, n in sorted(slots)]
+
+
 def served_model(url: str, timeout: float) -> str:
     try:
         models = httpx.get(url.rstrip("/") + "/v1/models", timeout=timeout).json()["data"]
@@ -159,18 +179,22 @@ def served_model(url: str, timeout: float) -> str:
 
 def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: str | Path | None,
                     extra: dict | None = None, tasks: list[str] | None = None,
-                    timeout: float = 600.0, progress=print) -> list[LevelResult]:
+                    timeout: float = 600.0, progress=print,
+                    lengths: list[int] | None = None) -> list[LevelResult]:
     """Every concurrency level in turn; writes ``serve_bench.json`` and ``serve_bench.png`` to
-    ``out`` (when given) and returns the per-level results."""
+    ``out`` (when given) and returns the per-level results. ``lengths`` (``parse_length_mix``)
+    gives each request its own max_tokens and sets the number of requests."""
     if not concurrency or min(concurrency) < 1:
         raise ValueError(f"concurrency levels must be >= 1, got {concurrency}")
+    num_requests = len(lengths) if lengths else num_requests
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     model = served_model(url, timeout)
     examples = interleave(load_split(tasks))
     results = []
     for level in concurrency:
-        results.append(asyncio.run(run_level(url, model, examples, level, num_requests, extra or {}, timeout)))
+        results.append(asyncio.run(run_level(url, model, examples, level, num_requests, extra or {},
+                                             timeout, lengths)))
         progress(format_row(results[-1]))
     if out is not None:
         from .offline import prepare_out_dir
