@@ -288,7 +288,7 @@ def test_skipped_positions_keep_their_kv_and_stay_attended(llms):
     for _ in range(3):  # a full forward, then two skipping steps
         llm.engine.step()
     assert seq.step == 3 and len(llm.engine.running) == 1
-    before = copy.deepcopy(llm.engine.cache)
+    before = copy.deepcopy(llm.engine.caches[llm.engine.group_of[seq.seq_id]])
     saved = copy.deepcopy(seq.strategy_state)
     wanted = plan_step(seq, 0).logit_positions
 

@@ -224,7 +224,7 @@ def delayed_block_reference(model, prompt, gen_length, block_length, threshold, 
     total = -(-(len(prompt) + gen_length) // block_length) * block_length
     x = torch.tensor(prompt + [mask_id] * (total - len(prompt)))
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-    cache.arrange([[0]], total)
+    cache.arrange([0], total)
     final_below, processed = 0, 0
     for lo in range((len(prompt) // block_length) * block_length, total, block_length):
         hi = lo + block_length
@@ -277,7 +277,7 @@ def delayed_dual_cache_reference(model, prompt, gen_length, block_length, thresh
     x = torch.tensor(prompt + [mask_id] * gen_length)
     n = len(x)
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-    cache.arrange([[0]], n)
+    cache.arrange([0], n)
     processed = 0
     for lo in range(len(prompt), n, block_length):
         hi = lo + block_length

@@ -197,46 +197,39 @@ def test_a_call_that_raises_mid_step_leaves_the_engine_usable(llms, monkeypatch)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-# -- item 5: the KV cache pool -------------------------------------------------------------------
-def filled_cache(ids_by_group, length):
+# -- item 5: the KV cache pools -----------------------------------------------------------------
+def filled_cache(ids, length):
     cache = KVCache(2, 1, 2, torch.float32, "cpu")
-    order = cache.arrange(ids_by_group, length)
+    cache.arrange(ids, length)
     with torch.inference_mode():  # as the engine's steps write it
-        for ids in order:
-            for i in ids:  # each row holds its sequence id
-                for t in cache.k + cache.v:
-                    t[cache.rows[i]] = float(i)
+        for i in ids:  # each row holds its sequence id
+            for t in cache.k + cache.v:
+                t[cache.rows[i]] = float(i)
     return cache
 
 
 def test_a_leave_moves_only_the_rows_that_must_move():
-    cache = filled_cache([[1, 2, 3, 4]], 10)
+    cache = filled_cache([1, 2, 3, 4], 10)
     storage = cache.k[0].data_ptr()
-    order = cache.arrange([[1, 3, 4]], 10)  # 2 leaves: 4 takes its row, 1 and 3 stay
+    order = cache.arrange([1, 3, 4], 10)  # 2 leaves: 4 takes its row, 1 and 3 stay
     assert cache.k[0].data_ptr() == storage  # no reallocation
-    assert cache.rows == {1: 0, 3: 2, 4: 1} and order == [[1, 4, 3]]
+    assert cache.rows == {1: 0, 3: 2, 4: 1} and order == [1, 4, 3]
     for i, row in cache.rows.items():
         assert bool((cache.k[1][row] == i).all()) and bool((cache.v[0][row] == i).all())
-
-
-def test_groups_stay_contiguous_as_sequences_join_and_leave():
-    cache = filled_cache([[1, 2], [3]], 8)
-    order = cache.arrange([[1, 5], [3, 6]], 8)  # 2 leaves, 5 joins group 0, 6 joins group 1
-    rows = [[cache.rows[i] for i in ids] for ids in order]
-    assert rows == [[0, 1], [2, 3]] and cache.rows[1] == 0
-    assert bool((cache.k[0][cache.rows[3], :, :8] == 3).all())  # moved with the growth
+    cache.arrange([1, 3, 4, 5], 10)  # a join takes the free row: nothing moves
+    assert cache.rows == {1: 0, 3: 2, 4: 1, 5: 3} and bool((cache.k[0][2] == 3).all())
 
 
 def test_the_cache_shrinks_when_the_long_sequences_leave():
-    cache = filled_cache([[1, 2, 3]], 1000)
-    cache.arrange([[2, 3]], 64)  # the long one left: rows hold what the others need
+    cache = filled_cache([1, 2, 3], 1000)
+    cache.arrange([2, 3], 64)  # the long one left: rows hold what the others need
     assert cache.capacity == 64 and cache.num_rows == 2
     assert bool((cache.k[0][cache.rows[3], :, :64] == 3).all())
     cache.arrange([], 0)
     assert cache.nbytes == 0
 
 
-def test_engine_cache_follows_the_running_sequences(llms):
+def test_a_long_request_widens_only_its_own_group(llms):
     llm = llms["llada"]
     engine = llm.engine
     short = SamplingParams(method="dual-cache", max_new_tokens=8, block_length=8)
@@ -245,10 +238,13 @@ def test_engine_cache_follows_the_running_sequences(llms):
     for s in seqs:
         engine.add(s)
     engine.step()
-    assert engine.cache.capacity >= seqs[0].canvas_len
+    caches = {len(group): engine.caches[key] for key, group in engine.groups.items()}
+    assert sorted(caches) == [1, 4]  # the long one has a pool of its own
+    assert caches[4].capacity == max(s.canvas_len for s in seqs[1:]) < seqs[0].canvas_len
+    assert caches[1].capacity == seqs[0].canvas_len
     while not seqs[0].finished:
         engine.step()
-    assert engine.cache.nbytes == 0 and engine.running == []  # the short ones left before
+    assert engine.cache_bytes == 0 and engine.running == []  # every pool went with its sequences
 
 
 # -- item 6: no silent fallbacks -----------------------------------------------------------------

@@ -161,7 +161,7 @@ def test_copies_do_not_change_the_base_copy(llms, method):
     engine.add(seq)
     engine.step()  # the block's full first step keeps the drafts
     pipeline = engine.pipeline(seq.params.method)
-    cache = engine.cache.view(0, 1)
+    cache = engine.caches[engine.group_of[seq.seq_id]].view(0, 1)
     plan = pipeline.plan(seq, plan_step(seq, 0))
     layout = seq.strategy_state["jump-share"]["layout"]
     # 7 masks left in a block of 8: 8 + 3·7 > 2.8·8, so 4 copies over 2 drafts

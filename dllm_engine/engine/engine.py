@@ -1,12 +1,12 @@
 """The engine loop: admit waiting sequences, plan, forward once per method group, commit.
 
 Sequences join and leave at step boundaries, each with its own block cursor, so the same loop
-serves offline ``LLM.generate`` and the server's continuous batching. Running sequences are kept
-in cache-row order, each method group one contiguous range of rows (``KVCache.arrange``), so a
-group's forward reads its rows as a copy-free slice."""
+serves offline ``LLM.generate`` and the server's continuous batching. Running sequences are split
+into forward groups by method and length class, each with its own KV cache pool, kept in row
+order (``KVCache.arrange``), so a group's forward reads its pool without a copy and a long
+request widens only the rows of its class."""
 from __future__ import annotations
 
-import itertools
 from functools import partial
 import time
 from collections import deque
@@ -22,6 +22,13 @@ from .kv_cache import KVCache
 from .runner import Runner
 from .sequence import Sequence
 
+GroupKey = tuple[str, int]  # (method, length class)
+
+
+def length_class(positions: int) -> int:
+    """The power of two at or above ``positions``: sequences of one class share a pool."""
+    return 1 << max(positions - 1, 0).bit_length()
+
 
 class Engine:
     def __init__(self, model: DiffusionLM, max_num_seqs: int = 256) -> None:
@@ -32,11 +39,21 @@ class Engine:
         dtype = next(model.parameters()).dtype
         self.model = model
         self.runner = Runner(model)
-        self.cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.new_cache = partial(KVCache, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.caches: dict[GroupKey, KVCache] = {}
+        self.groups: dict[GroupKey, list[Sequence]] = {}  # running sequences, in row order
+        self.group_of: dict[int, GroupKey] = {}  # running sequence id -> its group
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
         self.pipelines: dict[str, Pipeline] = {}
+
+    @property
+    def running(self) -> list[Sequence]:
+        return [s for seqs in self.groups.values() for s in seqs]
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches.values())
 
     def pipeline(self, method: str) -> Pipeline:
         if not method:
@@ -61,31 +78,41 @@ class Engine:
         while self.waiting and len(self.running) + len(new) < self.max_num_seqs:
             seq = self.waiting.popleft()
             seq.start_time = time.perf_counter()
+            self.group_of[seq.seq_id] = (seq.params.method, length_class(self.cache_len(seq)))
             new.append(seq)
         if new:
             self.arrange(self.running + new)
 
     def arrange(self, seqs: list[Sequence]) -> None:
-        """Make ``seqs`` the running set: cache rows grouped by method (only moved rows are
-        copied; the cache shrinks when the longest sequences have left)."""
-        groups: dict[str, list[Sequence]] = {}
-        for seq in sorted(seqs, key=lambda s: s.params.method):
-            groups.setdefault(seq.params.method, []).append(seq)
+        """Make ``seqs`` the running set, each in its group's pool: only rows that move are
+        copied; a pool shrinks when its longest sequences leave and goes with its last one."""
+        members: dict[GroupKey, list[Sequence]] = {}
+        for seq in seqs:
+            members.setdefault(self.group_of[seq.seq_id], []).append(seq)
+        self.caches = {key: self.caches.get(key) or self.new_cache() for key in sorted(members)}
+        self.groups = {key: self.place(self.caches[key], group) for key, group in members.items()}
+        self.group_of = {s.seq_id: self.group_of[s.seq_id] for s in seqs}
+
+    def place(self, cache: KVCache, seqs: list[Sequence]) -> list[Sequence]:
+        """Rows for ``seqs`` in ``cache``; returns them in row order."""
         by_id = {s.seq_id: s for s in seqs}
-        need = max((self.cache_len(s) for s in seqs), default=0)
-        order = self.cache.arrange([[s.seq_id for s in g] for g in groups.values()], need)
-        self.running = [by_id[i] for ids in order for i in ids]
+        order = cache.arrange(list(by_id), max(self.cache_len(s) for s in seqs))
+        return [by_id[i] for i in order]
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """One denoising step for every running sequence; returns those that finished."""
         self.admit()
-        row = 0
-        for method, group in itertools.groupby(self.running, key=lambda s: s.params.method):
-            group = list(group)
-            self.step_group(self.pipeline(method), group, self.cache.view(row, row + len(group)))
-            row += len(group)
+        for key, seqs in list(self.groups.items()):  # rows [0, n) of a pool may have spares after
+            self.step_group(self.pipeline(key[0]), seqs, self.caches[key].view(0, len(seqs)))
         return self.release_finished()
+
+    @torch.inference_mode()
+    def step_alone(self, seq: Sequence) -> None:
+        """One step of a running sequence by itself (the server replays a failed step so)."""
+        cache = self.caches[self.group_of[seq.seq_id]]
+        row = cache.rows[seq.seq_id]
+        self.step_group(self.pipeline(seq.params.method), [seq], cache.view(row, row + 1))
 
     def step_group(self, pipeline: Pipeline, seqs: list[Sequence], cache) -> None:
         plans = [pipeline.plan(s, plan_step(s, self.runner.shift)) for s in seqs]

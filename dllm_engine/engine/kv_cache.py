@@ -1,4 +1,4 @@
-"""KV storage for the running batch: a pool of rows, one per sequence, indexed by canvas position.
+"""KV storage of one forward group: a pool of rows, one per sequence, indexed by canvas position.
 
 Attention writes the K/V of every token it computes at that token's canvas position, then reads
 the row's prefix. What a decoder recomputes each step decides the cache policy:
@@ -7,12 +7,11 @@ the row's prefix. What a decoder recomputes each step decides the cache policy:
 - dual cache: the block only, so prefix and suffix keep theirs;
 - block diffusion: the positions not yet final, so committed blocks are computed exactly once.
 
-Rows change only when sequences join or leave, never inside a step (``arrange``). A sequence keeps
-its row while it runs; a join or a leave moves only the rows that must move for each method group
-to stay one contiguous range (so a forward reads its group's rows as a view, without a copy). The
-pool is reallocated when it must grow, and shrinks when it holds more than ``SHRINK_AT`` times the
-rows or positions the running sequences need, so one long request does not inflate every row
-until the process ends.
+The engine keeps one pool per forward group (method and length class), so a long request widens
+only the rows of its own class. Rows change only when sequences join or leave, never inside a
+step (``arrange``): a sequence keeps its row while it runs, and a join or leave copies only the
+rows that move into the holes. The pool is reallocated when it must grow, and shrinks when it
+holds more than ``SHRINK_AT`` times the rows or positions its sequences need.
 """
 from __future__ import annotations
 
@@ -49,33 +48,20 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    @torch.inference_mode()  # the storage is made and read in inference mode (engine steps)
-    def arrange(self, groups: list[list[int]], length: int) -> list[list[int]]:
-        """Give every sequence id of ``groups`` a row, each group's rows one contiguous range in
-        group order from row 0, every row at least ``length`` positions long; ids not listed
-        give their rows up. Returns each group's ids in row order."""
-        ranges, start = [], 0
-        for ids in groups:
-            ranges.append(range(start, start + len(ids)))
-            start += len(ids)
-        target = self.place(groups, ranges)
-        if self.must_resize(start, length):
-            self.reallocate(target, start, length)
+    @torch.inference_mode(False)  # normal tensors: writable in and out of inference mode
+    def arrange(self, ids: list[int], length: int) -> list[int]:
+        """Give every sequence id a row in [0, len(ids)), each row at least ``length`` positions
+        long; ids not listed give their rows up. Returns the ids in row order."""
+        n = len(ids)
+        stay = {i: self.rows[i] for i in ids if self.rows.get(i, n) < n}
+        free = iter(sorted(set(range(n)) - set(stay.values())))
+        target = {**stay, **{i: next(free) for i in ids if i not in stay}}
+        if self.must_resize(n, length):
+            self.reallocate(target, n, length)
         else:
             self.move(target)
         self.rows = target
-        return [sorted(ids, key=target.__getitem__) for ids in groups]
-
-    def place(self, groups: list[list[int]], ranges: list[range]) -> dict[int, int]:
-        """Target row of each id: its current row when that lies in its group's range, else a
-        free row of that range."""
-        target: dict[int, int] = {}
-        for ids, rows in zip(groups, ranges):
-            stay = {i: self.rows[i] for i in ids if self.rows.get(i, -1) in rows}
-            free = iter(sorted(set(rows) - set(stay.values())))
-            target.update(stay)
-            target.update({i: next(free) for i in ids if i not in stay})
-        return target
+        return sorted(ids, key=target.__getitem__)
 
     def must_resize(self, rows: int, length: int) -> bool:
         too_small = rows > self.num_rows or length > self.capacity

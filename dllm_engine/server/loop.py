@@ -15,7 +15,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
 
 from ..engine.llm import LLM
 from ..engine.sequence import Sequence
@@ -232,15 +231,13 @@ class EngineLoop:
         alone are the faulty ones and fail their jobs; the others go on (a batch-invariant engine
         gives them the same tokens)."""
         bad = []
-        with torch.inference_mode():
-            for row, seq in enumerate(list(self.engine.running)):
-                if progress(seq) != before.get(seq.seq_id, (0, 0, False)):
-                    continue
-                try:
-                    pipeline = self.engine.pipeline(seq.params.method)
-                    self.engine.step_group(pipeline, [seq], self.engine.cache.view(row, row + 1))
-                except Exception as e:
-                    bad.append((seq, e))
+        for seq in self.engine.running:
+            if progress(seq) != before.get(seq.seq_id, (0, 0, False)):
+                continue
+            try:
+                self.engine.step_alone(seq)
+            except Exception as e:
+                bad.append((seq, e))
         for seq, e in bad:
             if seq.seq_id in self.tracks:
                 self.drop(self.tracks[seq.seq_id].job,
