@@ -81,6 +81,21 @@ def test_conflicts_are_named(llms, method, family, conflict):
         llms[family].make_sequence(PROMPTS[0], SamplingParams(method=method, **OPTIONS))
 
 
+def test_a_refused_method_is_a_400_and_exit_code_2(llms, tmp_path, capsys):
+    from dllm_engine.cli import main
+    from dllm_engine.server.app import Server
+    from dllm_engine.server.protocol import ApiError, CompletionRequest
+    server = Server(llms["Dream"], SamplingParams(), "tiny", max_queue=4, shutdown_timeout=1)
+    body = CompletionRequest(prompt=PROMPTS[0], max_tokens=16, method="dual-cache+jump-share")
+    with pytest.raises(ApiError, match="needs a model without logit shift") as e:
+        server.make_job(body, [PROMPTS[0]])
+    assert e.value.status == 400
+    argv = ["generate", "--model", str(write_checkpoint(tmp_path / "dream", "Dream")), "--method",
+            "dual-cache+jump-share",
+            "--prompt", "x", "--max-new-tokens", "16", "--block-length", "8"]
+    assert main(argv) == 2 and "needs a model without logit shift" in capsys.readouterr().err
+
+
 def test_family_free_conflicts_are_refused_when_the_method_is_parsed():
     with pytest.raises(ValueError, match="both drop tokens"):
         SamplingParams(method="dual-cache+early-skip+focus")
