@@ -30,8 +30,8 @@ def test_a_library_llm_leaves_the_allocator_alone(ckpt, calls):
 
 @pytest.mark.parametrize("flag,state", [([], "on"), (["--no-keep-freed-memory"], "off")])
 def test_the_cli_asks_for_it_and_the_bench_says_so(ckpt, calls, capsys, tmp_path, flag, state):
-    argv = ["bench", "--model", str(ckpt), "--methods", "dual-cache", "--batch-sizes", "1", "--limit", "1",
-            "--max-new-tokens", "8", "--block-length", "8", "--out", str(tmp_path), *flag]
+    argv = ["bench", "--model", str(ckpt), "--methods", "dual-cache", "--batch-sizes", "1", "--tasks", "sort",
+            "--limit", "1", "--max-new-tokens", "8", "--block-length", "8", "--out", str(tmp_path), *flag]
     assert main(argv) == 0
     assert f"keep_freed_memory: {state}" in capsys.readouterr().out
     assert calls == ([1] if state == "on" else [])
