@@ -84,11 +84,12 @@ def test_conflicts_are_named(llms, method, family, conflict):
 def test_a_refused_method_is_a_400_and_exit_code_2(llms, tmp_path, capsys):
     from dllm_engine.cli import main
     from dllm_engine.server.app import Server
+    from dllm_engine.server.metrics import Metrics
     from dllm_engine.server.protocol import ApiError, CompletionRequest
-    server = Server(llms["Dream"], SamplingParams(), "tiny", max_queue=4, shutdown_timeout=1)
+    server = Server(llms["Dream"], None, SamplingParams(), "tiny", Metrics(), shutdown_timeout=1)
     body = CompletionRequest(prompt=PROMPTS[0], max_tokens=16, method="dual-cache+jump-share")
     with pytest.raises(ApiError, match="needs a model without logit shift") as e:
-        server.make_job(body, [PROMPTS[0]])
+        server.make_request(body, [PROMPTS[0]], "r1")
     assert e.value.status == 400
     argv = ["generate", "--model", str(write_checkpoint(tmp_path / "dream", "Dream")), "--method",
             "dual-cache+jump-share",
@@ -277,11 +278,12 @@ def test_a_step_past_the_schedule_commits_every_mask_left():
 
 def test_stop_strings_need_a_tokenizer(llms):
     from dllm_engine.server.app import Server
+    from dllm_engine.server.metrics import Metrics
     from dllm_engine.server.protocol import ApiError, CompletionRequest
-    server = Server(llms["llada"], SamplingParams(), "tiny", max_queue=4, shutdown_timeout=1)
+    server = Server(llms["llada"], None, SamplingParams(), "tiny", Metrics(), shutdown_timeout=1)
     body = CompletionRequest(prompt=PROMPTS[0], max_tokens=8, stop=["x"])
     with pytest.raises(ApiError, match="no tokenizer, so stop strings cannot match") as e:
-        server.make_job(body, [PROMPTS[0]])
+        server.make_request(body, [PROMPTS[0]], "r1")
     assert e.value.status == 400
 
 
