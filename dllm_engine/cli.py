@@ -29,14 +29,14 @@ def load_llm(args: argparse.Namespace, **kw):
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default=None, help="reference | prefix-cache | dual-cache | block, "
                    "+strategies, optionally :field=value,... as in bench specs, e.g. "
-                   "block+focus:focus_alpha=3 (default: dual-cache for full attention, block for "
-                   "block diffusion)")
+                   "block+focus:focus_alpha=3 (default: the checkpoint's generation_config.json, "
+                   "else dual-cache for full attention, block for block diffusion)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--block-length", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="denoising steps per block")
     p.add_argument("--threshold", type=float, default=None)
     p.add_argument("--factor", type=float, default=None)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=None, help="0 = argmax (default)")
     p.add_argument("--remasking", default="low_confidence")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cfg-scale", type=float, default=0.0, help="classifier-free guidance (reference)")
@@ -45,13 +45,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    "adaptive-length, no for the LLaDA decoders, which fill the whole canvas)")
 
 
-def sampling_params(args: argparse.Namespace, llm) -> "SamplingParams":
+def sampling_params(args: argparse.Namespace) -> "SamplingParams":
+    """The options the command line gave; ``LLM.resolve`` fills the rest (one resolution)."""
     fields = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length, steps=args.steps,
                   threshold=args.threshold, factor=args.factor, temperature=args.temperature,
                   remasking=args.remasking, seed=args.seed, cfg_scale=args.cfg_scale,
                   stop_at_eos=args.stop_at_eos)
-    from .sampling_params import method_params
-    return method_params(args.method, llm.model.family.methods, **fields)
+    from .sampling_params import parse_spec
+    return parse_spec(args.method or "", **fields)  # a spec's own fields (method:field=value) win
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -64,7 +65,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 def run_generate(args: argparse.Namespace) -> None:
     llm = load_llm(args)
-    params = sampling_params(args, llm)
+    params = llm.resolve(sampling_params(args))
     expected = None
     if args.prompt is None:
         from .tasks import load_split
@@ -74,7 +75,8 @@ def run_generate(args: argparse.Namespace) -> None:
         out = llm.chat([[{"role": "user", "content": args.prompt}]], params)
     else:
         out = llm.generate([args.prompt], params)
-    print(f"model: {args.model}  method: {params.method}")
+    print(f"model: {args.model}")
+    print(f"method: {params.describe()}")
     print(f"prompt: {args.prompt}")
     print(f"output: {out[0].text}")
     if expected is not None:
@@ -111,9 +113,10 @@ def run_eval(args: argparse.Namespace) -> None:
     from .tasks import resolve_tasks
     args.tasks = resolve_tasks(args.tasks)  # a typo fails before the model loads
     llm = load_llm(args)
-    params = sampling_params(args, llm)
+    params = llm.resolve(sampling_params(args))
     report = evaluate(llm, params, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size)
-    print(f"model: {args.model}  method: {params.method}")
+    print(f"model: {args.model}")
+    print(f"method: {params.describe()}")
     print(report.table())
     if args.json:
         Path(args.json).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
@@ -250,8 +253,10 @@ def run_serve(args: argparse.Namespace) -> None:
                          "server runs no Ray")
     from .server import run_server
     llm = load_llm(args, max_num_seqs=args.max_num_seqs)
-    defaults = sampling_params(args, llm)
-    print(f"serving {args.model} at http://{args.host}:{args.port}/v1  default method: {defaults.method}")
+    defaults = sampling_params(args)
+    resolved = llm.resolve(defaults)  # a default the model cannot run: refuse to start
+    print(f"serving {args.model} at http://{args.host}:{args.port}/v1")
+    print(f"default method: {resolved.describe()}")
     run_server(llm, args.host, args.port, defaults, args.served_model_name, args.max_queue,
                args.shutdown_timeout, args.log_level)
 
@@ -270,7 +275,8 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
         threads = max(1, (os.cpu_count() or 1) // scaling.most)
     replica = ReplicaOptions(args.model, args.dtype, args.device, args.max_num_seqs, args.max_queue,
                              threads, args.shutdown_timeout, args.keep_freed_memory)
-    defaults = sampling_params(args, LLM(args.model, dtype=args.dtype, device="meta"))  # reads no weights
+    defaults = sampling_params(args)
+    LLM(args.model, dtype=args.dtype, device="meta").resolve(defaults)  # reads no weights; refuses a bad default
     run_replicated(replica, scaling, defaults, args.served_model_name, args.host, args.port, args.ray_address)
 
 

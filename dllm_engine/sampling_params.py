@@ -1,8 +1,13 @@
-"""Per-request decoding options. Fields left as ``None`` are filled from the checkpoint's
-``generation_config.json``, then from family defaults (``resolve``)."""
+"""Per-request decoding options, and the ONE place their defaults are resolved.
+
+``resolve_params`` fills every field a request left as ``None``: first from the checkpoint's
+``generation_config.json``, then from the documented defaults below. The Python API, the CLI
+(``generate`` / ``eval`` / ``bench`` / ``serve``) and every server request go through it, so a
+method means the same thing everywhere, and ``describe`` prints what will run."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from .strategies.registry import REGISTRY
@@ -11,19 +16,43 @@ BASE_METHODS = ("reference", "prefix-cache", "dual-cache", "block")
 REMASKING = ("low_confidence", "maskgit_plus", "random", "topk_margin", "entropy")
 UNMASKING = ("low_confidence_dynamic", "low_confidence_static")
 BLOCK_STARTS = ("prefix", "last-commits", "canvas")  # early-skip: what a block's first step computes
+MAX_SEED = 2**63  # torch.Generator.manual_seed takes a signed 64-bit integer
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+
+# The documented defaults (README "Python API"). The commit rule (threshold / factor / steps) is
+# resolved as a whole: `reference` is LLaDA's fixed-step sampler (steps = block_length: one token
+# per step); every other decoder commits by threshold DEFAULT_THRESHOLD (Fast-dLLM's parallel
+# decoding, SDAR's low_confidence_dynamic).
+DEFAULTS = {"max_new_tokens": 128, "block_length": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+DEFAULT_THRESHOLD = 0.9
+FIXED_STEP_METHODS = ("reference",)
+COMMIT_FIELDS = ("threshold", "factor", "steps")
+# generation_config.json keys that are SamplingParams defaults (HF's own names where they exist)
+GENERATION_CONFIG_FIELDS = ("method", "max_new_tokens", "block_length", "temperature", "top_p",
+                            "top_k", *COMMIT_FIELDS)
+
+
+class ParamError(ValueError):
+    """A bad value of one SamplingParams field; ``param`` names it (the server's 400 says so)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
 class SamplingParams:
-    method: str | None = None  # base decoder + strategies; None = the family's reference decoder
-    max_new_tokens: int | None = None
+    method: str | None = None  # base decoder + strategies; None = dual-cache (full attention) / block
+    max_new_tokens: int | None = None  # any cap: the canvas is rounded up to whole blocks, the answer cut
     block_length: int | None = None
     steps: int | None = None  # denoising steps per block (fixed-step rules); None = block_length
     threshold: float | None = None  # commit every masked position with confidence >= threshold
     factor: float | None = None  # Fast-dLLM factor rule
-    temperature: float = 0.0
+    temperature: float | None = None  # None = 0 (argmax) unless generation_config.json says otherwise
+    top_p: float | None = None  # nucleus sampling of the sampled distribution (temperature > 0)
+    top_k: int | None = None  # sample among the k most likely tokens (temperature > 0); 0 = all
     remasking: str = "low_confidence"
-    unmasking: str | None = None  # block: low_confidence_dynamic (default) | low_confidence_static
+    unmasking: str | None = None  # block: low_confidence_dynamic (with threshold) | low_confidence_static
     cfg_scale: float = 0.0
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
@@ -32,6 +61,7 @@ class SamplingParams:
     # Fast-dLLM's prefix/dual caches decode the whole canvas, so `reference`, `prefix-cache` and
     # `dual-cache` do too unless asked (adaptive-length with False: the canvas cut alone)
     stop_at_eos: bool | None = None
+    logprobs: int | None = None  # None = off; N >= 0: each output token's logprob and its top N
     # FOCUS token eviction (strategies/focus.py)
     focus_alpha: float = 1.5
     # ES-dLLM early skipping (strategies/early_skip.py)
@@ -48,69 +78,98 @@ class SamplingParams:
     max_copies: int = 8
 
     def __post_init__(self) -> None:
+        self.check_finite()
+        self.check_method()
+        self.check_counts()
+        self.check_commit_rule()
+        self.check_sampling()
+        self.check_strategy_options()
+
+    def check_finite(self) -> None:
+        """NaN / inf are never a meaningful option (NaN compares False with every bound)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                raise ParamError(f.name, f"{f.name} must be a finite number, got {value!r}")
+
+    def check_method(self) -> None:
         if self.method is not None and (not isinstance(self.method, str) or not self.method):
-            raise ValueError("method must be a non-empty string such as 'dual-cache'")
+            raise ParamError("method", "method must be a non-empty string such as 'dual-cache'")
         if self.method is not None and self.base_method not in BASE_METHODS:
-            raise ValueError(f"unknown method {self.base_method!r}; base decoders: {', '.join(BASE_METHODS)}")
-        for name in ("max_new_tokens", "block_length"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
-            raise ValueError(f"steps must be >= 1, got {self.steps!r}")
-        if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
-        if self.factor is not None and self.factor <= 0:
-            raise ValueError(f"factor must be > 0, got {self.factor}")
-        if self.threshold is not None and self.factor is not None:
-            raise ValueError("set either threshold or factor, not both")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.remasking not in REMASKING:
-            raise ValueError(f"remasking must be one of {', '.join(REMASKING)}, got {self.remasking!r}")
-        if self.unmasking is not None and self.unmasking not in UNMASKING:
-            raise ValueError(f"unmasking must be one of {', '.join(UNMASKING)}, got {self.unmasking!r}")
-        if self.cfg_scale < 0:
-            raise ValueError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
-        if self.cfg_scale > 0 and self.base_method not in (None, "reference"):
-            raise ValueError("cfg_scale > 0 is supported by the 'reference' decoder only")
+            raise ParamError("method", f"unknown method {self.base_method!r}; base decoders: "
+                             f"{', '.join(BASE_METHODS)}")
         for name in self.strategies:
             if name not in REGISTRY:
-                raise ValueError(f"unknown strategy {name!r} in method {self.method!r}; "
+                raise ParamError("method", f"unknown strategy {name!r} in method {self.method!r}; "
                                  f"available: {', '.join(REGISTRY)}")
         if len(set(self.strategies)) != len(self.strategies):
-            raise ValueError(f"method {self.method!r} names a strategy twice")
+            raise ParamError("method", f"method {self.method!r} names a strategy twice")
         if self.strategies:
             from .strategies.base import check_method
-            check_method(self.base_method, self.strategies)
-        self.check_strategy_options()
+            try:
+                check_method(self.base_method, self.strategies)
+            except ValueError as e:
+                raise ParamError("method", str(e)) from None
+
+    def check_counts(self) -> None:
+        for name in ("max_new_tokens", "block_length", "steps", "prompt_refresh", "block_refresh"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ParamError(name, f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
+            raise ParamError("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+
+    def check_commit_rule(self) -> None:
+        if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
+            raise ParamError("threshold", f"threshold must be in (0, 1], got {self.threshold}")
+        if self.factor is not None and self.factor <= 0:
+            raise ParamError("factor", f"factor must be > 0, got {self.factor}")
+        if self.threshold is not None and self.factor is not None:
+            raise ParamError("threshold", "set either threshold or factor, not both")
+        if self.remasking not in REMASKING:
+            raise ParamError("remasking", f"remasking must be one of {', '.join(REMASKING)}, "
+                             f"got {self.remasking!r}")
+        if self.unmasking is not None and self.unmasking not in UNMASKING:
+            raise ParamError("unmasking", f"unmasking must be one of {', '.join(UNMASKING)}, "
+                             f"got {self.unmasking!r}")
+
+    def check_sampling(self) -> None:
+        if self.temperature is not None and self.temperature < 0:
+            raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            raise ParamError("top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ParamError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.cfg_scale < 0:
+            raise ParamError("cfg_scale", f"cfg_scale must be >= 0, got {self.cfg_scale}")
 
     def check_strategy_options(self) -> None:
         if self.focus_alpha < 1:
-            raise ValueError(f"focus_alpha must be >= 1, got {self.focus_alpha}")
+            raise ParamError("focus_alpha", f"focus_alpha must be >= 1, got {self.focus_alpha}")
         self.keep_fractions = tuple(float(x) for x in self.keep_fractions)
         self.skip_depths = tuple(float(x) for x in self.skip_depths)
         if len(self.keep_fractions) != len(self.skip_depths) or not self.keep_fractions:
-            raise ValueError("keep_fractions and skip_depths must be non-empty and of equal length")
+            raise ParamError("keep_fractions", "keep_fractions and skip_depths must be non-empty "
+                             "and of equal length")
         if any(not 0 < f <= 1 for f in self.keep_fractions):
-            raise ValueError(f"keep_fractions must be in (0, 1], got {self.keep_fractions}")
+            raise ParamError("keep_fractions", f"keep_fractions must be in (0, 1], got {self.keep_fractions}")
         if list(self.skip_depths) != sorted(self.skip_depths) or any(not 0 <= d < 1 for d in self.skip_depths):
-            raise ValueError(f"skip_depths must be ascending in [0, 1), got {self.skip_depths}")
+            raise ParamError("skip_depths", f"skip_depths must be ascending in [0, 1), got {self.skip_depths}")
         if not 0 <= self.skip_alpha <= 1:
-            raise ValueError(f"skip_alpha must be in [0, 1], got {self.skip_alpha}")
-        for name in ("prompt_refresh", "block_refresh"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise ParamError("skip_alpha", f"skip_alpha must be in [0, 1], got {self.skip_alpha}")
         if self.skip_block_start not in BLOCK_STARTS:
-            raise ValueError(f"skip_block_start must be one of {', '.join(BLOCK_STARTS)}, "
-                             f"got {self.skip_block_start!r}")
+            raise ParamError("skip_block_start", f"skip_block_start must be one of "
+                             f"{', '.join(BLOCK_STARTS)}, got {self.skip_block_start!r}")
         if self.eos_threshold <= 0:
-            raise ValueError(f"eos_threshold must be > 0 (> 1 never cuts), got {self.eos_threshold}")
+            raise ParamError("eos_threshold", f"eos_threshold must be > 0 (> 1 never cuts), "
+                             f"got {self.eos_threshold}")
         if self.min_length < 0:
-            raise ValueError(f"min_length must be >= 0, got {self.min_length}")
+            raise ParamError("min_length", f"min_length must be >= 0, got {self.min_length}")
         if self.max_copies not in (1, 2, 4, 8):
-            raise ValueError(f"max_copies must be 1, 2, 4 or 8, got {self.max_copies}")
+            raise ParamError("max_copies", f"max_copies must be 1, 2, 4 or 8, got {self.max_copies}")
 
     @property
     def base_method(self) -> str | None:
@@ -120,41 +179,121 @@ class SamplingParams:
     def strategies(self) -> list[str]:
         return self.method.split("+")[1:] if self.method else []
 
+    @property
+    def generation_slots(self) -> int:
+        """Canvas slots after the prompt: max_new_tokens rounded up to whole blocks."""
+        return -(-self.max_new_tokens // self.block_length) * self.block_length
+
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 
-    def resolve(self, defaults: dict, family_methods: tuple[str, ...], max_context: int,
-                prompt_len: int, logit_shift: int = 0) -> "SamplingParams":
-        """Fill unset fields and check what depends on the model and the prompt."""
-        p = self.replace(
-            max_new_tokens=self.max_new_tokens or defaults.get("max_new_tokens", 128),
-            block_length=self.block_length or defaults.get("block_length", 32),
-            method=self.method or family_methods[0])
-        if p.cfg_scale > 0 and p.base_method != "reference":
-            raise ValueError("cfg_scale > 0 is supported by the 'reference' decoder only")
-        if p.base_method not in family_methods:
-            raise ValueError(f"method {p.base_method!r} cannot run on this model's attention "
-                             f"pattern; use one of {', '.join(family_methods)}")
-        from .strategies.base import check_method
+    def describe(self) -> str:
+        """The resolved options that shape this method's run: ``dual-cache threshold=0.9 ...``."""
+        from .strategies.base import strategy_class
+        is_block = self.base_method == "block"
+        names = ["max_new_tokens", "block_length", "unmasking" if is_block else "remasking",
+                 "threshold", "factor", "temperature", "seed", "stop_at_eos"]
+        if is_block or (self.threshold is None and self.factor is None):
+            names.insert(2, "steps")  # fixed-k, or block's minimum per step
+        if self.temperature:
+            names[names.index("temperature") + 1:1] = ["top_p", "top_k"]
+        names += ["cfg_scale"] * bool(self.cfg_scale) + ["logprobs"] * (self.logprobs is not None)
+        names += [o for s in self.strategies for o in strategy_class(s).options]
+        values = [(n, getattr(self, n)) for n in names]
+        return " ".join([self.method or "<unresolved>"] + [f"{n}={spec_value(v)}" for n, v in values
+                                                            if v is not None])
+
+
+def spec_value(value) -> str:
+    """A field value as bench specs write it (lists joined with ``/``)."""
+    if isinstance(value, (tuple, list)):
+        return "/".join(str(v) for v in value)
+    return str(value)
+
+
+def default_method(methods: tuple[str, ...]) -> str:
+    """The family's default decoder: ``block`` for block diffusion, else ``dual-cache``."""
+    return "block" if "block" in methods else "dual-cache"
+
+
+def generation_defaults(generation_config: dict | None) -> dict:
+    """The SamplingParams defaults a checkpoint's generation_config.json sets, validated."""
+    gen = {k: v for k, v in (generation_config or {}).items()
+           if k in GENERATION_CONFIG_FIELDS and v is not None}
+    try:
+        SamplingParams(**gen)
+    except ValueError as e:
+        raise ValueError(f"generation_config.json: {e}") from None
+    return gen
+
+
+def resolve_commit_rule(params: SamplingParams, gen: dict) -> dict:
+    """threshold / factor / steps as a whole: the request's, else the checkpoint's, else the
+    method's default (fixed steps for ``reference``, threshold 0.9 for every other decoder)."""
+    given = {k: getattr(params, k) for k in COMMIT_FIELDS if getattr(params, k) is not None}
+    if given or params.unmasking == "low_confidence_static":
+        rule = given
+    else:
+        rule = {k: gen[k] for k in COMMIT_FIELDS if k in gen}
+        if not rule and params.base_method not in FIXED_STEP_METHODS:
+            rule = {"threshold": DEFAULT_THRESHOLD}
+    if params.unmasking == "low_confidence_dynamic" and rule.get("threshold") is None:
+        rule["threshold"] = DEFAULT_THRESHOLD
+    return {k: rule.get(k) for k in COMMIT_FIELDS}
+
+
+def resolve_params(params: SamplingParams, methods: tuple[str, ...],
+                   generation_config: dict | None = None, logit_shift: int = 0) -> SamplingParams:
+    """Every field filled, in one order: the request's value, the checkpoint's
+    generation_config.json, the documented default. ``methods``: the base decoders the model's
+    attention pattern supports; ``logit_shift``: the model's (Dream: 1). Raises ValueError for
+    anything this model cannot run."""
+    gen = generation_defaults(generation_config)
+    filled = {k: gen.get(k, DEFAULTS.get(k)) for k in ("max_new_tokens", "block_length", "temperature",
+                                                       "top_p", "top_k") if getattr(params, k) is None}
+    p = params.replace(method=params.method or gen.get("method") or default_method(methods), **filled)
+    p = p.replace(**resolve_commit_rule(p, gen))
+    check_against_model(p, methods, logit_shift)
+    if p.stop_at_eos is None:
+        p.stop_at_eos = p.base_method == "block" or "adaptive-length" in p.strategies
+    if p.steps is None:
+        p.steps = p.block_length
+    if p.steps > p.block_length:
+        raise ParamError("steps", f"steps {p.steps} must be <= block_length {p.block_length}")
+    if p.base_method == "block":
+        p.unmasking = p.unmasking or ("low_confidence_dynamic" if p.threshold is not None
+                                      else "low_confidence_static")
+    return p
+
+
+def check_against_model(p: SamplingParams, methods: tuple[str, ...], logit_shift: int = 0) -> None:
+    """What depends on the model: its attention pattern's decoders and the method's strategies
+    (their bases, how they combine, the logit shift)."""
+    from .strategies.base import check_method
+    if p.base_method not in methods:
+        raise ParamError("method", f"method {p.base_method!r} cannot run on this model's attention "
+                         f"pattern; use one of {', '.join(methods)}")
+    if p.cfg_scale > 0 and p.base_method != "reference":
+        raise ParamError("cfg_scale", "cfg_scale > 0 is supported by the 'reference' decoder only")
+    if p.factor is not None and p.base_method == "block":
+        raise ParamError("factor", "factor is a rule of reference / prefix-cache / dual-cache; "
+                         "block commits by threshold or steps")
+    try:
         check_method(p.base_method, p.strategies, logit_shift)
-        if p.stop_at_eos is None:
-            p.stop_at_eos = p.base_method == "block" or "adaptive-length" in p.strategies
-        if p.steps is None:
-            p.steps = p.block_length
-        if p.steps > p.block_length:
-            raise ValueError(f"steps {p.steps} must be <= block_length {p.block_length}")
-        if p.base_method == "block":
-            p.unmasking = p.unmasking or "low_confidence_dynamic"
-            if p.unmasking == "low_confidence_dynamic" and p.threshold is None:
-                p.threshold = defaults.get("threshold", 0.85)
-        elif p.max_new_tokens % p.block_length:
-            raise ValueError(f"block_length {p.block_length} must divide max_new_tokens {p.max_new_tokens}")
-        if prompt_len < 1:
-            raise ValueError("prompt is empty")
-        if prompt_len + p.max_new_tokens > max_context:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({p.max_new_tokens}) "
-                             f"exceeds the model's context of {max_context} tokens")
-        return p
+    except ValueError as e:
+        raise ParamError("method", str(e)) from None
+
+
+def check_prompt(p: SamplingParams, prompt_len: int, max_context: int) -> None:
+    """What depends on the prompt: it is not empty and it fits the context with its canvas."""
+    if prompt_len < 1:
+        raise ParamError("prompt", "prompt is empty")
+    if prompt_len + p.generation_slots > max_context:
+        raise ParamError("max_new_tokens",
+                         f"max_new_tokens ({p.max_new_tokens}, {p.generation_slots} canvas slots in "
+                         f"blocks of {p.block_length}) + the prompt ({prompt_len} tokens) exceed the "
+                         f"model's context of {max_context} tokens; lower max_new_tokens or "
+                         f"shorten the prompt")
 
 
 FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
@@ -192,14 +331,4 @@ def parse_spec(spec: str, **defaults) -> SamplingParams:
             fields[name] = convert(name, raw)
         except ValueError:
             raise ValueError(f"bad value {raw!r} for {name} in spec {spec!r}") from None
-    return SamplingParams(method=method, **fields)
-
-
-def method_params(method: str | None, family_methods: tuple[str, ...], **fields) -> SamplingParams:
-    """``method`` (a spec; None = the family's parallel decoder, ``block`` or ``dual-cache``, at
-    threshold 0.9) with ``fields`` filling what the spec leaves out."""
-    if method is None:
-        method = "block" if "block" in family_methods else "dual-cache"
-        if fields.get("threshold") is None and fields.get("factor") is None:
-            fields["threshold"] = 0.9
-    return parse_spec(method, **fields)  # a spec's own fields (method:field=value) win
+    return SamplingParams(method=method or None, **fields)

@@ -93,12 +93,12 @@ def test_cli_stop_at_eos_flag(ckpt, flag, want):
     from dllm_engine.cli import add_sampling_args, sampling_params
     parser = argparse.ArgumentParser()
     add_sampling_args(parser)
-    params = sampling_params(parser.parse_args(flag), LLM(ckpt))
+    params = sampling_params(parser.parse_args(flag))
     assert params.stop_at_eos is want
 
 
 @pytest.mark.parametrize("argv,method,alpha,threshold", [
-    (["--method", "dual-cache+focus:focus_alpha=3"], "dual-cache+focus", 3.0, None),
+    (["--method", "dual-cache+focus:focus_alpha=3"], "dual-cache+focus", 3.0, 0.9),
     (["--method", "dual-cache:threshold=0.8", "--threshold", "0.7"], "dual-cache", 1.5, 0.8),
     (["--threshold", "0.7"], "dual-cache", 1.5, 0.7)])
 def test_cli_method_takes_a_bench_spec(ckpt, argv, method, alpha, threshold):
@@ -106,7 +106,7 @@ def test_cli_method_takes_a_bench_spec(ckpt, argv, method, alpha, threshold):
     from dllm_engine.cli import add_sampling_args, sampling_params
     parser = argparse.ArgumentParser()
     add_sampling_args(parser)
-    params = sampling_params(parser.parse_args(argv), LLM(ckpt))
+    params = LLM(ckpt).resolve(sampling_params(parser.parse_args(argv)))
     assert (params.method, params.focus_alpha, params.threshold) == (method, alpha, threshold)
 
 

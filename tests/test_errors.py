@@ -93,16 +93,20 @@ def test_out_of_vocab_prompt(llada):
 
 
 def test_prompt_beyond_context(llada):
-    with pytest.raises(ValueError, match="exceeds the model's context of 4096"):
+    with pytest.raises(ValueError, match=r"max_new_tokens \(128, 128 canvas slots.*exceed the model's context of 4096"):
         llada.generate([[1] * 4000], SamplingParams(max_new_tokens=128, block_length=32))
 
 
-def test_block_length_must_divide(llada):
-    with pytest.raises(ValueError, match="block_length 48 must divide max_new_tokens 128"):
-        llada.generate([[1, 2]], SamplingParams(max_new_tokens=128, block_length=48))
+def test_any_max_new_tokens_rounds_the_canvas_up_and_cuts_the_answer(llada):
+    params = SamplingParams(method="dual-cache", max_new_tokens=10, block_length=8, stop_at_eos=False)
+    seq = llada.make_sequence([1, 2], params)
+    assert seq.canvas_len == 2 + 16 and seq.blocks == [(2, 10), (10, 18)]
+    out = llada.generate([[1, 2]], params)[0]
+    assert len(out.token_ids) <= 10 and out.stats.decoded_tokens == 16
+    assert out.finish_reason == ("length" if len(out.token_ids) == 10 else "stop")
 
 
-@pytest.mark.parametrize("steps,msg", [(0, "steps must be >= 1"), (9, "steps 9 must be <= block_length 8")])
+@pytest.mark.parametrize("steps,msg", [(0, "steps must be a positive integer"), (9, "steps 9 must be <= block_length 8")])
 def test_steps_bounds(llada, steps, msg):
     with pytest.raises(ValueError, match=msg):
         llada.generate([[1, 2]], SamplingParams(max_new_tokens=8, block_length=8, steps=steps))

@@ -5,6 +5,8 @@ import torch
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.decoding.decoders import plan_step
 from dllm_engine.engine.sequence import Sequence, TokenIds
+from dllm_engine.models.family import FULL_ATTENTION_METHODS
+from dllm_engine.sampling_params import resolve_params
 from dllm_engine.strategies.jump_share import (JumpShare, accepted_copy, copy_key_mask, draft_sets,
                                                make_layout, num_copies, share_plan)
 from fixtures import write_checkpoint
@@ -49,7 +51,7 @@ def test_copy_key_mask_isolates_copies():
 def make_seq(block=4, max_new=8, **options):
     params = SamplingParams(method="dual-cache+jump-share", max_new_tokens=max_new, block_length=block,
                             steps=block, threshold=0.5, **options)
-    return Sequence(0, [10, 11, 12], params, IDS)
+    return Sequence(0, [10, 11, 12], resolve_params(params, FULL_ATTENTION_METHODS), IDS)
 
 
 def test_share_plan_lays_out_shared_and_copied_tokens():

@@ -102,7 +102,7 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
     if any(b < 1 for b in batch_sizes) or not batch_sizes:
         raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
     out = prepare_out_dir(out_dir)
-    params = {spec: parse_spec(spec, **(defaults or {})) for spec in specs}  # validate all first
+    params = {spec: llm.resolve(parse_spec(spec, **(defaults or {}))) for spec in specs}  # validate all first
     records = []
     for bs in batch_sizes:
         for spec in specs:

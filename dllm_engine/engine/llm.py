@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from ..models import load_model
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, check_prompt, resolve_params
 from .engine import Engine
 from . import host_memory
 from .sequence import Sequence, SequenceStats, TokenIds
@@ -110,11 +110,16 @@ class LLM:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                        tokenize=True, return_dict=False))
 
+    def resolve(self, params: SamplingParams | None = None) -> SamplingParams:
+        """``params`` with every field filled for this model (``resolve_params``)."""
+        return resolve_params(params or SamplingParams(), self.model.family.methods,
+                              self.generation_config, self.model.config.logit_shift)
+
     def resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
-        """``params`` with unset fields filled in, checked against this model and prompt length."""
-        return params.resolve(self.generation_config, self.model.family.methods,
-                              self.model.config.max_position_embeddings, prompt_len,
-                              self.model.config.logit_shift)
+        """``resolve``, then checked against a prompt of ``prompt_len`` tokens."""
+        p = self.resolve(params)
+        check_prompt(p, prompt_len, self.model.config.max_position_embeddings)
+        return p
 
     def make_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         p = self.resolve_params(params, len(prompt_ids))

@@ -77,8 +77,8 @@ class Sequence:
         if params.base_method == "block":
             end = -(-(self.prompt_len + params.max_new_tokens) // bl) * bl
             starts = range((self.prompt_len // bl) * bl, end, bl)
-        else:
-            end = self.prompt_len + params.max_new_tokens
+        else:  # any max_new_tokens: whole blocks, the answer is cut at max_new_tokens
+            end = self.prompt_len + params.generation_slots
             starts = range(self.prompt_len, end, bl)
         self.blocks: list[tuple[int, int]] = [(s, s + bl) for s in starts]
         self.canvas = torch.full((end,), ids.mask_id, dtype=torch.long, device=device)
@@ -151,7 +151,7 @@ class Sequence:
 
     def output_ids(self) -> list[int]:
         """Generated tokens up to, not including, the first stop token."""
-        # block diffusion rounds the canvas up to whole blocks; the user asked for max_new_tokens
+        # the canvas is rounded up to whole blocks; the user asked for max_new_tokens
         gen = self.canvas[self.prompt_len: self.prompt_len + self.params.max_new_tokens].tolist()
         for i, tok in enumerate(gen):
             if tok in self.ids.stop_ids:

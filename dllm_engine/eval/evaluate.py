@@ -109,7 +109,8 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     examples = examples if examples is not None else load_split(tasks, limit=limit)
-    report = EvalReport(method=params.method or "")
+    params = llm.resolve(params)
+    report = EvalReport(method=params.method)
     all_stats: list[SequenceStats] = []
     records: list[dict] = []
     bar = tqdm(total=len(examples), desc=f"eval {params.method}", disable=not use_tqdm)

@@ -28,7 +28,7 @@ from ..engine.llm import LLM
 from ..engine.sequence import Sequence, SequenceStats
 from ..engine.stop_strings import committed_end, committed_ids, find_stop, tokens_through_stop
 from ..eval.likelihood import LikelihoodConfig, loglikelihood
-from ..sampling_params import FIELD_TYPES, SamplingParams, convert, method_params
+from ..sampling_params import FIELD_TYPES, SamplingParams, convert, parse_spec
 
 log = logging.getLogger("lm_eval.models.dllm")  # under lm-eval's logger: its CLI prints these
 
@@ -99,9 +99,10 @@ class DllmLM(LM):
                        max_num_seqs=engine_batch(batch_size, max_batch_size))
         if self.llm.tokenizer is None:
             raise ValueError(f"{pretrained} has no tokenizer; lm-eval sends text")
-        self.params = method_params(method, self.llm.model.family.methods, **fields)
-        self.params.resolve(self.llm.generation_config, self.llm.model.family.methods,
-                            self.llm.model.config.max_position_embeddings, 1)  # fail before any request
+        spec = parse_spec(method or "", **fields)
+        # resolved once to fail before any request; the other fields stay unset, so a task's
+        # max_gen_toks can still apply (make_sequence resolves each request)
+        self.params = spec.replace(method=self.llm.resolve(spec).method)
         self.likelihood = LikelihoodConfig(int(mc_num), int(mc_batch), float(mc_cfg_scale),
                                            seed=self.params.seed)
         self.check_greedy = bool(check_greedy)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from ..engine.llm import LLM
 from ..sampling_params import SamplingParams
-from .app import create_app, default_method
+from .app import create_app
 from .loop import EngineLoop
 
-__all__ = ["create_app", "default_method", "EngineLoop", "run_server"]
+__all__ = ["create_app", "EngineLoop", "run_server"]
 
 
 def run_server(llm: LLM, host: str = "127.0.0.1", port: int = 8000,

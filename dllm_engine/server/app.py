@@ -43,6 +43,8 @@ class Server:
     def __init__(self, llm: LLM, engine: EngineClient, defaults: SamplingParams, model_name: str,
                  metrics: Metrics, shutdown_timeout: float) -> None:
         self.llm, self.engine, self.defaults, self.model_name = llm, engine, defaults, model_name
+        # a default the model cannot run would fail every request: refuse to start instead
+        self.resolved = llm.resolve(defaults)
         self.metrics = metrics
         self.shutdown_timeout = shutdown_timeout
         self.created = now()
@@ -178,7 +180,8 @@ class Server:
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "dllm-engine",
             "root": str(self.llm.path), "model_type": cfg.model_type,
             "max_model_len": cfg.max_position_embeddings,
-            "methods": list(self.llm.model.family.methods), "default_method": self.defaults.method}]}
+            "methods": list(self.llm.model.family.methods), "default_method": self.resolved.method,
+            "defaults": self.resolved.describe()}]}
 
 
 def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str | None = None,
@@ -191,8 +194,8 @@ def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str
     cancelled)."""
     metrics = Metrics()
     engine = engine or InProcessEngine(llm, max_queue, metrics)
-    server = Server(llm, engine, defaults or SamplingParams(method=default_method(llm), threshold=0.9),
-                    model_name or llm.path.name, metrics, shutdown_timeout)
+    server = Server(llm, engine, defaults or SamplingParams(), model_name or llm.path.name, metrics,
+                    shutdown_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -205,10 +208,6 @@ def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str
     add_error_handlers(app, server.metrics)
     add_routes(app, server)
     return app
-
-
-def default_method(llm: LLM) -> str:
-    return "block" if "block" in llm.model.family.methods else "dual-cache"
 
 
 def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:

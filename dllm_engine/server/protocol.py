@@ -15,7 +15,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from ..engine.sequence import SequenceStats
-from ..sampling_params import SamplingParams
+from ..sampling_params import COMMIT_FIELDS, ParamError, SamplingParams
 
 
 class ApiError(Exception):
@@ -83,11 +83,9 @@ class RequestBase(BaseModel):
                 out[name] = getattr(self, name)
         if self.max_new_tokens() is not None:
             out["max_new_tokens"] = self.max_new_tokens()
-        # the server's default commit rule must not clash with the one this request chose
-        if "factor" in out and "threshold" not in out:
-            out["threshold"] = None
-        if "threshold" in out and "factor" not in out:
-            out["factor"] = None
+        # a request that sets any of threshold / factor / steps chooses the whole commit rule
+        if any(name in out for name in COMMIT_FIELDS):
+            out = {name: None for name in COMMIT_FIELDS} | out
         return out
 
 
@@ -159,7 +157,7 @@ def value_error(err: ValueError) -> ApiError:
     for engine_name, api_name in OPENAI_NAMES.items():
         message = message.replace(engine_name, api_name)
     found = PARAM_RE.search(str(err))
-    param = found.group(1) if found else None
+    param = err.param if isinstance(err, ParamError) else found.group(1) if found else None
     param = {"conversation": "messages", **OPENAI_NAMES}.get(param, param)
     return ApiError(400, message, param)
 

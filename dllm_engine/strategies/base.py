@@ -44,6 +44,7 @@ class Strategy:
     shrinks_tokens: ClassVar[bool] = False  # drops tokens inside the forward (layer hooks)
     owns_commit: ClassVar[bool] = False  # replaces the base commit rule (``commit``)
     needs_unshifted_logits: ClassVar[bool] = False  # reads position p's logits at p (not Dream)
+    options: ClassVar[tuple[str, ...]] = ()  # the SamplingParams fields it reads
 
     def __init__(self, model: DiffusionLM) -> None:
         self.model = model

@@ -204,6 +204,8 @@ class EarlySkip(Strategy):
     bases = ("dual-cache",)
     stage = 0
     shrinks_tokens = True
+    options = ("keep_fractions", "skip_depths", "skip_alpha", "prompt_refresh", "block_refresh",
+               "skip_block_start", "delay_eos")
 
     def __init__(self, model: DiffusionLM) -> None:
         super().__init__(model)

@@ -256,6 +256,7 @@ class TokenEviction(Strategy):
     bases = ("block", "dual-cache")
     stage = 0
     shrinks_tokens = True
+    options = ("focus_alpha",)
     evict = True
 
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:

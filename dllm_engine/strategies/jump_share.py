@@ -79,6 +79,7 @@ class CopyLayout:
 class JumpShare(Strategy):
     name: ClassVar[str] = KEY
     bases: ClassVar[tuple[str, ...]] = ("prefix-cache", "dual-cache")
+    options = ("max_copies",)
 
     stage: ClassVar[int] = 2
     owns_commit: ClassVar[bool] = True
