@@ -14,8 +14,10 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: venv demo test
 venv: $(VENV)/.installed
 
+# one thread, as the README's benchmarks: on a busy machine more threads only contend
 demo: venv
-	$(VENV)/bin/dllm generate
+	$(VENV)/bin/dllm generate --threads 1
 
 test: venv
+	@echo "running the test suite: about 3 minutes on 2 CPU cores"
 	$(PY) -m pytest -q

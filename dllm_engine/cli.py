@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
@@ -14,16 +15,27 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     if model:
         p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: tiny-llada)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU: let glibc reuse freed activations instead of returning them to the OS "
                         "(faster; the process keeps its peak heap; see engine/host_memory.py)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (the README's benchmarks use 1; default: torch's choice)")
 
 
-def load_llm(args: argparse.Namespace, **kw):
+def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     from . import LLM
-    return LLM(args.model, dtype=args.dtype, device=args.device,
+    return LLM(model or args.model, dtype=args.dtype, device=args.device,
                keep_freed_memory=args.keep_freed_memory, **kw)
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    import torch
+    torch.set_num_threads(threads)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -64,6 +76,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> None:
+    set_threads(args.threads)
     llm = load_llm(args)
     params = llm.resolve(sampling_params(args))
     expected = None
@@ -72,9 +85,9 @@ def run_generate(args: argparse.Namespace) -> None:
         example = load_split(["sort"], limit=1)[0]
         args.prompt, args.chat, expected = example.prompt, True, example.answer
     if args.chat:
-        out = llm.chat([[{"role": "user", "content": args.prompt}]], params)
+        out = llm.chat([[{"role": "user", "content": args.prompt}]], params, use_tqdm=True)
     else:
-        out = llm.generate([args.prompt], params)
+        out = llm.generate([args.prompt], params, use_tqdm=True)
     print(f"model: {args.model}")
     print(f"method: {params.describe()}")
     print(f"prompt: {args.prompt}")
@@ -112,6 +125,7 @@ def run_eval(args: argparse.Namespace) -> None:
     from .eval import evaluate
     from .tasks import resolve_tasks
     args.tasks = resolve_tasks(args.tasks)  # a typo fails before the model loads
+    set_threads(args.threads)
     llm = load_llm(args)
     params = llm.resolve(sampling_params(args))
     report = evaluate(llm, params, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size)
@@ -137,13 +151,15 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    from .bench.offline import HEADER, run_bench as bench, table
+    from .bench.offline import HEADER, check_specs, run_bench as bench, table
     from .tasks import load_split
+    set_threads(args.threads)
     examples = load_split(args.tasks, limit=args.limit)  # a typo fails before the model loads
     args.tasks = list(dict.fromkeys(e.task for e in examples))
-    llm = load_llm(args)
     defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
                                   ("block_length", args.block_length)) if v is not None}
+    check_specs(args.model, args.methods, defaults)  # before the weights load
+    llm = load_llm(args)
     from .engine.host_memory import is_kept
     print(f"model: {args.model}  prompts: {len(examples)}  tasks: {','.join(args.tasks)}  device: {args.device}  "
           f"keep_freed_memory: {'on' if is_kept() else 'off'}")
@@ -205,7 +221,8 @@ def run_train(args: argparse.Namespace) -> None:
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    p.add_argument("model", nargs="?", default=str(DEFAULT_MODEL), help="checkpoint folder (default: tiny-llada)")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: tiny-llada)")
+    p.add_argument("--model", dest="model_option", default=None, help="the same as the positional MODEL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in the running batch")
@@ -214,6 +231,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: open)")
     add_model_args(p, model=False)
     add_sampling_args(p)  # the defaults of requests that leave an option out
     add_replica_args(p)
@@ -245,6 +264,24 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
                    "local Ray instance for the server's lifetime")
 
 
+def serve_model(args: argparse.Namespace) -> str:
+    """``dllm serve MODEL`` or ``dllm serve --model MODEL`` (vLLM accepts both)."""
+    if args.model and args.model_option and args.model != args.model_option:
+        raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}; give one")
+    return args.model or args.model_option or str(DEFAULT_MODEL)
+
+
+def check_listen(host: str, port: int) -> None:
+    """Fail before loading anything if the server could not listen on host:port."""
+    import socket
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port {port} is not a TCP port; use 1..65535")
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def run_serve(args: argparse.Namespace) -> None:
     if args.replicas is not None:
         return run_serve_replicated(args)
@@ -252,13 +289,16 @@ def run_serve(args: argparse.Namespace) -> None:
         raise ValueError("--ray-address needs --replicas N or --replicas auto: the single-process "
                          "server runs no Ray")
     from .server import run_server
-    llm = load_llm(args, max_num_seqs=args.max_num_seqs)
+    model = serve_model(args)
+    check_listen(args.host, args.port)
+    set_threads(args.threads)
     defaults = sampling_params(args)
+    llm = load_llm(args, model, max_num_seqs=args.max_num_seqs)
     resolved = llm.resolve(defaults)  # a default the model cannot run: refuse to start
-    print(f"serving {args.model} at http://{args.host}:{args.port}/v1")
+    print(f"serving {model} at http://{args.host}:{args.port}/v1")
     print(f"default method: {resolved.describe()}")
     run_server(llm, args.host, args.port, defaults, args.served_model_name, args.max_queue,
-               args.shutdown_timeout, args.log_level)
+               args.shutdown_timeout, args.log_level, args.api_key)
 
 
 def run_serve_replicated(args: argparse.Namespace) -> None:
@@ -370,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["lm-eval"]:  # every other argument belongs to lm-eval's own parser
         return run_lm_eval(argv[1:])
     parser = argparse.ArgumentParser(prog="dllm", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"dllm-engine {version('dllm-engine')}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add, _ in COMMANDS.values():
         add(sub)
@@ -378,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         COMMANDS[args.command][1](args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,5 +1,6 @@
 """Bad input gets a clear error that says what was wrong."""
 import json
+import re
 
 import pytest
 import torch
@@ -134,3 +135,59 @@ def test_method_the_family_cannot_run(llada):
 def test_chat_needs_a_conversation(llada):
     with pytest.raises(ValueError, match="conversation is empty"):
         llada.chat([[]])
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", float("nan")), ("temperature", float("inf")), ("threshold", float("nan")),
+    ("factor", float("nan")), ("cfg_scale", float("nan")), ("eos_threshold", float("nan")),
+    ("focus_alpha", float("inf")), ("skip_alpha", float("nan")), ("top_p", float("nan")),
+    ("keep_fractions", (1.0, float("nan"), 0.25))])
+def test_non_finite_numbers_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**70])
+def test_seed_out_of_range_names_the_field(seed):
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\)") as err:
+        SamplingParams(seed=seed)
+    assert err.value.param == "seed"
+
+
+def test_a_long_prompt_gets_the_engines_error_not_a_tokenizer_warning(llada, capfd):
+    with pytest.raises(ValueError, match="exceed the model's context of 4096"):
+        llada.generate(["sort : " + "a " * 5000], SamplingParams(max_new_tokens=8, block_length=8))
+    captured = capfd.readouterr()
+    assert "longer than the specified maximum" not in captured.err + captured.out
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("config.json", "[1, 2]", "config.json: expected a JSON object of model settings, got a JSON list"),
+    ("config.json", '{"model_type": "llada"', "config.json: invalid JSON at line 1"),
+    ("generation_config.json", "[]", "generation_config.json: expected a JSON object"),
+    ("model.safetensors", "", "model.safetensors: not a readable safetensors file"),
+    ("model.safetensors.index.json", '{"weight_map": 3}', "no \"weight_map\" object")])
+def test_malformed_checkpoint_files_are_named(tmp_path, name, text, message):
+    write_checkpoint(tmp_path, "llada")
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / name}") + ".*" + re.escape(message.split(": ", 1)[-1])):
+        LLM(tmp_path)
+
+
+def test_config_missing_a_key_is_named(tmp_path):
+    write_checkpoint(tmp_path, "sdar", tokenizer=False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config.json: missing key 'hidden_size' \(needed by model_type 'sdar'\)"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("device,message", [("tpu", "is not a device name"), ("cuda", "is not available"),
+                                            ("cuda:7", "is not available")])
+def test_devices_this_build_cannot_use(tmp_path, device, message):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    write_checkpoint(tmp_path, "llada", tokenizer=False)
+    with pytest.raises(ValueError, match=f"device '{device}' {message}"):
+        LLM(tmp_path, device=device)

@@ -18,7 +18,8 @@ import torch
 
 from ..engine.llm import LLM
 from ..eval import evaluate
-from ..sampling_params import SamplingParams, parse_spec
+from ..models.loader import read_config, read_generation_config
+from ..sampling_params import SamplingParams, parse_spec, resolve_params
 from ..tasks import Example
 
 class PeakMemory:
@@ -113,6 +114,17 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
     return records
 
 
+def check_specs(model: str | Path, specs: list[str], defaults: dict | None = None) -> None:
+    """Resolve every spec against the checkpoint's config alone, before any weights load."""
+    _, family, _ = read_config(model)
+    gen = read_generation_config(Path(model))
+    for spec in specs:
+        try:
+            resolve_params(parse_spec(spec, **(defaults or {})), family.methods, gen)
+        except ValueError as e:
+            raise ValueError(f"spec {spec!r}: {e}") from None
+
+
 def prepare_out_dir(out_dir: str | Path) -> Path:
     out = Path(out_dir)
     try:
@@ -160,6 +172,7 @@ def plot(records: list[BenchRecord], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("throughput (output tokens / s)")
+    ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

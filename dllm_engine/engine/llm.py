@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import itertools
-import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from ..models import load_model
+from ..models.loader import parse_device, read_generation_config
 from ..sampling_params import SamplingParams, check_prompt, resolve_params
 from .engine import Engine
 from . import host_memory
@@ -24,6 +25,11 @@ class RequestOutput:
     text: str
     stats: SequenceStats
     finish_reason: str  # "stop" (a stop token) or "length"
+    # params.logprobs set: per output token (its logprob, top ids, their logprobs)
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
+
+
+PROGRESS_DELAY_S = 2.0
 
 
 class GenerateResult(list):
@@ -41,19 +47,31 @@ def ids_list(value) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
+@contextmanager
+def quiet_transformers():
+    """transformers' warnings off for the block (its "sequence length is longer than the
+    specified maximum" would precede the engine's own, clearer context error)."""
+    from transformers.utils import logging as hf_logging
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 class LLM:
     def __init__(self, model: str | Path, dtype: str = "float32", device: str = "cpu",
                  max_num_seqs: int = 256, keep_freed_memory: bool = False) -> None:
         """``keep_freed_memory``: on CPU, tune this process's glibc allocator to reuse freed
         activations (faster, keeps the peak heap; process-wide: see ``engine/host_memory.py``)."""
         self.path = Path(model)
-        if keep_freed_memory and torch.device(device).type == "cpu":
+        self.device = parse_device(device)
+        if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
-        self.model = load_model(self.path, dtype=dtype, device=device)
-        self.device = torch.device(device)
+        self.model = load_model(self.path, dtype=dtype, device=self.device)
         self.tokenizer = self.load_tokenizer()
-        gen_file = self.path / "generation_config.json"
-        self.generation_config = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        self.generation_config = read_generation_config(self.path)
         self.token_ids = self.resolve_ids()
         self.engine = Engine(self.model, max_num_seqs=max_num_seqs)
         self.counter = itertools.count()
@@ -62,10 +80,14 @@ class LLM:
         if not (self.path / "tokenizer.json").is_file() and not (self.path / "tokenizer_config.json").is_file():
             return None  # token-id prompts still work
         from transformers import AutoTokenizer, PretrainedConfig
-        # an empty config: the tokenizer files name their class, and transformers would otherwise
-        # read config.json and warn that it does not know the engine's model_type
-        return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True,
-                                             config=PretrainedConfig())
+        try:
+            # an empty config: the tokenizer files name their class, and transformers would otherwise
+            # read config.json and warn that it does not know the engine's model_type
+            return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True,
+                                                 config=PretrainedConfig())
+        except Exception as e:  # tokenizers / transformers raise many types for a broken file
+            raise ValueError(f"{self.path}: the tokenizer files cannot be loaded "
+                             f"({type(e).__name__}: {e})") from None
 
     def resolve_ids(self) -> TokenIds:
         """mask / eos / stop ids from config.json, generation_config.json, then the tokenizer."""
@@ -91,7 +113,9 @@ class LLM:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError(f"{self.path} has no tokenizer; pass token-id prompts")
-            return self.check_ids(self.tokenizer.encode(prompt, add_special_tokens=False))
+            with quiet_transformers():  # the context check below says it better than its warning
+                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.check_ids(ids)
         return self.check_ids(list(prompt))
 
     def check_ids(self, ids: list[int]) -> list[int]:
@@ -107,8 +131,9 @@ class LLM:
             raise ValueError(f"{self.path} has no chat template in its tokenizer_config.json")
         if not messages:
             raise ValueError("conversation is empty")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                       tokenize=True, return_dict=False))
+        with quiet_transformers():
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
 
     def resolve(self, params: SamplingParams | None = None) -> SamplingParams:
         """``params`` with every field filled for this model (``resolve_params``)."""
@@ -162,13 +187,20 @@ class LLM:
         """Add ``seqs`` to the engine and step until it is idle."""
         for seq in seqs:
             self.engine.add(seq)
-        with tqdm(total=len(seqs), desc="generate", disable=not use_tqdm) as bar:
+        # committed slots of every canvas; shown only once a run has lasted PROGRESS_DELAY_S
+        with tqdm(total=sum(s.canvas_len - s.prompt_len for s in seqs), desc="generate", unit="tok",
+                  delay=PROGRESS_DELAY_S, disable=not use_tqdm) as bar:
             while self.engine.has_work():
-                bar.update(len(self.engine.step()))
+                self.engine.step()
+                bar.update(sum(s.canvas_len - s.prompt_len if s.finished else s.stats.decoded_tokens
+                               for s in seqs) - bar.n)
+            bar.update(bar.total - bar.n)  # adaptive length may have cut canvases short
 
     def output(self, seq: Sequence) -> RequestOutput:
         ids = seq.output_ids()
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+        logprobs = seq.output_logprobs(len(ids)) if seq.params.logprobs is not None else None
         return RequestOutput(prompt_token_ids=seq.canvas[: seq.prompt_len].tolist(), token_ids=ids,
                              text=text, stats=seq.stats,
-                             finish_reason="stop" if len(ids) < seq.params.max_new_tokens else "length")
+                             finish_reason="stop" if len(ids) < seq.params.max_new_tokens else "length",
+                             logprobs=logprobs)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .family import Family
@@ -27,23 +27,72 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    """A device this torch build can use: cpu, or cuda[:N] / mps where available."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {str(device)!r} is not a device name; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} is not available: this torch {torch.__version__} "
+                         f"build has no CUDA or sees no GPU; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r}: only {torch.cuda.device_count()} GPU(s) visible")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {str(device)!r} is not available on this machine; use --device cpu")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device {str(device)!r} is not supported; use cpu or cuda")
+    return dev
+
+
+def read_json(file: Path, what: str = "a JSON object") -> dict:
+    """A JSON object from ``file``; a ValueError naming the file if it is not one."""
+    try:
+        value = json.loads(file.read_text())
+    except UnicodeDecodeError:
+        raise ValueError(f"{file}: not a text file; expected {what}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: expected {what}, got a JSON {type(value).__name__}")
+    return value
+
+
 def read_config(path: str | Path) -> tuple[dict, Family, ModelConfig]:
     """The raw config.json, its family and the normalised ModelConfig."""
     folder = Path(path)
+    if folder.is_file():
+        raise ValueError(f"{str(folder)!r} is a file; --model / LLM() take the checkpoint folder "
+                         f"that holds config.json and the weights")
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {str(folder)!r} does not exist")
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{str(folder)!r} has no config.json; is it a Hugging Face checkpoint?")
-    hf = json.loads(cfg_file.read_text())
-    family = get_family(hf.get("model_type"))
-    return hf, family, family.config_from_hf(hf)
+    hf = read_json(cfg_file, "a JSON object of model settings")
+    try:
+        family = get_family(hf.get("model_type"))
+        return hf, family, family.config_from_hf(hf)
+    except KeyError as e:
+        raise ValueError(f"{cfg_file}: missing key {e} (needed by model_type "
+                         f"{hf.get('model_type')!r})") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{cfg_file}: {e}") from None
+
+
+def read_generation_config(folder: Path) -> dict:
+    """generation_config.json as a dict ({} when the checkpoint has none)."""
+    file = folder / "generation_config.json"
+    return read_json(file) if file.is_file() else {}
 
 
 def weight_files(folder: Path) -> list[Path]:
     index = folder / INDEX_FILE
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no \"weight_map\" object (tensor name -> shard file)")
+        shards = sorted(set(map(str, weight_map.values())))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise FileNotFoundError(f"{INDEX_FILE} in {str(folder)!r} names missing shards: {missing}")
@@ -57,9 +106,13 @@ def weight_files(folder: Path) -> list[Path]:
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in weight_files(folder):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e}); "
+                             f"is it truncated or still downloading?") from None
     return tensors
 
 
@@ -97,6 +150,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
     weights are not read: the model has its config and shapes only (an HTTP front that
     tokenizes and validates for replicas elsewhere needs nothing more)."""
     folder = Path(path)
+    device = parse_device(device)
+    dtype = parse_dtype(dtype)
     _, family, cfg = read_config(folder)
     with torch.device("meta"):
         model = DiffusionLM(cfg)

@@ -1,0 +1,141 @@
+"""Every bad input to the ``dllm`` command is one ``error:`` line naming the problem, exit status
+2, no traceback. Each case runs the real command in a subprocess; all of them start at once and
+every wait is bounded."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from fixtures import write_checkpoint
+
+WAIT_S = 120
+
+
+def corrupt(folder, kind):
+    """Break a fresh checkpoint in one way; returns the path the command should name."""
+    weights, config = folder / "model.safetensors", folder / "config.json"
+    if kind == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[:100])
+        return weights
+    if kind == "empty weights":
+        weights.write_bytes(b"")
+        return weights
+    cfg = json.loads(config.read_text())
+    if kind == "config missing a key":
+        del cfg["d_model"]
+        config.write_text(json.dumps(cfg))
+    elif kind == "config not an object":
+        config.write_text(json.dumps([cfg]))
+    elif kind == "config invalid JSON":
+        config.write_text(json.dumps(cfg)[:-5])
+    elif kind == "generation_config invalid JSON":
+        (folder / "generation_config.json").write_text("{'max_new_tokens': 8}")
+        return folder / "generation_config.json"
+    return config
+
+
+BROKEN = {  # kind -> (command, what the error line must say)
+    "truncated weights": ("generate", "model.safetensors: not a readable safetensors file"),
+    "empty weights": ("eval", "model.safetensors: not a readable safetensors file"),
+    "config missing a key": ("bench", "config.json: missing key 'd_model'"),
+    "config not an object": ("serve", "config.json: expected a JSON object of model settings, got a JSON list"),
+    "config invalid JSON": ("generate", "config.json: invalid JSON at line 1"),
+    "generation_config invalid JSON": ("generate", "generation_config.json: invalid JSON at line 1"),
+}
+BENCH = ["--methods", "dual-cache", "--out", "{tmp}/bench", "--limit", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cases(ckpt, tmp_path_factory) -> dict[str, tuple[list[str], str]]:
+    """case id -> (dllm arguments, a text the one error line must contain)."""
+    out, folders = {}, {}
+    for kind, (command, message) in BROKEN.items():
+        folder = folders[kind] = write_checkpoint(tmp_path_factory.mktemp(kind.replace(" ", "-")), "llada")
+        named = corrupt(folder, kind)
+        extra = [a.format(tmp=folder) for a in BENCH] if command == "bench" else []
+        model = [str(folder), "--port", str(free_port())] if command == "serve" else ["--model", str(folder)]
+        out[kind] = ([command, *model, *extra], f"{named.parent}/{message}")
+    model, port = ["--model", str(ckpt)], str(free_port())
+    out.update({
+        "model is a file": (["generate", "--model", str(ckpt / "config.json")], "is a file"),
+        "device tpu": (["generate", *model, "--device", "tpu"], "device 'tpu' is not a device name"),
+        "device cuda on a CPU build": (["eval", *model, "--device", "cuda"], "device 'cuda' is not available"),
+        "port out of range": (["serve", str(ckpt), "--port", "99999"], "--port 99999 is not a TCP port"),
+        "temperature NaN": (["generate", *model, "--temperature", "nan"], "temperature must be a finite number"),
+        "factor inf": (["generate", *model, "--factor", "inf"], "factor must be a finite number"),
+        "serve a default it cannot run": (["serve", str(ckpt), "--method", "block", "--port", port],
+                                          "method 'block' cannot run on this model"),
+        "two models to serve": (["serve", str(ckpt), "--model", "/elsewhere"], "two models given"),
+        # the spec fails before the (broken) weights are read: specs are checked first
+        "bench spec before weights": (["bench", "--model", str(folders["truncated weights"]), "--methods",
+                                       "block", "--out", "unused"], "spec 'block': method 'block' cannot run"),
+    })
+    return out
+
+
+@pytest.fixture(scope="module")
+def argv_cases(tmp_path_factory):
+    return cases(write_checkpoint(tmp_path_factory.mktemp("good"), "llada"), tmp_path_factory)
+
+
+# one per kind of bad input through the installed entry point (a process each: kept few)
+SUBPROCESS_CASES = ["truncated weights", "config not an object", "device tpu", "port out of range",
+                    "temperature NaN", "bench spec before weights"]
+
+
+@pytest.fixture(scope="module")
+def results(argv_cases):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "dllm_engine.cli", *argv_cases[name][0]], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in SUBPROCESS_CASES}
+    done = {}
+    for name, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        done[name] = (proc.returncode, out, err)
+    return done
+
+
+def check_one_error_line(code: int, out: str, err: str, message: str) -> None:
+    assert code == 2, (out, err)
+    assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("error: "), err
+    assert message in err, err
+    assert "serving" not in out  # nothing announced before the input was checked
+
+
+@pytest.mark.parametrize("name", SUBPROCESS_CASES)
+def test_bad_input_is_one_error_line_and_exit_2(results, argv_cases, name):
+    check_one_error_line(*results[name], argv_cases[name][1])
+
+
+CASES = [*BROKEN, "model is a file", "device tpu", "device cuda on a CPU build", "port out of range",
+         "temperature NaN", "factor inf", "serve a default it cannot run", "two models to serve",
+         "bench spec before weights"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_in_process(argv_cases, capsys, name):
+    from dllm_engine.cli import main
+    argv, message = argv_cases[name]
+    code = main(argv)
+    check_one_error_line(code, *capsys.readouterr(), message)
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+    from dllm_engine.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"dllm-engine {version('dllm-engine')}"
