@@ -275,6 +275,9 @@ def check_against_model(p: SamplingParams, methods: tuple[str, ...], logit_shift
                          f"pattern; use one of {', '.join(methods)}")
     if p.cfg_scale > 0 and p.base_method != "reference":
         raise ParamError("cfg_scale", "cfg_scale > 0 is supported by the 'reference' decoder only")
+    if p.logprobs is not None and "jump-share" in p.strategies:
+        raise ParamError("logprobs", "logprobs are not recorded by jump-share (its drafts were "
+                         "predicted a step earlier); drop one of them")
     if p.factor is not None and p.base_method == "block":
         raise ParamError("factor", "factor is a rule of reference / prefix-cache / dual-cache; "
                          "block commits by threshold or steps")

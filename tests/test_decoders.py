@@ -201,3 +201,50 @@ def test_block_diffusion_stops_after_a_block_with_a_stop_token(llms):
     whole = llms["sdar"].generate(PROMPTS, params.replace(stop_at_eos=False))
     assert any(a.stats.nfe < b.stats.nfe for a, b in zip(default, whole))
     assert [o.token_ids for o in default] == [o.token_ids for o in whole]
+
+
+def test_top_k_and_top_p_keep_what_a_plain_sort_keeps():
+    from dllm_engine.decoding.rules import keep_top
+    torch.manual_seed(0)
+    logits, temperature = torch.randn(6, 50, dtype=torch.float64) * 3, 0.7
+    for top_k, top_p in ((5, 1.0), (0, 0.6), (8, 0.3), (0, 1e-9)):
+        kept = torch.isfinite(keep_top(logits, temperature, top_k, top_p))
+        for row, mask in zip(logits, kept):
+            order = row.argsort(descending=True).tolist()
+            order = order[:top_k] if top_k else order
+            probs = torch.softmax(row[order] / temperature, -1)  # top-p after top-k, renormalised (as HF)
+            # the smallest prefix of the ranking whose mass reaches top_p (one token at least)
+            n = next(i + 1 for i in range(len(order)) if probs[: i + 1].sum() >= top_p or i + 1 == len(order))
+            assert set(mask.nonzero()[:, 0].tolist()) == set(order[:n]), (top_k, top_p)
+
+
+def test_sampling_draws_only_inside_top_k():
+    from dllm_engine.decoding import sample_tokens
+    logits = torch.tensor([[4.0, 3.9, 3.8, 0.0, -1.0]]).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    drawn = set(sample_tokens(logits, 1.0, g, top_k=2).tolist())
+    assert drawn == {0, 1}
+    assert set(sample_tokens(logits, 1.0, g).tolist()) >= {0, 1, 2, 3}  # without it, the tail is drawn too
+
+
+def test_a_commit_never_overwrites_or_writes_the_mask(llms):
+    llm = llms["llada"]
+    seq = llm.make_sequence([42, 13], SamplingParams(max_new_tokens=8, block_length=8))
+    mask = seq.ids.mask_id
+    seq.commit(torch.tensor([2, 3]), torch.tensor([5, 6]))
+    with pytest.raises(RuntimeError, match="overwrite a committed slot or write the mask token"):
+        seq.commit(torch.tensor([3, 4]), torch.tensor([7, 8]))  # slot 3 is taken
+    with pytest.raises(RuntimeError, match="overwrite a committed slot or write the mask token"):
+        seq.commit(torch.tensor([5]), torch.tensor([mask]))
+    assert seq.stats.decoded_tokens == 2 <= seq.canvas_len - seq.prompt_len
+
+
+def test_offline_logprobs_are_those_of_the_committed_tokens(llms):
+    llm = llms["llada"]
+    params = SamplingParams(max_new_tokens=16, block_length=8, logprobs=3, stop_at_eos=False)
+    out = llm.generate([PROMPTS[0]], params)[0]
+    assert len(out.logprobs) == len(out.token_ids) and out.token_ids
+    for token, (logprob, top_ids, top_values) in zip(out.token_ids, out.logprobs):
+        assert top_ids[0] == token and logprob == pytest.approx(top_values[0])  # greedy: the argmax
+        assert len(top_ids) == 3 and top_values == sorted(top_values, reverse=True) and top_values[0] <= 0
+    assert llm.generate([PROMPTS[0]], params.replace(logprobs=None))[0].logprobs is None

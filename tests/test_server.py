@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
@@ -23,7 +24,7 @@ import uvicorn
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.bench.serve import percentile
 from dllm_engine.cli import main
-from dllm_engine.server import EngineLoop, create_app
+from dllm_engine.server import EngineLoop, create_app, shutdown_timeouts
 from dllm_engine.server.loop import Job, held_back
 from dllm_engine.server.protocol import ApiError
 from dllm_engine.tasks import load_split
@@ -286,7 +287,18 @@ BAD_COMPLETIONS = [
     ({"prompt": []}, "prompt", "prompt list is empty"),
     ({"prompt": [999]}, "prompt", r"outside \[0, 96\)"),
     ({"max_tokens": 4096}, "max_tokens", "exceed the model's context of 4096 tokens"),
-    ({"n": 2}, "n", "less than or equal to 1"),
+    ({"n": 17}, "n", "less than or equal to 16"),
+    ({"temperature": float("nan")}, "temperature", "finite number"),
+    ({"threshold": float("inf")}, "threshold", "finite number"),
+    ({"factor": float("nan"), "threshold": None}, "factor", "finite number"),
+    ({"cfg_scale": float("nan")}, "cfg_scale", "finite number"),
+    ({"eos_threshold": float("nan")}, "eos_threshold", "finite number"),
+    ({"seed": 2**70}, "seed", "less than 9223372036854775808"),
+    ({"max_tokens": 10**9}, "max_tokens", "exceed the model's context of 4096 tokens"),
+    ({"top_p": 0}, "top_p", "greater than 0"),
+    ({"top_k": -1}, "top_k", "top_k must be an integer >= 0"),
+    ({"logprobs": 6}, "logprobs", "less than or equal to 5"),
+    ({"logprobs": 1, "method": "dual-cache+jump-share"}, "logprobs", "not recorded by jump-share"),
     ({"stop": ["", "x"]}, "stop", "non-empty"),
     ({"stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra", "unknown field"),
     ({"prompt": 5}, "prompt", "valid string"),
@@ -295,7 +307,9 @@ BAD_COMPLETIONS = [
 
 @pytest.mark.parametrize("patch,param,message", BAD_COMPLETIONS)
 def test_bad_completion_requests_answer_400_naming_the_field(live, patch, param, message):
-    r = httpx.post(live[0] + "/v1/completions", json={**SHORT, **patch})
+    # json.dumps writes NaN / Infinity as Python does (httpx's json= refuses them)
+    r = httpx.post(live[0] + "/v1/completions", content=json.dumps({**SHORT, **patch}),
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and re.search(message, err["message"]), err
@@ -303,7 +317,8 @@ def test_bad_completion_requests_answer_400_naming_the_field(live, patch, param,
 
 @pytest.mark.parametrize("patch,param,message", [
     ({"messages": []}, "messages", "at least 1 item"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "'system', 'user' or 'assistant'"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "'system', 'developer', 'user'"),
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "needs \"logprobs\": true"),
     ({"max_tokens": 8, "max_completion_tokens": 8}, "max_tokens", "not both"),
     ({"top_p": 0.5, "sparkle": 1}, "sparkle", "unknown field 'sparkle'"),
 ])
@@ -324,6 +339,91 @@ def test_unknown_model_missing_field_and_broken_json(live, client):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
 
 
+# -- what OpenAI clients send -----------------------------------------------------------------------
+def test_fields_openai_clients_send_are_accepted(live, offline):
+    """LangChain and the like send these; the no-ops change nothing, developer is a system turn."""
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "sort : c b a"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
+                {"role": "tool", "content": "ok", "tool_call_id": "1"}, {"role": "user", "content": "again"}]
+    body = {"model": NAME, "messages": messages, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0,
+            "logprobs": False, "user": "u1", "n": 1, "stream_options": {"include_usage": True}, "tools": [],
+            "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {}, "store": False,
+            "metadata": {"a": "b"}, "service_tier": "auto", "parallel_tool_calls": False}
+    r = httpx.post(live[0] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    as_template = [{"role": "system", "content": "be brief"}, messages[1],
+                   {"role": "assistant", "content": ""}, {"role": "tool", "content": "ok"}, messages[4]]
+    want = offline.chat([as_template], DEFAULTS)[0].text
+    assert r.json()["choices"][0]["message"]["content"] == want
+    r = httpx.post(live[0] + "/v1/completions", json={**SHORT, "echo": False, "suffix": None, "best_of": 1})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("sampling", [{"top_k": 1}, {"top_p": 1e-9}])
+def test_top_k_1_or_a_tiny_top_p_sample_the_greedy_answer(client, offline, sampling):
+    got = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=5.0,
+                                    seed=3, extra_body=sampling)
+    assert got.choices[0].text == expected(offline, PROMPTS[1]).text
+    free = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=5.0, seed=3)
+    assert free.choices[0].text != got.choices[0].text  # temperature 5 alone does not give it
+
+
+def test_logprobs_of_the_committed_tokens(client, offline):
+    got = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16, logprobs=2)
+    lp = got.choices[0].logprobs
+    want = offline.generate([PROMPTS[2]], DEFAULTS.replace(logprobs=2))[0]
+    assert len(lp.tokens) == got.usage.completion_tokens == len(want.logprobs)
+    assert lp.token_logprobs == pytest.approx([x[0] for x in want.logprobs])
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and chosen == pytest.approx(max(top.values()))  # greedy: the argmax
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "sort : c b a"}],
+                                          logprobs=True, top_logprobs=1, max_tokens=16)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(c.bytes == list(c.token.encode()) and c.logprob <= 0 and len(c.top_logprobs) == 1
+               for c in content)
+    assert client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16).choices[0].logprobs is None
+
+
+def test_n_choices_are_n_sequences_with_consecutive_seeds(client, offline):
+    got = client.completions.create(model=NAME, prompt=[PROMPTS[0], PROMPTS[3]], max_tokens=16, n=3,
+                                    temperature=1.0, seed=7)
+    assert [c.index for c in got.choices] == list(range(6))
+    for c in got.choices:
+        prompt, j = [PROMPTS[0], PROMPTS[3]][c.index // 3], c.index % 3
+        assert c.text == expected(offline, prompt, temperature=1.0, seed=7 + j).text
+    assert len({c.text for c in got.choices[:3]}) > 1  # different seeds, different samples
+
+
+def test_max_tokens_need_not_divide_by_the_block_length(client, offline):
+    got = client.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=12)  # blocks of 8
+    want = expected(offline, PROMPTS[4], max_new_tokens=12)
+    assert got.choices[0].text == want.text and got.usage.completion_tokens == len(want.token_ids) <= 12
+    assert got.choices[0].finish_reason == ("length" if len(want.token_ids) == 12 else "stop")
+    assert got.usage.model_extra["decoded_tokens"] == 16  # two whole blocks were decoded
+
+
+@pytest.mark.parametrize("verb,path,status,message", [
+    ("get", "/v1/completions", 405, "GET /v1/completions: method not allowed"),
+    ("post", "/v1/embeddings", 404, "no route POST /v1/embeddings")])
+def test_unknown_routes_answer_in_the_openai_error_format(live, verb, path, status, message):
+    r = getattr(httpx, verb)(live[0] + path)
+    assert r.status_code == status
+    assert r.json()["error"]["message"].startswith(message) and r.json()["error"]["code"] == status
+
+
+def test_api_key_is_checked_on_the_api_routes(ckpt):
+    from fastapi.testclient import TestClient
+    with TestClient(create_app(LLM(ckpt), DEFAULTS, NAME, api_key="s3cret")) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = c.post("/v1/completions", json=SHORT, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert c.get("/health").status_code == 200  # probes need no key
+        r = c.post("/v1/completions", json=SHORT, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
 # -- limits and faults ----------------------------------------------------------------------------
 def test_full_queue_answers_429_and_cancelled_requests_free_their_slot(small):
     url, _ = small
@@ -337,6 +437,9 @@ def test_full_queue_answers_429_and_cancelled_requests_free_their_slot(small):
             r = await c.post("/v1/completions", json=SHORT)
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "rate_limit_error"
+            # the numbers in the message are the ones that decided: 2 in flight, the limit 1 + 1
+            assert ("2 sequences in flight, this request needs 1 more, the limit is 2 "
+                    "(--max-num-seqs 1 + --max-queue 1)") in r.json()["error"]["message"]
             r = await c.post("/v1/completions", json={**SHORT, "prompt": ["sort : b a"] * 3})
             assert r.status_code == 400 and "at most 2 sequences" in r.json()["error"]["message"]
             running.cancel()  # the client goes away: its connection closes
@@ -486,14 +589,23 @@ def test_length_mix_spreads_each_length_over_the_run():
             parse_length_mix(bad)
 
 
+def test_the_app_drains_before_uvicorn_gives_up():
+    """uvicorn cancels handlers at its graceful timeout; the app must have answered 503 first."""
+    for timeout in (0.0, 1.0, 30.0):
+        drain, graceful = shutdown_timeouts(timeout)
+        assert drain == timeout and graceful > drain
+
+
 def test_dllm_serve_and_dllm_bench_serve(ckpt, tmp_path):
-    """`dllm serve` in a subprocess, `dllm bench serve` against it, then SIGINT: clean exit."""
+    """`dllm serve --model` in a subprocess, `dllm bench serve` against it, then SIGINT with a
+    request in flight: the request is answered 503 with the documented message, clean exit."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "dllm_engine.cli", "serve", str(ckpt), "--port", str(port),
-                             "--max-new-tokens", "8", "--block-length", "8", "--log-level", "warning"],
+    proc = subprocess.Popen([sys.executable, "-m", "dllm_engine.cli", "serve", "--model", str(ckpt),
+                             "--port", str(port), "--max-new-tokens", "8", "--block-length", "8",
+                             "--log-level", "warning", "--shutdown-timeout", "1"],
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.monotonic() + 60
@@ -514,6 +626,14 @@ def test_dllm_serve_and_dllm_bench_serve(ckpt, tmp_path):
             assert level["num_requests"] == 4 and level["failures"] == 0, level
             assert level["latency_p50"] > 0 and level["nfe"] > 0
         assert (out / "serve_bench.png").read_bytes()[:4] == b"\x89PNG"
+        in_flight = ThreadPoolExecutor(1).submit(httpx.post, url + "/v1/completions",
+                                                  json={**LONG, "model": ckpt.name}, timeout=60)
+        deadline = time.monotonic() + 30
+        while metric(url, "running_sequences") < 1:
+            assert time.monotonic() < deadline and not in_flight.done(), "the long request never ran"
+            time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
+    r = in_flight.result(timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["message"] == "server shut down before the request finished"

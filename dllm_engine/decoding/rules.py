@@ -18,15 +18,31 @@ def num_transfer_tokens(num_masked: int, steps: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(steps)]
 
 
-def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator | None,
+                  top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """x0 [N] from logits [N, V]: argmax at T = 0, else Gumbel-max in float64 (LLaDA's
-    exp(logits) / (-log U) ** T, i.e. a sample from softmax(logits / T))."""
+    exp(logits) / (-log U) ** T, i.e. a sample from softmax(logits / T)), restricted to the
+    ``top_k`` most likely tokens (0 = all) and to the nucleus of mass ``top_p``."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits64 = logits.double()
+    logits64 = keep_top(logits.double(), temperature, top_k, top_p)
     u = torch.rand(logits64.shape, generator=generator, dtype=torch.float64, device=logits.device)
     gumbel = (-torch.log(u.clamp_min(1e-300))) ** temperature
     return (logits64.exp() / gumbel).argmax(-1)
+
+
+def keep_top(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """logits [N, V] with -inf outside the top-k tokens and outside the smallest set whose
+    probability under softmax(logits / T) reaches top_p (the most likely token always stays)."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    if top_p < 1.0:
+        ranked, order = logits.sort(dim=-1, descending=True)
+        probs = torch.softmax(ranked / temperature, dim=-1)
+        outside = probs.cumsum(-1) - probs >= top_p  # the mass before this token already reaches p
+        logits = logits.scatter(-1, order, ranked.masked_fill(outside, -float("inf")))
+    return logits
 
 
 def confidence(logits: Tensor, x0: Tensor, rule: str, generator: torch.Generator | None) -> Tensor:

@@ -137,12 +137,12 @@ class Engine:
         p = seq.params
         # a mask is never a valid prediction; committing one would leave the slot masked forever
         logits[:, seq.ids.mask_id] = -float("inf")
-        x0 = sample_tokens(logits, p.temperature, seq.generator)
+        x0 = sample_tokens(logits, p.temperature, seq.generator, p.top_k, p.top_p)
         conf = confidence(logits, x0, p.remasking, seq.generator)
         if pipeline is not None:
             conf = pipeline.confidence(seq, positions, x0, conf)
         chosen = select(seq, conf)
-        seq.commit(positions[chosen], x0[chosen])
+        seq.commit(positions[chosen], x0[chosen], logits[chosen])
         return positions[chosen]
 
     def release(self, keep: list[int]) -> None:

@@ -93,6 +93,8 @@ class Sequence:
         self.start_time = 0.0
         self.strategy_state: dict = {}  # per-sequence state owned by strategies
         self.decoded_before_step = 0  # stats.decoded_tokens when the current step began
+        # params.logprobs set: canvas position -> (logprob of the committed token, top ids, their logprobs)
+        self.logprobs: dict[int, tuple[float, list[int], list[float]]] = {}
 
     # -- geometry ----------------------------------------------------------------------------
     @property
@@ -115,9 +117,29 @@ class Sequence:
         return num_transfer_tokens(len(self.masked_positions()), steps_left)[0]
 
     # -- progress ----------------------------------------------------------------------------
-    def commit(self, positions: Tensor, tokens: Tensor) -> None:
+    def commit(self, positions: Tensor, tokens: Tensor, logits: Tensor | None = None) -> None:
+        """Write ``tokens`` into masked slots; ``logits`` [N, V] (the rows they were drawn from)
+        record their logprobs when the request asked for them."""
+        # invariant: each slot is committed once, never to the mask, so decoded_tokens <= canvas
+        if bool((self.canvas[positions] != self.ids.mask_id).any() | (tokens == self.ids.mask_id).any()):
+            raise RuntimeError(f"sequence {self.seq_id}: a commit would overwrite a committed slot or "
+                               f"write the mask token (positions {positions.tolist()})")
         self.canvas[positions] = tokens
         self.stats.decoded_tokens += int(positions.numel())
+        if self.params.logprobs is not None and logits is not None:
+            self.record_logprobs(positions, tokens, logits)
+
+    def record_logprobs(self, positions: Tensor, tokens: Tensor, logits: Tensor) -> None:
+        """Logprobs under the model's own distribution (before temperature / top-k / top-p)."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logp.gather(-1, tokens[:, None])[:, 0].tolist()
+        top = logp.topk(self.params.logprobs, dim=-1)
+        for i, pos in enumerate(positions.tolist()):
+            self.logprobs[pos] = (chosen[i], top.indices[i].tolist(), top.values[i].tolist())
+
+    def output_logprobs(self, num_tokens: int) -> list[tuple[float, list[int], list[float]]]:
+        """The recorded logprobs of the first ``num_tokens`` generated tokens."""
+        return [self.logprobs[self.prompt_len + i] for i in range(num_tokens)]
 
     def advance(self) -> None:
         """After a step's commits: next step, next block, or finish."""

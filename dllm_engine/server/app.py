@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,15 +16,16 @@ from contextlib import aclosing, asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm import LLM
 from ..sampling_params import SamplingParams
 from .engine_client import EngineClient, GenerateRequest, InProcessEngine
 from .loop import Event
 from .metrics import Metrics
-from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, chat_body,
-                       chat_chunk, completion_body, completion_chunk, now, usage, validation_error,
-                       value_error)
+from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, TokenLogprob, chat_body,
+                       chat_chunk, chat_logprobs, completion_body, completion_chunk,
+                       completion_logprobs, now, usage, validation_error, value_error)
 
 POLL_S = 0.1  # how often a waiting handler checks that its client is still connected
 
@@ -66,7 +68,7 @@ class Server:
                 self.llm.resolve_params(params, len(ids))
         except ValueError as e:
             raise value_error(e) from None
-        return GenerateRequest(request_id, prompts, params, body.stop_strings(), body.stream)
+        return GenerateRequest(request_id, prompts, params, body.stop_strings(), body.stream, body.n)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         try:
@@ -92,7 +94,7 @@ class Server:
             await anext(events)  # admitted, or the engine's 429 / 503 as this response's status
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return StreamingResponse(self.stream(events, start, rid, chat, include_usage, len(prompts)),
+                return StreamingResponse(self.stream(events, start, rid, chat, include_usage, len(prompts) * body.n),
                                          media_type="text/event-stream")
             results = [ev.result async for ev in events if ev.result]
         except ClientGone:
@@ -110,7 +112,7 @@ class Server:
         """The engine's events for ``req``, ending with the last choice's result; raises an error
         event as ApiError, and ClientGone (cancelling the request) if the client goes away."""
         source = self.engine.generate(req)
-        pending, getter = len(req.prompts), None
+        pending, getter = req.num_choices, None
         try:
             while pending:
                 getter = getter or asyncio.ensure_future(anext(source))
@@ -135,11 +137,14 @@ class Server:
         """SSE: committed text as blocks finish, a final chunk per choice, [DONE]."""
         created, results, status, first = now(), [], "cancelled", True
 
-        def chunk(index: int, text: str, reason: str | None, role: bool = False) -> str:
+        def chunk(index: int, text: str, reason: str | None, role: bool = False,
+                  logprobs: list[TokenLogprob] | None = None) -> str:
             if not chat:
-                return sse(completion_chunk(rid, self.model_name, created, index, text, reason))
+                return sse(completion_chunk(rid, self.model_name, created, index, text, reason,
+                                            completion_logprobs(logprobs)))
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text or role else {})
-            return sse(chat_chunk(rid, self.model_name, created, index, delta, reason))
+            return sse(chat_chunk(rid, self.model_name, created, index, delta, reason,
+                                  chat_logprobs(logprobs)))
 
         try:
             if chat:
@@ -154,7 +159,9 @@ class Server:
                         yield chunk(event.index, event.text, None)
                     if event.result is not None:
                         results.append(event.result)
-                        yield chunk(event.index, "", event.result.finish_reason)
+                        # a choice's logprobs come whole, with its final chunk
+                        yield chunk(event.index, "", event.result.finish_reason,
+                                    logprobs=event.result.logprobs)
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                            "created": created, "model": self.model_name, "choices": [],
@@ -186,12 +193,12 @@ class Server:
 
 def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str | None = None,
                max_queue: int = 256, shutdown_timeout: float = 30.0,
-               engine: EngineClient | None = None) -> FastAPI:
+               engine: EngineClient | None = None, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``llm``: on ``engine`` if given (``llm`` then only tokenizes and
     validates, and may live on the meta device), else on ``llm``'s own engine loop in this
     process (``max_queue`` waiting sequences). The engine starts and stops with the app's
     lifespan (``shutdown_timeout``: how long in-flight requests may finish before they are
-    cancelled)."""
+    cancelled). ``api_key``: /v1/* requires ``Authorization: Bearer <api_key>``."""
     metrics = Metrics()
     engine = engine or InProcessEngine(llm, max_queue, metrics)
     server = Server(llm, engine, defaults or SamplingParams(), model_name or llm.path.name, metrics,
@@ -206,8 +213,25 @@ def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str
     app = FastAPI(title="dllm-engine", lifespan=lifespan)
     app.state.server = server
     add_error_handlers(app, server.metrics)
+    if api_key:
+        add_api_key_check(app, api_key, server.metrics)
     add_routes(app, server)
     return app
+
+
+def add_api_key_check(app: FastAPI, api_key: str, metrics: Metrics) -> None:
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        given = request.headers.get("authorization", "").encode()
+        if request.url.path.startswith("/v1/") and not secrets.compare_digest(given, expected):
+            metrics.count_request(401)
+            err = ApiError(401, "missing or wrong API key: send the header `Authorization: Bearer "
+                           "<key>` with the key the server was started with (--api-key)",
+                           kind="authentication_error")
+            return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
 
 
 def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
@@ -223,6 +247,18 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         return reply(validation_error(list(err.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        """404 / 405 (and any other routing error) in the OpenAI error format."""
+        route = f"{request.method} {request.url.path}"
+        message = {404: f"no route {route}; the API is /v1/completions, /v1/chat/completions, "
+                        f"/v1/models, /health, /metrics",
+                   405: f"{route}: method not allowed here"}.get(err.status_code, f"{route}: {err.detail}")
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        response = reply(ApiError(err.status_code, message, kind=kind))
+        response.headers.update(err.headers or {})
+        return response
 
 
 def add_routes(app: FastAPI, server: Server) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..engine.llm import LLM
-from ..sampling_params import SamplingParams
+from ..sampling_params import MAX_SEED, SamplingParams
 from .loop import EngineLoop, Event, Job
 from .metrics import Metrics
 from .protocol import ApiError, value_error
@@ -28,6 +28,17 @@ class GenerateRequest:
     params: SamplingParams
     stops: list[str]
     stream: bool
+    n: int = 1  # choices per prompt
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def choices(self) -> list[tuple[list[int], SamplingParams]]:
+        """(prompt, options) per choice, prompt-major, so OpenAI's choice index is the place in
+        this list; choice j of a prompt samples with seed + j."""
+        return [(ids, self.params.replace(seed=(self.params.seed + j) % MAX_SEED))
+                for ids in self.prompts for j in range(self.n)]
 
 
 class EngineClient(Protocol):
@@ -66,7 +77,7 @@ class InProcessEngine:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         try:
-            job = Job([self.llm.make_sequence(ids, request.params) for ids in request.prompts],
+            job = Job([self.llm.make_sequence(ids, params) for ids, params in request.choices()],
                       request.stops, request.stream)
             self.loop.submit(job)
         except ValueError as e:

@@ -20,7 +20,7 @@ from ..engine.llm import LLM
 from ..engine.sequence import Sequence
 from ..engine.stop_strings import committed_end, committed_ids, find_stop, tokens_through_stop
 from .metrics import Metrics
-from .protocol import ApiError, ChoiceResult
+from .protocol import ApiError, ChoiceResult, TokenLogprob
 
 log = logging.getLogger("dllm_engine.server")
 
@@ -114,8 +114,10 @@ class EngineLoop:
             if not self.accepting:
                 raise ApiError(503, "server is shutting down", kind="server_error")
             if self.in_flight + len(job.seqs) > capacity:
-                raise ApiError(429, f"queue full: {self.queue_depth()} sequences waiting "
-                               f"(--max-queue {self.max_queue}); retry later", kind="rate_limit_error")
+                raise ApiError(429, f"server full: {self.in_flight} sequences in flight, this request "
+                               f"needs {len(job.seqs)} more, the limit is {capacity} (--max-num-seqs "
+                               f"{self.engine.max_num_seqs} + --max-queue {self.max_queue}); retry later",
+                               kind="rate_limit_error")
             self.in_flight += len(job.seqs)
             self.inbox.append(("add", job, None))
             self.lock.notify()
@@ -281,10 +283,18 @@ class EngineLoop:
         seq = track.seq
         seq.stats.output_tokens = len(ids)
         stats = dataclasses.replace(seq.stats)  # a copy: the engine thread owns seq.stats
-        result = ChoiceResult(track.index, text, reason, seq.prompt_len, len(ids), stats)
+        result = ChoiceResult(track.index, text, reason, seq.prompt_len, len(ids), stats,
+                              self.token_logprobs(seq, ids))
         self.metrics.observe_sequence(stats, seq.prompt_len)
         self.forget(track)
         track.job.emit(Event(track.index, result=result))
+
+    def token_logprobs(self, seq: Sequence, ids: list[int]) -> list[TokenLogprob] | None:
+        """The request's output tokens as text with their logprobs (None unless asked)."""
+        if seq.params.logprobs is None:
+            return None
+        return [TokenLogprob(self.decode([tok]), lp, [(self.decode([t]), v) for t, v in zip(top, values)])
+                for tok, (lp, top, values) in zip(ids, seq.output_logprobs(len(ids)))]
 
     def decode(self, ids: list[int]) -> str:
         tok = self.llm.tokenizer

@@ -2,8 +2,10 @@
 ``/v1/chat/completions``), plus the error type every failure path turns into.
 
 Besides the OpenAI fields, a request may set any ``SamplingParams`` option by its own name
-(``method``, ``threshold``, ``block_length``, ``focus_alpha``, ...). Unknown fields are refused
-(``extra="forbid"``), so a typo answers 400 naming the field instead of being ignored."""
+(``method``, ``threshold``, ``block_length``, ``focus_alpha``, ...). Every field the OpenAI API
+defines is accepted: those a diffusion decoder can honour are implemented (``top_p``, ``top_k``,
+``logprobs``, ``n``), the others are accepted and ignored (``NO_OP_FIELDS``). Unknown fields are
+refused (``extra="forbid"``), so a typo answers 400 naming the field instead of being ignored."""
 from __future__ import annotations
 
 import re
@@ -15,7 +17,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from ..engine.sequence import SequenceStats
-from ..sampling_params import COMMIT_FIELDS, ParamError, SamplingParams
+from ..sampling_params import COMMIT_FIELDS, MAX_LOGPROBS, MAX_SEED, ParamError, SamplingParams
 
 
 class ApiError(Exception):
@@ -36,8 +38,18 @@ class ApiError(Exception):
 
 # -- requests --------------------------------------------------------------------------------
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # SamplingParams name -> request field name
+OPENAI_FIELDS = ("max_new_tokens", "temperature", "seed", "top_p", "logprobs")  # declared below
 ENGINE_FIELDS = {name: hint for name, hint in typing.get_type_hints(SamplingParams).items()
-                 if name not in ("max_new_tokens", "temperature", "seed")}
+                 if name not in OPENAI_FIELDS}
+MAX_N = 16  # choices per prompt
+# OpenAI fields a diffusion decoder has no use for: accepted (clients send them) and ignored
+COMMON_NO_OPS = ("presence_penalty", "frequency_penalty", "logit_bias", "user", "service_tier",
+                 "store", "metadata")
+COMPLETION_NO_OPS = ("suffix", "echo", "best_of")
+CHAT_NO_OPS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+               "response_format", "modalities", "audio", "prediction", "reasoning_effort",
+               "web_search_options")
+NO_OP_FIELDS = COMMON_NO_OPS + COMPLETION_NO_OPS + CHAT_NO_OPS
 
 
 class StreamOptions(BaseModel):
@@ -47,16 +59,24 @@ class StreamOptions(BaseModel):
 
 class RequestBase(BaseModel):
     """Fields shared by both endpoints; the engine's options are added by ``with_engine_fields``."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN / inf: 400 naming the field
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0)
-    seed: Optional[int] = None
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    seed: Optional[int] = Field(None, ge=0, lt=MAX_SEED)
     stop: Optional[str | list[str]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: int = Field(1, ge=1, le=1, description="one choice per prompt")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt (choice j uses seed + j)")
+    # accepted, ignored (NO_OP_FIELDS)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+    service_tier: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
 
     @field_validator("stop")
     @classmethod
@@ -74,15 +94,21 @@ class RequestBase(BaseModel):
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
 
+    def logprobs_option(self) -> int | None:
+        """SamplingParams.logprobs: None = off, N = the chosen token's logprob and its top N."""
+        return None
+
     def sampling_overrides(self) -> dict:
         """The options this request set (an explicit null included), in SamplingParams names."""
         given = self.model_fields_set
         out = {name: getattr(self, name) for name in ENGINE_FIELDS if name in given}
-        for name in ("temperature", "seed"):
+        for name in ("temperature", "seed", "top_p"):
             if name in given and getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.max_new_tokens() is not None:
             out["max_new_tokens"] = self.max_new_tokens()
+        if self.logprobs_option() is not None:
+            out["logprobs"] = self.logprobs_option()
         # a request that sets any of threshold / factor / steps chooses the whole commit rule
         if any(name in out for name in COMMIT_FIELDS):
             out = {name: None for name in COMMIT_FIELDS} | out
@@ -99,6 +125,14 @@ def with_engine_fields(name: str, base: type[BaseModel]) -> type[BaseModel]:
 
 class CompletionBase(RequestBase):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: Optional[int] = Field(None, ge=0, le=5, description="logprobs of the output tokens "
+                                    "and of the top N alternatives at each")
+    suffix: Optional[str] = None  # accepted, ignored
+    echo: Optional[bool] = None  # accepted, ignored
+    best_of: Optional[int] = None  # accepted, ignored
+
+    def logprobs_option(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -123,18 +157,43 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Optional[str | list[TextPart]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None  # an assistant's earlier tool calls: accepted, ignored
+    tool_call_id: Optional[str] = None
+    refusal: Optional[str] = None
 
     def as_dict(self) -> dict:
-        text = self.content if isinstance(self.content, str) else " ".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+        """For the chat template: ``developer`` (OpenAI's newer name for system) becomes system;
+        other roles pass through for the checkpoint's template to render."""
+        content = self.content or ""
+        text = content if isinstance(content, str) else " ".join(p.text for p in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
 class ChatBase(RequestBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    # accepted, ignored (CHAT_NO_OPS)
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[str | dict] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[list[dict]] = None
+    function_call: Optional[str | dict] = None
+    response_format: Optional[dict] = None
+    modalities: Optional[list[str]] = None
+    audio: Optional[dict] = None
+    prediction: Optional[dict] = None
+    reasoning_effort: Optional[str] = None
+    web_search_options: Optional[dict] = None
+
+    def logprobs_option(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs \"logprobs\": true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -182,6 +241,14 @@ def validation_error(errors: list[dict]) -> ApiError:
 
 # -- responses -------------------------------------------------------------------------------
 @dataclass
+class TokenLogprob:
+    """One output token as text, its logprob, and the top alternatives (text, logprob)."""
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass
 class ChoiceResult:
     """The final outcome of one prompt of a request."""
     index: int
@@ -190,6 +257,28 @@ class ChoiceResult:
     prompt_tokens: int
     completion_tokens: int
     stats: SequenceStats = field(default_factory=SequenceStats)
+    logprobs: list[TokenLogprob] | None = None
+
+
+def completion_logprobs(items: list[TokenLogprob] | None) -> dict | None:
+    """The legacy completions format: parallel lists, top alternatives as {token: logprob}."""
+    if items is None:
+        return None
+    offsets = [0]
+    for t in items[:-1]:
+        offsets.append(offsets[-1] + len(t.token))
+    return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items],
+            "top_logprobs": [dict(t.top) for t in items], "text_offset": offsets}
+
+
+def chat_logprobs(items: list[TokenLogprob] | None) -> dict | None:
+    if items is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    return {"content": [entry(t.token, t.logprob) | {"top_logprobs": [entry(*x) for x in t.top]}
+                        for t in items]}
 
 
 def usage(results: list[ChoiceResult]) -> dict:
@@ -209,26 +298,26 @@ def envelope(request_id: str, model: str, obj: str, created: int, choices: list[
 
 
 def completion_body(request_id: str, model: str, created: int, results: list[ChoiceResult]) -> dict:
-    choices = [{"index": r.index, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
-               for r in results]
+    choices = [{"index": r.index, "text": r.text, "finish_reason": r.finish_reason,
+                "logprobs": completion_logprobs(r.logprobs)} for r in results]
     return {**envelope(request_id, model, "text_completion", created, choices), "usage": usage(results)}
 
 
 def chat_body(request_id: str, model: str, created: int, results: list[ChoiceResult]) -> dict:
     choices = [{"index": r.index, "message": {"role": "assistant", "content": r.text},
-                "finish_reason": r.finish_reason, "logprobs": None} for r in results]
+                "finish_reason": r.finish_reason, "logprobs": chat_logprobs(r.logprobs)} for r in results]
     return {**envelope(request_id, model, "chat.completion", created, choices), "usage": usage(results)}
 
 
 def completion_chunk(request_id: str, model: str, created: int, index: int, text: str,
-                     finish_reason: str | None) -> dict:
-    choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+                     finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
     return envelope(request_id, model, "text_completion", created, [choice])
 
 
 def chat_chunk(request_id: str, model: str, created: int, index: int, delta: dict,
-               finish_reason: str | None) -> dict:
-    choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+               finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
     return envelope(request_id, model, "chat.completion.chunk", created, [choice])
 
 

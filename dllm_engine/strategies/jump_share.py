@@ -132,7 +132,7 @@ class JumpShare(Strategy):
             own = ~layout.drafted[i]
             if not rows.shape[0]:
                 continue
-            tokens = sample_tokens(rows, p.temperature, seq.generator)
+            tokens = sample_tokens(rows, p.temperature, seq.generator, p.top_k, p.top_p)
             x0[i, own] = tokens
             conf[i, own] = confidence(rows, tokens, p.remasking, seq.generator).float()
             commit[i, own] = select(seq, conf[i, own])
