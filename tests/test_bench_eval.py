@@ -1,5 +1,6 @@
 """`dllm eval` / `dllm bench` plumbing on a tiny random checkpoint (speed is never asserted)."""
 import json
+import re
 
 import pytest
 
@@ -127,4 +128,47 @@ def test_eval_with_default_params_resolves_the_method(ckpt):
     """``SamplingParams()`` leaves the method to the model: it reaches the engine resolved."""
     from dllm_engine import SamplingParams
     report = evaluate(LLM(ckpt), SamplingParams(), examples=load_split(limit=1)[:1], use_tqdm=False)
-    assert report.method == "reference" and report.stats.nfe > 0
+    assert report.method == "dual-cache" and report.stats.nfe > 0
+
+
+def test_serve_bench_plot_axes_start_at_zero():
+    from dllm_engine.bench.serve import LevelResult, figure
+    rows = [LevelResult(c, 4, 0, 1.0, 40, 250.0 + c, 4.0, 0.5, 0.6, 0.7, 0.1, 0.2, 0.3, 1.0, 10, 2.0)
+            for c in (1, 8)]
+    fig = figure(rows, "test")
+    assert [ax.get_ylim()[0] for ax in fig.axes] == [0.0, 0.0]
+    assert fig.axes[0].get_ylim()[1] >= 258  # the data is still inside the axis
+
+
+def test_eval_table_prints_every_figure_with_two_decimals(ckpt):
+    from dllm_engine import SamplingParams
+    report = evaluate(LLM(ckpt), SamplingParams(max_new_tokens=16, block_length=8), tasks=["sort", "count"],
+                      limit=3, use_tqdm=False)
+    for line in report.table().splitlines()[1:-1]:  # task rows: out_len, tok/step, redundancy
+        *_, out_len, nfe, per_step, redundancy = line.split()
+        assert nfe.isdigit() and all(re.fullmatch(r"\d+\.\d\d", x) for x in (out_len, per_step, redundancy)), line
+
+
+def test_threads_flag_sets_torch_threads(ckpt, capsys):
+    import torch
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", "--model", str(ckpt), "--prompt", "sort : b a", "--max-new-tokens", "8",
+                     "--block-length", "8", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+        assert main(["generate", "--model", str(ckpt), "--threads", "0"]) == 2
+        assert "--threads must be >= 1" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_generate_shows_a_progress_bar_once_a_run_is_long(ckpt, capsys, monkeypatch):
+    import dllm_engine.engine.llm as llm_module
+    argv = ["generate", "--model", str(ckpt), "--prompt", "sort : b a", "--max-new-tokens", "16",
+            "--block-length", "8"]
+    monkeypatch.setattr(llm_module, "PROGRESS_DELAY_S", 60.0)
+    assert main(argv) == 0
+    assert "generate" not in capsys.readouterr().err  # a short run prints no bar
+    monkeypatch.setattr(llm_module, "PROGRESS_DELAY_S", 0.0)
+    assert main(argv) == 0
+    assert re.search(r"generate: 100%.*16/16 \[", capsys.readouterr().err)  # committed slots of the canvas

@@ -219,7 +219,14 @@ def format_row(r: LevelResult) -> str:
 
 
 def plot(results: list[LevelResult], path: Path, title: str) -> None:
-    """Throughput and latency percentiles against concurrency, side by side."""
+    import matplotlib.pyplot as plt
+    fig = figure(results, title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(results: list[LevelResult], title: str):
+    """Throughput and latency percentiles against concurrency, side by side, both from 0."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -238,7 +245,7 @@ def plot(results: list[LevelResult], path: Path, title: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)  # a zoomed axis makes small differences look large
     fig.suptitle(f"dllm serve: {title}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig

@@ -87,8 +87,8 @@ class EvalReport:
                  f"{'stop%':>6} | steps committing " + " ".join(f"{b:>5}" for b in buckets) + " tokens"]
         for t in self.tasks.values():
             r = t.row()
-            lines.append(f"{t.task:<10} {t.num_prompts:>4} {t.accuracy:>7.1%} {r['mean_output_tokens']:>8} "
-                         f"{r['nfe']:>6} {r['tokens_per_step']:>9} {r['redundancy']:>7} {r['stop_share']:>6.1%}"
+            lines.append(f"{t.task:<10} {t.num_prompts:>4} {t.accuracy:>7.1%} {r['mean_output_tokens']:>8.2f} "
+                         f"{r['nfe']:>6} {r['tokens_per_step']:>9.2f} {r['redundancy']:>7.2f} {r['stop_share']:>6.1%}"
                          f" | {'':>16} " + " ".join(f"{v:>5.0%}" for v in r["steps_by_commits"].values()))
         s = self.stats
         lines.append(f"{'mean':<10} {sum(t.num_prompts for t in self.tasks.values()):>4} {self.accuracy:>7.1%}"
