@@ -17,13 +17,8 @@ FULL = FULL_ATTENTION_METHODS
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("llada"), "llada")
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt):
-    return LLM(ckpt)
+def llm(tmp_path_factory):
+    return LLM(write_checkpoint(tmp_path_factory.mktemp("llada"), "llada"))
 
 
 @pytest.mark.parametrize("method,rule", [
@@ -84,10 +79,10 @@ def cli_nfe(capsys, ckpt, *args) -> tuple[str, int]:
 
 
 @pytest.mark.parametrize("method", ["reference", "dual-cache"])
-def test_api_cli_and_server_give_a_method_the_same_meaning(llm, ckpt, capsys, method):
+def test_api_cli_and_server_give_a_method_the_same_meaning(llm, capsys, method):
     params = SamplingParams(method=method, max_new_tokens=16, block_length=8)
     offline = llm.generate(["sort : c b a"], params)[0]
-    described, nfe = cli_nfe(capsys, ckpt, "--method", method)
+    described, nfe = cli_nfe(capsys, llm.path, "--method", method)
     assert described == llm.resolve(params).describe() and nfe == offline.stats.nfe
     # a server whose default is the family's (dual-cache, threshold 0.9) must not lend its
     # threshold to a request that asks for `reference`
@@ -98,8 +93,8 @@ def test_api_cli_and_server_give_a_method_the_same_meaning(llm, ckpt, capsys, me
         assert r.json()["choices"][0]["text"] == offline.text
 
 
-def test_no_method_means_the_family_default_everywhere(llm, ckpt, capsys):
-    described, _ = cli_nfe(capsys, ckpt)
+def test_no_method_means_the_family_default_everywhere(llm, capsys):
+    described, _ = cli_nfe(capsys, llm.path)
     assert described.startswith("dual-cache ") and "threshold=0.9" in described.split(" ")
     with TestClient(create_app(llm)) as client:
         model = client.get("/v1/models").json()["data"][0]
