@@ -77,8 +77,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 def run_generate(args: argparse.Namespace) -> None:
     set_threads(args.threads)
+    given = sampling_params(args)  # bad options fail before the model loads
     llm = load_llm(args)
-    params = llm.resolve(sampling_params(args))
+    params = llm.resolve(given)
     expected = None
     if args.prompt is None:
         from .tasks import load_split
@@ -126,8 +127,9 @@ def run_eval(args: argparse.Namespace) -> None:
     from .tasks import resolve_tasks
     args.tasks = resolve_tasks(args.tasks)  # a typo fails before the model loads
     set_threads(args.threads)
+    given = sampling_params(args)  # bad options fail before the model loads
     llm = load_llm(args)
-    params = llm.resolve(sampling_params(args))
+    params = llm.resolve(given)
     report = evaluate(llm, params, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size)
     print(f"model: {args.model}")
     print(f"method: {params.describe()}")

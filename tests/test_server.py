@@ -384,6 +384,9 @@ def test_logprobs_of_the_committed_tokens(client, offline):
     assert all(c.bytes == list(c.token.encode()) and c.logprob <= 0 and len(c.top_logprobs) == 1
                for c in content)
     assert client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16).choices[0].logprobs is None
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16, logprobs=2, stream=True))
+    final = [c.choices[0].logprobs for c in chunks if c.choices[0].finish_reason]
+    assert len(final) == 1 and final[0].token_logprobs == pytest.approx(lp.token_logprobs)  # whole, at the end
 
 
 def test_n_choices_are_n_sequences_with_consecutive_seeds(client, offline):
