@@ -195,8 +195,9 @@ class SamplingParams:
                  "threshold", "factor", "temperature", "seed", "stop_at_eos"]
         if is_block or (self.threshold is None and self.factor is None):
             names.insert(2, "steps")  # fixed-k, or block's minimum per step
-        if self.temperature:
-            names[names.index("temperature") + 1:1] = ["top_p", "top_k"]
+        if self.temperature:  # top-p / top-k act on sampling only
+            after = names.index("temperature") + 1
+            names[after:after] = ["top_p", "top_k"]
         names += ["cfg_scale"] * bool(self.cfg_scale) + ["logprobs"] * (self.logprobs is not None)
         names += [o for s in self.strategies for o in strategy_class(s).options]
         values = [(n, getattr(self, n)) for n in names]
