@@ -19,5 +19,5 @@ demo: venv
 	$(VENV)/bin/dllm generate --threads 1
 
 test: venv
-	@echo "running the test suite: about 3 minutes on 2 CPU cores"
+	@echo "running the test suite: 3-5 minutes on 2 CPU cores"
 	$(PY) -m pytest -q
