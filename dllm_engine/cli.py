@@ -160,8 +160,10 @@ def run_bench(args: argparse.Namespace) -> None:
     args.tasks = list(dict.fromkeys(e.task for e in examples))
     defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
                                   ("block_length", args.block_length)) if v is not None}
-    check_specs(args.model, args.methods, defaults)  # before the weights load
+    resolved = check_specs(args.model, args.methods, defaults)  # before the weights load
     llm = load_llm(args)
+    for spec, params in resolved.items():
+        print(f"method: {spec} = {params.describe()}")
     from .engine.host_memory import is_kept
     print(f"model: {args.model}  prompts: {len(examples)}  tasks: {','.join(args.tasks)}  device: {args.device}  "
           f"keep_freed_memory: {'on' if is_kept() else 'off'}")

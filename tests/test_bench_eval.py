@@ -172,3 +172,12 @@ def test_generate_shows_a_progress_bar_once_a_run_is_long(ckpt, capsys, monkeypa
     monkeypatch.setattr(llm_module, "PROGRESS_DELAY_S", 0.0)
     assert main(argv) == 0
     assert re.search(r"generate: 100%.*16/16 \[", capsys.readouterr().err)  # committed slots of the canvas
+
+
+def test_cli_bench_prints_each_spec_resolved(ckpt, tmp_path, capsys):
+    assert main(["bench", "--model", str(ckpt), "--methods", "reference", "dual-cache:threshold=0.8",
+                 "--batch-sizes", "1", "--tasks", "sort", "--limit", "1", "--max-new-tokens", "8",
+                 "--block-length", "8", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "method: reference = reference max_new_tokens=8 block_length=8 steps=8 " in out
+    assert re.search(r"^method: dual-cache:threshold=0.8 = dual-cache .*threshold=0.8 ", out, re.M)

@@ -114,15 +114,17 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
     return records
 
 
-def check_specs(model: str | Path, specs: list[str], defaults: dict | None = None) -> None:
+def check_specs(model: str | Path, specs: list[str], defaults: dict | None = None) -> dict[str, SamplingParams]:
     """Resolve every spec against the checkpoint's config alone, before any weights load."""
     _, family, _ = read_config(model)
     gen = read_generation_config(Path(model))
+    resolved = {}
     for spec in specs:
         try:
-            resolve_params(parse_spec(spec, **(defaults or {})), family.methods, gen)
+            resolved[spec] = resolve_params(parse_spec(spec, **(defaults or {})), family.methods, gen)
         except ValueError as e:
             raise ValueError(f"spec {spec!r}: {e}") from None
+    return resolved
 
 
 def prepare_out_dir(out_dir: str | Path) -> Path:
