@@ -312,15 +312,16 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
     except ImportError as e:
         raise ValueError(f"--replicas needs Ray Serve ({e}): pip install -e '.[distributed]'") from None
     from . import LLM
+    model = serve_model(args)
     scaling = Scaling(None if args.replicas == "auto" else args.replicas, args.min_replicas,
                       args.max_replicas, args.target_ongoing_requests)
     threads = args.threads_per_replica
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // scaling.most)
-    replica = ReplicaOptions(args.model, args.dtype, args.device, args.max_num_seqs, args.max_queue,
+    replica = ReplicaOptions(model, args.dtype, args.device, args.max_num_seqs, args.max_queue,
                              threads, args.shutdown_timeout, args.keep_freed_memory)
     defaults = sampling_params(args)
-    LLM(args.model, dtype=args.dtype, device="meta").resolve(defaults)  # reads no weights; refuses a bad default
+    LLM(model, dtype=args.dtype, device="meta").resolve(defaults)  # reads no weights; refuses a bad default
     run_replicated(replica, scaling, defaults, args.served_model_name, args.host, args.port, args.ray_address)
 
 

@@ -40,7 +40,7 @@ def parse_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device {str(device)!r}: only {torch.cuda.device_count()} GPU(s) visible")
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device {str(device)!r} is not available on this machine; use --device cpu")
-    if dev.type not in ("cpu", "cuda", "mps"):
+    if dev.type not in ("cpu", "cuda", "mps", "meta"):  # meta: config and shapes, no weights
         raise ValueError(f"device {str(device)!r} is not supported; use cpu or cuda")
     return dev
 
@@ -156,8 +156,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
     with torch.device("meta"):
         model = DiffusionLM(cfg)
     model.family = family
-    if torch.device(device).type == "meta":
-        return model.to(parse_dtype(dtype)).eval()
+    if device.type == "meta":
+        return model.to(dtype).eval()
     state = check_tensors(read_tensors(folder), model, family, folder)
     model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=False)
