@@ -1,7 +1,9 @@
 """Every ```python / ```bash block of README.md runs as written. A block that cannot run here
 (a GPU, a server, minutes of benchmark) is preceded by ``<!-- readme-test: skip REASON -->`` with
 REASON from ``REASONS`` (the README says so); it is reported as skipped, never dropped silently."""
+import contextlib
 import os
+import signal
 import re
 import subprocess
 import sys
@@ -55,5 +57,12 @@ def test_readme_block_runs(block, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     command = [sys.executable, "-c", block.code] if block.lang == "python" else ["bash", "-e", "-c", block.code]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"README line {block.line} failed:\n{proc.stdout}\n{proc.stderr}"
+    # its own process group: whatever an unmarked block leaves running is ended with it
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"README line {block.line} failed:\n{out}\n{err}"
