@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dllm_engine import LLM, SamplingParams
+from dllm_engine.sampling_params import resolve_params
 from dllm_engine.decoding.decoders import plan_step
 from dllm_engine.strategies import early_skip
 from dllm_engine.strategies.early_skip import (SkipHooks, compact, hidden_delta, importance,
@@ -393,7 +394,7 @@ def test_delay_eos_follows_the_official_rule():
     from dllm_engine.engine.sequence import Sequence, TokenIds
     ids = TokenIds(mask_id=4, eos_id=3, stop_ids=frozenset({3}))
     params = SamplingParams(method=ES, max_new_tokens=16, block_length=8)
-    p = params.resolve({}, ("dual-cache",), 64, 3)
+    p = resolve_params(params, ("dual-cache",))
     seq = Sequence(0, [10, 11, 12], p, ids)  # block [3, 11)
     seq.canvas[5] = 20  # committed: left neighbour of 6
     positions = torch.tensor([3, 4, 6, 7, 8])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dllm_engine import LLM, SamplingParams
+from dllm_engine.sampling_params import resolve_params
 from dllm_engine.engine.kv_cache import KVCache
 from dllm_engine.engine.sequence import Sequence, TokenIds
 from dllm_engine.sampling_params import BASE_METHODS
@@ -266,7 +267,7 @@ def test_a_long_request_widens_only_its_own_group(llms):
 # -- item 6: no silent fallbacks -----------------------------------------------------------------
 def test_a_step_past_the_schedule_commits_every_mask_left():
     params = SamplingParams(method="dual-cache", max_new_tokens=8, block_length=8, steps=2)
-    p = params.resolve({}, ("dual-cache",), 64, 3)
+    p = resolve_params(params, ("dual-cache",))
     seq = Sequence(0, [5, 6, 7], p, TokenIds(mask_id=4, eos_id=3, stop_ids=frozenset({3})))
     assert seq.tokens_this_step() == 4  # 8 masks over 2 steps
     seq.canvas[3:5] = 9
