@@ -174,6 +174,30 @@ def run_bench(args: argparse.Namespace) -> None:
     print(f"\nwrote {args.out}/results.json and {args.out}/throughput.png")
 
 
+def add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="time per step: the model's forward alone (floor) against "
+                       "everything else, and host synchronisations per step")
+    p.add_argument("--methods", nargs="+", required=True, help="specs as in dllm bench")
+    p.add_argument("--batch-sizes", type=split_ints, default=[1, 64])
+    p.add_argument("--limit", type=int, default=2, help="prompts per task")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
+    add_model_args(p)
+
+
+def run_profile(args: argparse.Namespace) -> None:
+    from . import LLM
+    from .bench.profile import HEADER, run_profile as profile, table
+    from .tasks import load_split
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    examples = load_split(None, limit=args.limit)
+    defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
+    print(f"model: {args.model}  prompts: {len(examples)}  device: {args.device}")
+    print(HEADER)
+    records = profile(llm, args.methods, args.batch_sizes, examples, defaults)
+    print()
+    print(table(records))
+
+
 def add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train an embedded tiny checkpoint on the task suite (CPU)")
     p.add_argument("--family", required=True, choices=["llada", "sdar"])
@@ -403,7 +427,7 @@ def run_lm_eval(argv: list[str]) -> int:
 
 
 COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eval),
-            "bench": (add_bench, run_bench), "train": (add_train, run_train),
+            "bench": (add_bench, run_bench), "profile": (add_profile, run_profile), "train": (add_train, run_train),
             "serve": (add_serve, run_serve), "bench-serve": (add_bench_serve, run_bench_serve),
             "lm-eval-tasks": (add_lm_eval_tasks, run_lm_eval_tasks)}
 

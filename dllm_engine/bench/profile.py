@@ -1,0 +1,272 @@
+"""``dllm profile``: where a step's time goes, and how often it waits for the device.
+
+For each method spec and batch size the same prompts run three times; greedy outputs are
+deterministic, so every pass makes the same steps:
+
+1. timed: the wall time of every ``Engine.step`` (tokens/s as ``dllm bench`` counts them);
+2. floor: right after each step, every module of the model's forward (embedding, each layer,
+   final norm, LM head) is replayed on the tensors it was given, its context frozen and made
+   ready beforehand (masks, key lengths, packing indices and row groups computed, no hooks, no
+   cache writes, no stats). The sum is the step's floor: the model's forward on the step's
+   tensors alone. Everything else (planning, building the step's tensors, masks, packing,
+   hooks, K/V writes, logits selection, commit, bookkeeping) is the overhead;
+3. syncs: a ``TorchDispatchMode`` counts host synchronisations (ops whose result the host
+   reads, or whose output shape depends on data: ``aten._local_scalar_dense`` / ``aten.item`` /
+   ``aten.is_nonzero`` behind ``.item()``, ``int()``, ``bool()``, ``nonzero``, boolean indexing, ``equal``, ...), a
+   ``TorchFunctionMode`` adds ``.tolist()``; the ones inside the layer loop (between the
+   embedding and the final norm) are counted apart. On a GPU each one stalls the stream and
+   stops a CUDA graph from capturing the step.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..engine.llm import LLM
+from ..eval.evaluate import chat_prompt
+from ..sampling_params import SamplingParams
+from ..tasks import Example
+
+aten = torch.ops.aten
+# ops that read a device value on the host, or size their output from data
+SYNC_OPS = frozenset({aten._local_scalar_dense, aten.item, aten.is_nonzero, aten.nonzero, aten.masked_select, aten.equal,
+                      aten.repeat_interleave, aten.bincount, aten._unique2, aten.unique_dim,
+                      aten.unique_consecutive, aten.allclose})
+INDEX_OPS = frozenset({aten.index, aten.index_put, aten.index_put_})  # boolean masks: nonzero
+
+
+def is_sync(func, args: tuple) -> bool:
+    packet = func.overloadpacket
+    if packet in SYNC_OPS:
+        return packet is not aten.repeat_interleave or isinstance(args[0], Tensor) and len(args) > 1 \
+            and isinstance(args[1], Tensor)
+    if packet in INDEX_OPS and len(args) > 1:
+        return any(isinstance(i, Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+    return False
+
+
+@dataclass
+class SyncCount:
+    total: int = 0
+    in_layers: int = 0  # inside the layer loop
+    inside: bool = field(default=False, repr=False)
+
+    def add(self) -> None:
+        self.total += 1
+        self.in_layers += self.inside
+
+
+class DispatchSyncs(TorchDispatchMode):
+    def __init__(self, count: SyncCount) -> None:
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if is_sync(func, args):
+            self.count.add()
+        return func(*args, **(kwargs or {}))
+
+
+class ListSyncs(TorchFunctionMode):
+    """``.tolist()`` copies to the host without an aten op the dispatch mode would see."""
+
+    def __init__(self, count: SyncCount) -> None:
+        super().__init__()
+        self.count = count
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is Tensor.tolist:
+            self.count.add()
+        return func(*args, **(kwargs or {}))
+
+
+class LayerLoopFlag:
+    """Marks the layer loop (after the embedding, before the final norm) for ``SyncCount``."""
+
+    def __init__(self, model, count: SyncCount) -> None:
+        self.handles = [model.embed_tokens.register_forward_hook(lambda *a: self.set(count, True)),
+                        model.norm.register_forward_pre_hook(lambda *a: self.set(count, False))]
+
+    @staticmethod
+    def set(count: SyncCount, inside: bool) -> None:
+        count.inside = inside
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+# -- the floor: replay each module of the forward on its own inputs ---------------------------
+class ReadOnlyCache:
+    """One layer's K/V rows as the step saw them (views, so rows the engine releases after the
+    step stay readable): reads as the step read, writes nothing."""
+
+    ALL = 1 << 40  # read every position; a replay asks for the step's own length
+
+    def __init__(self, cache, layer: int) -> None:
+        self.k, self.v = cache.read(layer, self.ALL)
+
+    def write(self, *args) -> None:
+        pass
+
+    def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
+        return self.k[:, :, :length], self.v[:, :, :length]
+
+
+def frozen_context(ctx, layer: int):
+    """A copy of ``ctx`` as ``layer`` saw it, without hooks, stats or cache writes."""
+    snap = copy.copy(ctx)
+    snap.hooks, snap.processed = None, None
+    snap.cache = ReadOnlyCache(ctx.cache, layer) if ctx.cache is not None else None
+    snap.derived = dict(ctx.derived)
+    return snap
+
+
+def ready(snap, num_keys: int) -> None:
+    """Compute what the layer would derive from ``snap`` (masks, packing, row groups)."""
+    snap.attn_mask = snap.attention_mask(num_keys)
+    snap.live_index()
+    snap.attention_rows()
+
+
+class FloorRecorder:
+    """Records each module call of the forward (pre-hooks), then replays them timed."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.calls: list[tuple] = []
+        self.recording = True
+        mods = [model.embed_tokens, *model.layers, model.norm, model.lm_head]
+        self.handles = [m.register_forward_pre_hook(self.record) for m in mods]
+
+    def record(self, module, args) -> None:
+        if not self.recording:
+            return
+        if len(args) > 1:  # a decoder layer: (hidden, ctx)
+            args = (args[0], frozen_context(args[1], module.self_attn.layer_idx))
+        self.calls.append((module, args))
+
+    @torch.inference_mode()
+    def replay(self) -> float:
+        """Seconds the recorded calls take on their own; clears the record."""
+        calls, self.calls = self.calls, []
+        for _, args in calls:
+            if len(args) > 1:
+                h, snap = args
+                ready(snap, snap.num_keys() if snap.cache is not None else h.shape[1])
+        self.recording = False
+        start = time.perf_counter()
+        for module, args in calls:
+            module(*args)
+        seconds = time.perf_counter() - start
+        self.recording = True
+        return seconds
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+# -- the passes ----------------------------------------------------------------------------------
+@dataclass
+class ProfileRecord:
+    method: str
+    batch_size: int
+    steps: int  # engine steps (one forward per method group each)
+    step_ms: float  # mean wall time per step
+    floor_ms: float  # mean time of the step's modules replayed alone
+    overhead: float  # 1 - floor / step
+    syncs_per_step: float
+    layer_syncs_per_step: float  # inside the layer loop
+    throughput: float  # output tokens / s in the timed pass
+
+
+def run_batches(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
+                after_step=None) -> tuple[int, float, int]:
+    """Generate ``prompts`` in batches; returns (steps, seconds in steps, output tokens)."""
+    engine, steps, seconds, tokens = llm.engine, 0, 0.0, 0
+    for i in range(0, len(prompts), batch_size):
+        for ids in prompts[i: i + batch_size]:
+            engine.add(llm.make_sequence(ids, params))
+        while engine.has_work():
+            start = time.perf_counter()
+            done = engine.step()
+            seconds += time.perf_counter() - start
+            steps += 1
+            tokens += sum(s.stats.output_tokens for s in done)
+            if after_step is not None:
+                after_step()
+    return steps, seconds, tokens
+
+
+def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[int]],
+                batch_size: int) -> ProfileRecord:
+    """Profile one spec at one batch size; prompts repeat to fill a batch larger than them."""
+    prompts = [prompts[i % len(prompts)] for i in range(max(len(prompts), batch_size))]
+    run_batches(llm, params, prompts[:1], 1)  # warm-up
+    steps, seconds, tokens = run_batches(llm, params, prompts, batch_size)
+    recorder = FloorRecorder(llm.model)
+    floor = [0.0]
+    try:
+        run_batches(llm, params, prompts, batch_size, lambda: floor.__setitem__(0, floor[0] + recorder.replay()))
+    finally:
+        recorder.remove()
+    count = count_syncs(llm, params, prompts, batch_size)
+    return ProfileRecord(method=spec, batch_size=batch_size, steps=steps,
+                         step_ms=round(1e3 * seconds / steps, 3), floor_ms=round(1e3 * floor[0] / steps, 3),
+                         overhead=round(1 - floor[0] / seconds, 4),
+                         syncs_per_step=round(count.total / steps, 2),
+                         layer_syncs_per_step=round(count.in_layers / steps, 2),
+                         throughput=round(tokens / seconds, 2))
+
+
+def count_syncs(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int) -> SyncCount:
+    count = SyncCount()
+    flag = LayerLoopFlag(llm.model, count)
+    try:
+        with ListSyncs(count), DispatchSyncs(count):
+            run_batches(llm, params, prompts, batch_size)
+    finally:
+        flag.remove()
+    return count
+
+
+def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
+                defaults: dict | None = None, progress=print) -> list[ProfileRecord]:
+    """Profile every spec at every batch size (interleaved, as ``dllm bench`` does)."""
+    from ..sampling_params import parse_spec
+    if not specs or not batch_sizes or any(b < 1 for b in batch_sizes):
+        raise ValueError(f"give at least one method spec and batch sizes >= 1, got {specs} / {batch_sizes}")
+    params = {spec: parse_spec(spec, **(defaults or {})) for spec in specs}  # validate all first
+    prompts = [llm.apply_chat_template(chat_prompt(e)) for e in examples]
+    records = []
+    for bs in batch_sizes:
+        for spec in specs:
+            records.append(profile_one(llm, spec, params[spec], prompts, bs))
+            progress(format_row(records[-1]))
+    return records
+
+
+HEADER = (f"{'method':<44} {'batch':>5} {'steps':>6} {'step ms':>8} {'floor ms':>8} {'overhead':>8} "
+          f"{'syncs':>7} {'in layers':>9} {'tok/s':>8}")
+
+
+def format_row(r: ProfileRecord) -> str:
+    return (f"{r.method:<44} {r.batch_size:>5} {r.steps:>6} {r.step_ms:>8.2f} {r.floor_ms:>8.2f} "
+            f"{r.overhead:>8.1%} {r.syncs_per_step:>7.1f} {r.layer_syncs_per_step:>9.1f} {r.throughput:>8.1f}")
+
+
+def table(records: list[ProfileRecord]) -> str:
+    lines = ["| method | batch | steps | step ms | floor ms | overhead | host syncs / step | in the layer loop | tok/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| `{r.method}` | {r.batch_size} | {r.steps} | {r.step_ms:.2f} | {r.floor_ms:.2f} | "
+                     f"{r.overhead:.1%} | {r.syncs_per_step:.1f} | {r.layer_syncs_per_step:.1f} | "
+                     f"{r.throughput:.1f} |")
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""`dllm profile`: the host-sync counter, the floor replay and the command (speed is never asserted)."""
+import pytest
+import torch
+
+from dllm_engine import LLM
+from dllm_engine.bench.profile import (DispatchSyncs, FloorRecorder, ListSyncs, SyncCount,
+                                       count_syncs, profile_one)
+from dllm_engine.cli import main
+from dllm_engine.sampling_params import parse_spec
+from fixtures import write_checkpoint
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def llada(tmp_path_factory):
+    return LLM(write_checkpoint(tmp_path_factory.mktemp("llada"), "llada"))
+
+
+def counted(fn) -> SyncCount:
+    count = SyncCount()
+    with torch.inference_mode(), ListSyncs(count), DispatchSyncs(count):
+        fn()
+    return count
+
+
+def test_sync_counter_counts_host_reads_and_data_sized_outputs():
+    x = torch.arange(6.0)
+    assert counted(lambda: (x * 2 + 1).sum(0)).total == 0
+    assert counted(lambda: x.sum().item()).total == 1
+    assert counted(lambda: int(x.max())).total == 1
+    assert counted(lambda: bool((x > 2).any())).total == 1
+    assert counted(lambda: x.tolist()).total == 1
+    assert counted(lambda: x[x > 2]).total == 1  # boolean indexing sizes its output from data
+    assert counted(lambda: (x > 2).nonzero()).total == 1
+    assert counted(lambda: x[torch.tensor([0, 2])]).total == 0  # integer indexing does not
+
+
+def test_syncs_inside_the_layer_loop_are_counted_apart(llada):
+    params = parse_spec("dual-cache:threshold=0.9", max_new_tokens=16, block_length=8)
+    def read_back(module, args) -> None:
+        args[0].sum().item()
+    llada.model.layers[0].register_forward_pre_hook(read_back)
+    try:
+        count = count_syncs(llada, params, PROMPTS, 2)
+    finally:
+        llada.model.layers[0]._forward_pre_hooks.clear()
+    baseline = count_syncs(llada, params, PROMPTS, 2)
+    # same prompts, same steps: the hook's syncs (one per forward) all land in the layer loop
+    assert count.in_layers - baseline.in_layers == count.total - baseline.total > 0
+
+
+def test_floor_replay_leaves_outputs_and_cache_unchanged(llada):
+    params = parse_spec("dual-cache+focus:threshold=0.9", max_new_tokens=16, block_length=8)
+    plain = [o.token_ids for o in llada.generate(PROMPTS, params)]
+    recorder = FloorRecorder(llada.model)
+    seconds = []
+    try:
+        llada.engine.add(llada.make_sequence(PROMPTS[0], params))
+        llada.engine.add(llada.make_sequence(PROMPTS[1], params))
+        done = []
+        while llada.engine.has_work():
+            done += llada.engine.step()
+            num_calls = len(recorder.calls)
+            seconds.append(recorder.replay())
+            assert num_calls == llada.model.config.num_layers + 3 and not recorder.calls
+    finally:
+        recorder.remove()
+    assert [s.output_ids() for s in sorted(done, key=lambda s: s.seq_id)] == plain
+    assert all(s > 0 for s in seconds)
+
+
+def test_profile_one_reports_floor_overhead_and_syncs(llada):
+    params = parse_spec("dual-cache:threshold=0.9", max_new_tokens=16, block_length=8)
+    r = profile_one(llada, "dual-cache", params, PROMPTS, 4)
+    assert r.batch_size == 4 and r.steps > 0
+    assert 0 < r.floor_ms and r.overhead == pytest.approx(1 - r.floor_ms / r.step_ms, abs=0.01)
+    assert r.syncs_per_step > 0 and r.layer_syncs_per_step >= 0
+
+
+def test_profile_command_prints_the_table(tmp_path, capsys):
+    ckpt = write_checkpoint(tmp_path / "ckpt", "sdar", block_size=8)
+    assert main(["profile", "--model", str(ckpt), "--methods", "block:threshold=0.9",
+                 "--batch-sizes", "1,2", "--limit", "1", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "| `block:threshold=0.9` | 1 |" in out and "| `block:threshold=0.9` | 2 |" in out
