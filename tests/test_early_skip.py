@@ -9,7 +9,8 @@ from dllm_engine import LLM, SamplingParams
 from dllm_engine.sampling_params import resolve_params
 from dllm_engine.decoding.decoders import plan_step
 from dllm_engine.strategies import early_skip
-from dllm_engine.strategies.early_skip import (SkipHooks, compact, hidden_delta, importance,
+from dllm_engine.models.context import compact
+from dllm_engine.strategies.early_skip import (SkipHooks, hidden_delta, importance,
                                                kept_count, layer_fractions, prune_layers,
                                                select_kept)
 from fixtures import write_checkpoint
@@ -128,8 +129,9 @@ def test_bonuses_and_ties_on_a_hand_example():
     assert keep.tolist() == [[True, True, True, False, False, False]]  # tie 2 vs 4: lower index
     keep = select_kept(score, cand, cand, torch.tensor([4]))
     assert keep.tolist() == [[True, True, True, False, True, False]]
-    index, valid = compact(torch.tensor([[False, True, False, True], [True, False, False, False]]))
+    index, valid, lengths = compact(torch.tensor([[False, True, False, True], [True, False, False, False]]))
     assert index.tolist() == [[1, 3], [0, 1]] and valid.tolist() == [[True, True], [True, False]]
+    assert lengths == [2, 1]
 
 
 # -- end to end -----------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def test_importance_matches_plain_reference_with_gqa_and_ragged_rows():
     masked[1, :] = True  # all masked
     masked[2, 5] = True  # a single token: importance = number of heads
     # row 3: nothing masked
-    hooks = EvictionHooks(masked, masked, torch.ones(b, dtype=torch.long), [])
+    hooks = EvictionHooks(masked, masked, torch.ones(b, dtype=torch.long), [], masked.sum(1).tolist(), True)
     ctx = ForwardContext(positions=torch.arange(t).expand(b, t), token_valid=torch.ones(b, t, dtype=torch.bool))
     index, valid, _ = hooks.masked_view(ctx)
     got = hooks.importance(q, k, index, valid)
@@ -343,9 +343,10 @@ class RecordingEviction(TokenEviction):
 
     def after_commit(self, seq, committed):
         state = seq.strategy_state["focus"]
-        if state.kept is not None:
-            assert torch.isin(committed, state.kept).all()
-            self.evicted_steps += int(len(state.kept) < len(state.planned))
+        kept = state.kept_positions()
+        if kept is not None:
+            assert torch.isin(committed, kept).all()
+            self.evicted_steps += int(len(kept) < len(state.planned))
         super().after_commit(seq, committed)
 
 
@@ -420,7 +421,7 @@ class FirstSelection:
                 self.first[id(seq)] = sorted(masked[kept].tolist())
             elif state.kept is not None:
                 start, end = seq.block
-                self.first[id(seq)] = sorted(p for p in state.kept.tolist()
+                self.first[id(seq)] = sorted(p for p in state.kept_positions().tolist()
                                              if start <= p < end and seq.canvas[p] == seq.ids.mask_id)
         return super().after_forward(seq, positions, logits)
 

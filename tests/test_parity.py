@@ -129,7 +129,7 @@ def test_ragged_attention_runs_narrow_rows_apart_with_the_same_result():
     mask = (torch.arange(s)[None, None, None] < torch.tensor([20, 9, 12, 15])[:, None, None, None]
             ).expand(b, 1, t, s)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    groups = row_groups(valid)
+    groups = row_groups(live.tolist(), t)
     assert [(rows.tolist(), width) for rows, width in groups] == [([1, 2], 4), ([0, 3], 16)]
     got = ragged_attention(q, k, v, mask, groups)
     assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)

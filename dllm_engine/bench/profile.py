@@ -1,16 +1,17 @@
 """``dllm profile``: where a step's time goes, and how often it waits for the device.
 
-For each method spec and batch size the same prompts run three times; greedy outputs are
-deterministic, so every pass makes the same steps:
+For each method spec and batch size the same prompts run twice; greedy outputs are
+deterministic, so both passes make the same steps:
 
-1. timed: the wall time of every ``Engine.step`` (tokens/s as ``dllm bench`` counts them);
-2. floor: right after each step, every module of the model's forward (embedding, each layer,
-   final norm, LM head) is replayed on the tensors it was given, its context frozen and made
-   ready beforehand (masks, key lengths, packing indices and row groups computed, no hooks, no
-   cache writes, no stats). The sum is the step's floor: the model's forward on the step's
-   tensors alone. Everything else (planning, building the step's tensors, masks, packing,
-   hooks, K/V writes, logits selection, commit, bookkeeping) is the overhead;
-3. syncs: a ``TorchDispatchMode`` counts host synchronisations (ops whose result the host
+1. timed: the wall time of every ``Engine.step`` (tokens/s as ``dllm bench`` counts them) and,
+   right after each step, its floor: every module of the model's forward (embedding, each
+   layer, final norm, LM head) replayed on the tensors it was given, its context frozen and
+   made ready beforehand (masks, key lengths, packing indices and row groups computed, no
+   hooks, no cache writes, no stats). The floor is the model's forward on the step's tensors
+   alone; everything else (planning, building the step's tensors, masks, packing, hooks, K/V
+   writes, logits selection, commit, bookkeeping) is the overhead. Recording a call costs a
+   shallow copy of its context (microseconds against milliseconds per layer);
+2. syncs: a ``TorchDispatchMode`` counts host synchronisations (ops whose result the host
    reads, or whose output shape depends on data: ``aten._local_scalar_dense`` / ``aten.item`` /
    ``aten.is_nonzero`` behind ``.item()``, ``int()``, ``bool()``, ``nonzero``, boolean indexing, ``equal``, ...), a
    ``TorchFunctionMode`` adds ``.tolist()``; the ones inside the layer loop (between the
@@ -142,6 +143,7 @@ class FloorRecorder:
         self.model = model
         self.calls: list[tuple] = []
         self.recording = True
+        self.seconds = 0.0  # replayed so far
         mods = [model.embed_tokens, *model.layers, model.norm, model.lm_head]
         self.handles = [m.register_forward_pre_hook(self.record) for m in mods]
 
@@ -153,8 +155,8 @@ class FloorRecorder:
         self.calls.append((module, args))
 
     @torch.inference_mode()
-    def replay(self) -> float:
-        """Seconds the recorded calls take on their own; clears the record."""
+    def replay(self) -> None:
+        """Run the recorded calls on their own, adding their time to ``seconds``; clears them."""
         calls, self.calls = self.calls, []
         for _, args in calls:
             if len(args) > 1:
@@ -164,9 +166,8 @@ class FloorRecorder:
         start = time.perf_counter()
         for module, args in calls:
             module(*args)
-        seconds = time.perf_counter() - start
+        self.seconds += time.perf_counter() - start
         self.recording = True
-        return seconds
 
     def remove(self) -> None:
         for h in self.handles:
@@ -210,17 +211,16 @@ def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[
     """Profile one spec at one batch size; prompts repeat to fill a batch larger than them."""
     prompts = [prompts[i % len(prompts)] for i in range(max(len(prompts), batch_size))]
     run_batches(llm, params, prompts[:1], 1)  # warm-up
-    steps, seconds, tokens = run_batches(llm, params, prompts, batch_size)
     recorder = FloorRecorder(llm.model)
-    floor = [0.0]
     try:
-        run_batches(llm, params, prompts, batch_size, lambda: floor.__setitem__(0, floor[0] + recorder.replay()))
+        steps, seconds, tokens = run_batches(llm, params, prompts, batch_size, recorder.replay)
     finally:
         recorder.remove()
+    floor = recorder.seconds
     count = count_syncs(llm, params, prompts, batch_size)
     return ProfileRecord(method=spec, batch_size=batch_size, steps=steps,
-                         step_ms=round(1e3 * seconds / steps, 3), floor_ms=round(1e3 * floor[0] / steps, 3),
-                         overhead=round(1 - floor[0] / seconds, 4),
+                         step_ms=round(1e3 * seconds / steps, 3), floor_ms=round(1e3 * floor / steps, 3),
+                         overhead=round(1 - floor / seconds, 4),
                          syncs_per_step=round(count.total / steps, 2),
                          layer_syncs_per_step=round(count.in_layers / steps, 2),
                          throughput=round(tokens / seconds, 2))

@@ -26,39 +26,46 @@ class Runner:
     def forward(self, seqs: list[Sequence], plans: list[StepPlan], cache: KVCache,
                 hooks: LayerHooks | None = None) -> list[tuple[Tensor, Tensor]]:
         """One batched forward. Returns per sequence (positions [n], logits [n, V]) for the
-        planned logit positions that are still live at the last layer (a strategy may evict)."""
+        planned logit positions that are still live at the last layer (a strategy may evict).
+        Everything the layer loop needs is derived here, once (see ``ForwardContext``)."""
         plans = [p.finalize(s, self.shift) for s, p in zip(seqs, plans)]
+        lengths = [len(p) for p in plans]
         positions = pad_stack([p.positions for p in plans], 0)
-        lengths = torch.tensor([len(p) for p in plans], device=positions.device)
-        valid = torch.arange(positions.shape[1], device=positions.device)[None] < lengths[:, None]
-        limit = pad_stack([p.key_limit for p in plans], 1)
-        input_ids = pad_stack([p.token_ids for p in plans], 0)
-        ctx = ForwardContext(positions=positions, token_valid=valid, key_limit=limit, cache=cache,
-                             hooks=hooks, processed=torch.zeros(len(seqs), dtype=torch.float64),
-                             slots=pad_stack([p.slots for p in plans], 0),
-                             attn_mask=self.dense_mask(plans, limit))
-        hidden = self.model.forward_context(input_ids, ctx)
+        dev = positions.device
+        valid = torch.arange(positions.shape[1], device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
+        num_keys, mask = self.attention_keys(plans, pad_stack([p.key_limit for p in plans], 1), valid)
+        ctx = ForwardContext(positions=positions, token_valid=valid, attn_mask=mask, key_length=num_keys,
+                             cache=cache, hooks=hooks, processed=[0.0] * len(seqs), row_lengths=lengths,
+                             slots=pad_stack([p.slots for p in plans], 0))
+        hidden = self.model.forward_context(pad_stack([p.token_ids for p in plans], 0), ctx)
         self.account(seqs, ctx)
-        return self.logits(seqs, plans, hidden, ctx)
+        return self.logits(plans, hidden, ctx)
 
     @staticmethod
-    def dense_mask(plans: list[StepPlan], limit: Tensor) -> Tensor | None:
-        """[B, 1, T, S] when some plan gives an explicit key mask; None keeps the cheap limits."""
-        if all(p.key_mask is None for p in plans):
-            return None
-        width = max(int(p.key_limit.max()) if p.key_mask is None else p.key_mask.shape[1] for p in plans)
-        keys = torch.arange(width, device=limit.device)
+    def attention_keys(plans: list[StepPlan], limit: Tensor, valid: Tensor) -> tuple[int, Tensor | None]:
+        """(S, mask [B, 1, T, S] or None): how many cache positions the step reads and which of
+        them each query sees; None when every live query sees all S (SDPA runs maskless). An
+        explicit key mask of a plan (copies isolated from each other) wins over its limits.
+        One host read per step."""
+        explicit = torch.tensor([p.key_mask is not None for p in plans], device=limit.device)
+        limit = limit.masked_fill(explicit[:, None], 0)
+        top = limit.max()
+        hi, lo = torch.stack([top, torch.where(valid, limit, top).min()]).tolist()
+        widths = [p.key_mask.shape[1] for p in plans if p.key_mask is not None]
+        num_keys = max([hi, *widths])
+        if not widths and lo >= hi:
+            return num_keys, None
+        keys = torch.arange(num_keys, device=limit.device)
         mask = keys[None, None, :] < limit[:, :, None]  # [B, T, S]
         for i, p in enumerate(plans):
             if p.key_mask is not None:
-                mask[i, : len(p)] = False
                 mask[i, : len(p), : p.key_mask.shape[1]] = p.key_mask
-        return mask[:, None]
+        return num_keys, mask[:, None]
 
     def account(self, seqs: list[Sequence], ctx: ForwardContext) -> None:
         """nfe, processed_tokens (layer-averaged), and the prompt's first pass as prefill."""
-        per_seq = (ctx.processed / self.num_layers).tolist()
-        for seq, work in zip(seqs, per_seq):
+        for seq, work in zip(seqs, ctx.processed):
+            work /= self.num_layers
             seq.stats.nfe += 1
             if not seq.prefilled:
                 seq.prefilled = True
@@ -66,18 +73,22 @@ class Runner:
                 work -= seq.prompt_len
             seq.stats.processed_tokens += work
 
-    def logits(self, seqs: list[Sequence], plans: list[StepPlan], hidden: Tensor,
-               ctx: ForwardContext) -> list[tuple[Tensor, Tensor]]:
-        rows, picked, wanted = [], [], []
-        for i, (seq, plan) in enumerate(zip(seqs, plans)):
-            live = ctx.token_valid[i]
-            size = int(torch.cat([ctx.slots[i], plan.logit_slots]).max()) + 1
-            where = torch.full((size,), -1, dtype=torch.long, device=hidden.device)
-            where[ctx.slots[i][live]] = live.nonzero()[:, 0]
-            src = where[plan.logit_slots]
-            ok = src >= 0
-            rows.append(torch.full_like(src[ok], i))
-            picked.append(src[ok])
-            wanted.append(plan.logit_positions[ok])
-        logits = self.model.logits(hidden[torch.cat(rows), torch.cat(picked)])
-        return list(zip(wanted, logits.split([w.numel() for w in wanted])))
+    def logits(self, plans: list[StepPlan], hidden: Tensor, ctx: ForwardContext
+               ) -> list[tuple[Tensor, Tensor]]:
+        """Logits of each plan's ``logit_slots`` whose token is still live, batched: a [B, S + 1]
+        map from cache slot to live column (column S collects padding), one LM-head call, one
+        host read (the count per row)."""
+        b, s = ctx.slots.shape[0], ctx.key_length
+        slots = torch.where(ctx.token_valid & (ctx.slots < s), ctx.slots, s)
+        where = torch.full((b, s + 1), -1, dtype=torch.long, device=hidden.device)
+        where.scatter_(1, slots, torch.arange(slots.shape[1], device=hidden.device).expand_as(slots))
+        where[:, s] = -1
+        wanted = pad_stack([p.logit_slots for p in plans], s)
+        src = where.gather(1, torch.where((wanted >= 0) & (wanted < s), wanted, s))  # [B, N]
+        ok = src >= 0
+        counts = ok.sum(1).tolist()
+        flat = torch.nonzero_static(ok.reshape(-1), size=sum(counts))[:, 0]
+        rows = flat // ok.shape[1]
+        logits = self.model.logits(hidden[rows, src.reshape(-1)[flat]])
+        positions = pad_stack([p.logit_positions for p in plans], 0).reshape(-1)[flat]
+        return list(zip(positions.split(counts), logits.split(counts)))

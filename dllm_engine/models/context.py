@@ -7,7 +7,7 @@ the active token set with ``shrink``. Model files never grow a per-method argume
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -17,45 +17,67 @@ PACK_BELOW = 0.75  # pack live tokens for the per-token layers when more than 1/
 NARROW_ROWS = 4  # rows with at most 1/4 of the padded width run attention as their own call
 
 
-def row_groups(valid: Tensor) -> list[tuple[Tensor, int]] | None:
-    """Rows of ``valid`` [B, T] (left-packed live tokens) split into (row index, width) groups
-    for attention: the narrow rows (at most 1/NARROW_ROWS of T live) and the rest, each group
-    as wide as its widest row. None when one call over all rows is as good (no mix)."""
-    live = valid.sum(1)
-    narrow = live <= valid.shape[1] // NARROW_ROWS
-    if not bool(narrow.any()) or bool(narrow.all()):
+def row_groups(lengths: list[int], width: int, device: torch.device | str = "cpu"
+               ) -> list[tuple[Tensor, int]] | None:
+    """Rows of a [B, ``width``] batch whose live tokens are left-packed (``lengths`` per row)
+    split into (row index, width) groups for attention: the narrow rows (at most
+    1/NARROW_ROWS of ``width`` live) and the rest, each group as wide as its widest row. None
+    when one call over all rows is as good (no mix). Host arithmetic only."""
+    narrow = [n <= width // NARROW_ROWS for n in lengths]
+    if all(narrow) or not any(narrow):
         return None
     groups = []
-    for group in (narrow, ~narrow):
-        rows = group.nonzero()[:, 0]
-        groups.append((rows, int(live[rows].max())))
+    for flag in (True, False):
+        rows = [i for i, f in enumerate(narrow) if f == flag]
+        groups.append((torch.tensor(rows, device=device), max(lengths[i] for i in rows)))
     return groups
+
+
+class Kept(NamedTuple):
+    """A subset of each row's live tokens, left-packed: what a hook returns to shrink the set."""
+    index: Tensor  # [B, K] column of each kept token in the current set
+    valid: Tensor  # [B, K] False for row padding
+    lengths: list[int]  # kept tokens per row (host ints; K = max)
+
+
+def compact(keep: Tensor, lengths: list[int] | None = None) -> Kept:
+    """``keep`` [B, T] bool as a ``Kept``: each row's kept tokens in order. ``lengths``: the kept
+    count per row when the caller knows it; else one host read (it sizes the new set)."""
+    if lengths is None:
+        lengths = keep.sum(1).tolist()
+    width = max(lengths, default=0)
+    index = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    counts = torch.tensor(lengths, device=keep.device)
+    return Kept(index, torch.arange(width, device=keep.device)[None] < counts[:, None], lengths)
 
 
 class LayerHooks(Protocol):
     """What a strategy may do inside the layer loop. Each returns ``None`` to change nothing,
-    or ``(keep_index [B, K], keep_valid [B, K])`` to continue with that subset of tokens."""
+    or a ``Kept`` (``compact``) to continue with that subset of tokens."""
 
-    def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: "ForwardContext"
-                 ) -> tuple[Tensor, Tensor] | None: ...
+    def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: "ForwardContext") -> Kept | None: ...
 
-    def after_layer(self, layer_idx: int, hidden: Tensor, ctx: "ForwardContext"
-                    ) -> tuple[Tensor, Tensor] | None: ...
+    def after_layer(self, layer_idx: int, hidden: Tensor, ctx: "ForwardContext") -> Kept | None: ...
 
 
 @dataclass
 class ForwardContext:
+    """Everything a layer needs is known before the layer loop (the runner computes it once
+    per step): the key count, the mask (or None: every query sees every key), the live tokens
+    per row. Inside the loop only a hook's ``shrink`` reads the device (the kept counts)."""
     positions: Tensor  # [B, T] position id (= canvas index) of each query token
     token_valid: Tensor  # [B, T] False for row padding
-    key_limit: Tensor | None = None  # [B, T] query t sees cache keys with index < key_limit
-    attn_mask: Tensor | None = None  # [B, 1, T, S] bool; overrides key_limit when given
+    key_limit: Tensor | None = None  # [B, T] query t sees cache keys < key_limit (turned into attn_mask)
+    attn_mask: Tensor | None = None  # [B, 1, T, S] bool; None: every query sees every key
     slots: Tensor | None = None  # [B, T] cache index each token's K/V is written to (= positions)
     cache: object | None = None  # KVCache: write(layer, k, v, positions, valid) / read(layer, S)
     hooks: LayerHooks | None = None
     token_index: Tensor | None = None  # [B, T] index of each live token in the original query set
-    processed: Tensor | None = None  # [B] query tokens computed, summed over layers
+    processed: list[float] | None = None  # per row: query tokens computed, summed over layers
     cos: Tensor | None = None
     sin: Tensor | None = None
+    key_length: int | None = None  # S, the cache positions attention reads (default max key_limit)
+    row_lengths: list[int] | None = None  # live tokens per row, left-packed (None: unknown layout)
     derived: dict = field(default_factory=dict, repr=False)  # facts of the live set; shrink clears it
 
     def __post_init__(self) -> None:
@@ -64,24 +86,40 @@ class ForwardContext:
             self.token_index = torch.arange(t, device=self.positions.device).expand(b, t)
         if self.slots is None:
             self.slots = self.positions
+        if self.key_length is None:
+            self.key_length = self.default_key_length()
+        if self.key_limit is not None:
+            if self.attn_mask is None:
+                self.attn_mask = limit_mask(self.key_limit, self.token_valid, self.key_length)
+            self.key_limit = None
+
+    def default_key_length(self) -> int:
+        if self.attn_mask is not None:
+            return self.attn_mask.shape[-1]
+        if self.key_limit is not None:
+            return int(self.key_limit.max())
+        return self.positions.shape[1]
 
     def count_layer(self) -> None:
         """Add the live tokens of one layer to ``processed`` (SPEC: processed_tokens)."""
         if self.processed is not None:
-            self.processed += self.token_valid.sum(1).to(self.processed.dtype)
+            self.processed = [p + n for p, n in zip(self.processed, self.live_counts())]
 
     def num_keys(self) -> int:
         """How many cache positions attention reads this forward."""
-        if self.attn_mask is not None:
-            return self.attn_mask.shape[-1]
-        return int(self.key_limit.max())
+        return self.key_length
 
-    def attention_mask(self, num_keys: int) -> Tensor:
-        """[B, 1, T, S] bool: which keys each query attends to."""
-        if self.attn_mask is not None:
-            return self.attn_mask[..., :num_keys]
-        keys = torch.arange(num_keys, device=self.positions.device)
-        return (keys[None, None, None, :] < self.key_limit[:, None, :, None])
+    def attention_mask(self, num_keys: int) -> Tensor | None:
+        """[B, 1, T, S] bool: which keys each query attends to; None when it is every key."""
+        return None if self.attn_mask is None else self.attn_mask[..., :num_keys]
+
+    def hide_keys(self, hidden: Tensor) -> None:
+        """No query attends to the keys ``hidden`` [B, S] marks (FOCUS: slots without K/V)."""
+        b, t = self.token_valid.shape
+        mask = self.attn_mask
+        if mask is None:
+            mask = torch.ones(b, 1, t, self.key_length, dtype=torch.bool, device=hidden.device)
+        self.attn_mask = mask & ~hidden[:, None, None, : mask.shape[-1]]
 
     def gather(self, x: Tensor, index: Tensor) -> Tensor:
         """Select tokens ``index`` [B, K] along dim 1 of ``x`` [B, T, ...]."""
@@ -89,21 +127,39 @@ class ForwardContext:
         idx = index.reshape(index.shape + (1,) * (x.dim() - 2)).expand(shape)
         return torch.gather(x, 1, idx)
 
+    def live_counts(self) -> list[int]:
+        """Live tokens per row (read from the device only for a hand-built context)."""
+        if self.row_lengths is not None:
+            return self.row_lengths
+        if "counts" not in self.derived:
+            self.derived["counts"] = self.token_valid.sum(1).tolist()
+        return self.derived["counts"]
+
     def live_index(self) -> Tensor | None:
         """Flat index of the live tokens when row padding is a large share of [B, T] (ragged
         batches: a row at its block's first step beside rows computing one block; tokens evicted
         or skipped in some rows only), else None (dense is cheaper)."""
         if "live" not in self.derived:
-            valid = self.token_valid.reshape(-1)
-            sparse = int(valid.sum()) < PACK_BELOW * valid.numel()
-            self.derived["live"] = valid.nonzero()[:, 0] if sparse else None
+            total = sum(self.live_counts())
+            sparse = total < PACK_BELOW * self.token_valid.numel()
+            # the size is known, so no device read: nonzero_static, not nonzero
+            index = torch.nonzero_static(self.token_valid.reshape(-1), size=total)[:, 0]
+            self.derived["live"] = index if sparse else None
         return self.derived["live"]
 
     def attention_rows(self) -> list[tuple[Tensor, int]] | None:
-        """``row_groups`` of the live set, computed once per set for every layer's attention."""
+        """``row_groups`` of the live set, computed once per set for every layer's attention
+        (only when the live tokens are known to be left-packed)."""
         if "rows" not in self.derived:
-            self.derived["rows"] = row_groups(self.token_valid)
+            self.derived["rows"] = None if self.row_lengths is None else row_groups(
+                self.row_lengths, self.token_valid.shape[1], self.positions.device)
         return self.derived["rows"]
+
+    def prepare(self) -> "ForwardContext":
+        """Derive the live set's facts now, before the layer loop."""
+        self.live_index()
+        self.attention_rows()
+        return self
 
     def pack(self, x: Tensor) -> Tensor:
         """``x`` [B, T, d] for a per-token layer (projections, MLP): its live tokens as one
@@ -119,15 +175,15 @@ class ForwardContext:
         b, t = self.token_valid.shape
         return y.new_zeros(b * t, y.shape[-1]).index_copy(0, index, y).view(b, t, -1)
 
-    def shrink(self, keep_index: Tensor, keep_valid: Tensor) -> None:
-        """Continue with tokens ``keep_index`` [B, K] only (FOCUS eviction, ES-dLLM skipping)."""
+    def shrink(self, keep_index: Tensor, keep_valid: Tensor, lengths: list[int] | None = None) -> None:
+        """Continue with tokens ``keep_index`` [B, K] only (FOCUS eviction, ES-dLLM skipping);
+        ``lengths``: kept tokens per row when the caller knows them (``Kept``)."""
         self.derived.clear()
         self.positions = self.gather(self.positions, keep_index)
         self.token_valid = self.gather(self.token_valid, keep_index) & keep_valid
         self.token_index = self.gather(self.token_index, keep_index)
         self.slots = self.gather(self.slots, keep_index)
-        if self.key_limit is not None:
-            self.key_limit = self.gather(self.key_limit, keep_index)
+        self.row_lengths = lengths if lengths is not None else keep_valid.sum(1).tolist()
         if self.attn_mask is not None:
             idx = keep_index[:, None, :, None].expand(-1, self.attn_mask.shape[1], -1,
                                                       self.attn_mask.shape[-1])
@@ -135,3 +191,13 @@ class ForwardContext:
         if self.cos is not None:
             self.cos = self.gather(self.cos, keep_index)
             self.sin = self.gather(self.sin, keep_index)
+        self.prepare()
+
+
+def limit_mask(key_limit: Tensor, valid: Tensor, num_keys: int) -> Tensor | None:
+    """[B, 1, T, S] bool from per-query key limits; None when every live query sees all
+    ``num_keys`` keys (one host read: a hand-built context; the runner decides it itself)."""
+    if bool((key_limit.masked_fill(~valid, num_keys) >= num_keys).all()):
+        return None
+    keys = torch.arange(num_keys, device=key_limit.device)
+    return keys[None, None, None, :] < key_limit[:, None, :, None]

@@ -47,9 +47,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
 
 
-def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                      groups: list[tuple[Tensor, int]] | None) -> Tensor:
-    """SDPA of q [B, H, T, D], one call per ``groups`` entry (``context.row_groups``).
+    """SDPA of q [B, H, T, D], one call per ``groups`` entry (``context.row_groups``). ``mask``
+    None (every query sees every key) lets SDPA pick its fused kernels without a mask.
 
     A batch that mixes rows computing a whole canvas with rows computing one block (a sequence at
     its block's first step beside sequences mid-block; FOCUS or ES rows that kept few tokens)
@@ -60,7 +61,7 @@ def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
     out = q.new_zeros(q.shape[:3] + v.shape[-1:])
     for rows, width in groups:
         out[rows, :, :width] = F.scaled_dot_product_attention(
-            q[rows, :, :width], k[rows], v[rows], attn_mask=mask[rows, :, :width])
+            q[rows, :, :width], k[rows], v[rows], attn_mask=None if mask is None else mask[rows, :, :width])
     return out
 
 
@@ -108,7 +109,7 @@ class Attention(nn.Module):
             ctx.cache.write(self.layer_idx, k, v, ctx.slots, ctx.token_valid)
         keep = ctx.hooks.after_qk(self.layer_idx, q, k, ctx) if ctx.hooks is not None else None
         if keep is not None:
-            q = torch.gather(q, 2, keep[0][:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
+            q = torch.gather(q, 2, keep.index[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
             ctx.shrink(*keep)
         if ctx.cache is not None:
             k, v = ctx.cache.read(self.layer_idx, ctx.num_keys())
@@ -118,7 +119,7 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = ragged_attention(q, k, v, mask, ctx.attention_rows())  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
-        return ctx.unpack(self.o_proj(ctx.pack(out))), (keep[0] if keep is not None else None)
+        return ctx.unpack(self.o_proj(ctx.pack(out))), (keep.index if keep is not None else None)
 
 
 class MLP(nn.Module):
@@ -197,10 +198,13 @@ class MoE(nn.Module):
         """Sort the (token, expert) pairs by expert, run one matmul chain per active expert,
         then sum each token's k outputs in a fixed order (batch-invariant, no atomics)."""
         n, k = experts.shape
-        if n == 0:
+        if n == 0:  # host shape: no device read
             return torch.zeros_like(x)
-        order = experts.flatten().argsort(stable=True)  # [N*k] pair ids grouped by expert
-        counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # [N*k] pair ids grouped by expert
+        # the one host read of a MoE layer: each expert's matmul is sized by its token count
+        counts = torch.zeros(len(self.experts), dtype=torch.long, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat)).tolist()
         tokens = x[order // k]  # [N*k, d], sorted by expert
         outs = [self.experts[e](chunk) for e, chunk in enumerate(tokens.split(counts)) if counts[e]]
         pairs = torch.empty_like(tokens)
@@ -251,12 +255,13 @@ class DiffusionLM(nn.Module):
         """Final normed hidden states [B, T', d] of the tokens still live at the end
         (``ctx.token_index`` says which); call ``logits`` on what you need."""
         ctx.cos, ctx.sin = rope_cos_sin(ctx.positions, self.config.rotary_dim, self.config.rope_theta)
+        ctx.prepare()
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx)
             keep = ctx.hooks.after_layer(i, h, ctx) if ctx.hooks is not None else None
             if keep is not None:
-                h = ctx.gather(h, keep[0])
+                h = ctx.gather(h, keep.index)
                 ctx.shrink(*keep)
         return self.norm(h)
 
@@ -289,11 +294,14 @@ class DiffusionLM(nn.Module):
         if attention_mask is not None and attention_mask.dim() == 4:
             mask = attention_mask.bool()
         else:
-            mask = self.pattern_mask(positions, valid)
+            mask = self.pattern_mask(positions, valid, padded=attention_mask is not None)
         return ForwardContext(positions=positions, token_valid=valid, attn_mask=mask)
 
-    def pattern_mask(self, positions: Tensor, valid: Tensor) -> Tensor:
-        """[B, 1, T, T] bool: the family's attention pattern over one padded canvas."""
+    def pattern_mask(self, positions: Tensor, valid: Tensor, padded: bool = True) -> Tensor | None:
+        """[B, 1, T, T] bool: the family's attention pattern over one padded canvas; None for
+        full attention over an unpadded canvas (SDPA then needs no mask)."""
+        if not padded and not self.config.is_block_causal:
+            return None
         mask = valid[:, None, None, :].expand(-1, 1, positions.shape[1], -1)
         if self.config.is_block_causal:
             blk = positions // self.config.block_size

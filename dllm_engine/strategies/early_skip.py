@@ -49,7 +49,7 @@ from torch import Tensor
 
 from ..decoding.decoders import StepPlan
 from ..engine.sequence import Sequence
-from ..models.context import ForwardContext
+from ..models.context import ForwardContext, Kept, compact
 from ..models.layers import DiffusionLM
 from .base import Strategy
 
@@ -115,14 +115,6 @@ def select_kept(score: Tensor, candidate: Tensor, live: Tensor, count: Tensor) -
     return top | (live & ~candidate)
 
 
-def compact(keep: Tensor) -> tuple[Tensor, Tensor]:
-    """(keep_index [B, K], keep_valid [B, K]) listing each row's kept tokens in order."""
-    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
-    width = int(keep.sum(1).max())
-    index = order[:, :width]
-    return index, keep.gather(1, index)
-
-
 def pad_stack(windows: list[Tensor]) -> Tensor:
     """[B, W_max, d] from per-sequence [W, d] windows (block lengths may differ per request)."""
     return torch.nn.utils.rnn.pad_sequence(windows, batch_first=True)
@@ -145,38 +137,53 @@ def state(seq: Sequence) -> SkipState:
 
 # -- the layer hook --------------------------------------------------------------------------
 class SkipHooks:
-    """Scores and prunes block tokens at the prune layers; keeps the hidden-state caches."""
+    """Scores and prunes block tokens at the prune layers; keeps the hidden-state caches.
 
-    def __init__(self, seqs: list[Sequence], rows: dict[str, Tensor], counts: dict[int, Tensor],
-                 window: Tensor, previous: dict[int, Tensor]) -> None:
+    How many tokens each row keeps is known on the host (the kept counts, the candidates per
+    row), so pruning reads nothing back from the device inside the layer loop."""
+
+    def __init__(self, seqs: list[Sequence], rows: dict[str, Tensor], counts: dict[int, list[int]],
+                 window: Tensor, previous: dict[int, Tensor], num_candidates: list[int]) -> None:
         self.seqs = seqs
         self.rows = rows  # candidate / conf / bonus [B, T] in plan order; alpha [B]
-        self.counts = counts  # prune layer -> kept count [B]
+        self.counts = counts  # prune layer -> kept count per row
         self.window = window  # [B, 2]: first canvas position and width of each row's window
-        self.previous = previous  # prune layer -> [B, W_max, d] hidden states of the last steps
+        self.previous = previous  # prune layer -> [B, W_max + 1, d] hidden states of the last
+        # steps; the last column is a sink for the tokens a partial update leaves out
+        self.num_candidates = num_candidates  # per row: live block tokens that may be skipped
 
     def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: ForwardContext) -> None:
         return None
 
-    def after_layer(self, layer_idx: int, hidden: Tensor, ctx: ForwardContext
-                    ) -> tuple[Tensor, Tensor] | None:
+    def after_layer(self, layer_idx: int, hidden: Tensor, ctx: ForwardContext) -> Kept | None:
         if layer_idx not in self.counts:
             return None
         live = ctx.token_valid
-        candidate = self.rows["candidate"].gather(1, ctx.token_index) & live
         offset, in_window = self.window_offsets(ctx.slots)
+        lengths = self.kept_lengths(layer_idx, ctx.live_counts())
         keep = live
-        if candidate.any():
+        if any(self.num_candidates):
+            candidate = self.rows["candidate"].gather(1, ctx.token_index) & live
             keep = self.choose(layer_idx, hidden, ctx, candidate, offset)
         self.store(layer_idx, hidden, offset, keep & in_window)
-        if torch.equal(keep, live):
-            return None
-        return compact(keep)
+        return None if lengths is None else compact(keep, lengths)
+
+    def kept_lengths(self, layer_idx: int, live: list[int]) -> list[int] | None:
+        """Live tokens per row after pruning at ``layer_idx`` (the top ``count`` candidates go
+        on), None when no row drops any; updates the candidates left."""
+        left = [min(n, c) for n, c in zip(self.num_candidates, self.counts[layer_idx])]
+        dropped = [n - k for n, k in zip(self.num_candidates, left)]
+        self.num_candidates = left
+        return [n - d for n, d in zip(live, dropped)] if any(dropped) else None
 
     def window_offsets(self, slots: Tensor) -> tuple[Tensor, Tensor]:
         offset = slots - self.window[:, :1]
         in_window = (offset >= 0) & (offset < self.window[:, 1:])
-        return offset.clamp(0, next(iter(self.previous.values())).shape[1] - 1), in_window
+        return offset.clamp(0, self.width - 1), in_window
+
+    @property
+    def width(self) -> int:
+        return next(iter(self.previous.values())).shape[1] - 1
 
     def choose(self, layer_idx: int, hidden: Tensor, ctx: ForwardContext, candidate: Tensor,
                offset: Tensor) -> Tensor:
@@ -184,15 +191,16 @@ class SkipHooks:
         conf = self.rows["conf"].gather(1, ctx.token_index)
         bonus = self.rows["bonus"].gather(1, ctx.token_index)
         score = importance(conf, hidden_delta(hidden, prev), candidate, bonus, self.rows["alpha"])
-        return select_kept(score, candidate, ctx.token_valid, self.counts[layer_idx])
+        count = torch.tensor(self.counts[layer_idx], device=hidden.device)
+        return select_kept(score, candidate, ctx.token_valid, count)
 
     def store(self, layer_idx: int, hidden: Tensor, offset: Tensor, keep: Tensor) -> None:
-        """Partial update: the survivors' hidden states replace the cached ones. The sequences'
-        own caches take it after the commit (``EarlySkip.after_commit``), so a replayed step
-        sees the same hidden states."""
+        """Partial update: the survivors' hidden states replace the cached ones (the others go
+        to the sink column). The sequences' own caches take it after the commit
+        (``EarlySkip.after_commit``), so a replayed step sees the same hidden states."""
         cache = self.previous[layer_idx]
-        rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None].expand_as(offset)
-        cache[rows[keep], offset[keep]] = hidden[keep].to(cache.dtype)
+        index = torch.where(keep, offset, self.width)[..., None].expand(-1, -1, cache.shape[-1])
+        cache.scatter_(1, index, hidden.to(cache.dtype))
         for b, seq in enumerate(self.seqs):
             state(seq).pending[layer_idx] = cache[b, : state(seq).hidden[layer_idx].shape[0]]
 
@@ -273,7 +281,8 @@ class EarlySkip(Strategy):
         window = torch.tensor([[state(s).window_lo, s.params.block_length + self.shift] for s in seqs],
                               device=rows["conf"].device)
         previous = {i: pad_stack([state(s).hidden[i] for s in seqs]) for i in layers}
-        return SkipHooks(seqs, rows, counts, window, previous)
+        previous = {i: torch.nn.functional.pad(h, (0, 0, 0, 1)) for i, h in previous.items()}  # + sink
+        return SkipHooks(seqs, rows, counts, window, previous, rows["candidate"].sum(1).tolist())
 
     def ensure_window(self, seq: Sequence, layers: list[int]) -> None:
         """Hidden-state caches cover the current block (and Dream's token before it); a new
@@ -307,13 +316,13 @@ class EarlySkip(Strategy):
                 "conf": torch.nn.functional.pad(conf, (0, pad)),
                 "bonus": torch.nn.functional.pad(bonus, (0, pad))}
 
-    def layer_counts(self, seqs: list[Sequence], fractions: list[list[float]], layer: int) -> Tensor:
+    def layer_counts(self, seqs: list[Sequence], fractions: list[list[float]], layer: int) -> list[int]:
         counts = []
         for seq, frac in zip(seqs, fractions):
             block = seq.block[1] - seq.block[0]
             last = int(state(seq).last_committed.numel())
             counts.append(kept_count(frac[layer], block, last))
-        return torch.tensor(counts, device=seq.canvas.device)
+        return counts
 
     # -- after the forward ---------------------------------------------------------------------
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:

@@ -40,7 +40,7 @@ from torch import Tensor
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import confidence
 from ..engine.sequence import Sequence
-from ..models.context import ForwardContext
+from ..models.context import ForwardContext, Kept, compact
 from .base import Strategy
 
 STATE_KEY = "focus"
@@ -145,7 +145,7 @@ class FocusState:
     committed: int = 0  # tokens committed in this block ...
     steps: int = 0  # ... over this many steps that committed something
     planned: Tensor | None = None  # canvas positions of the block computed this step
-    kept: Tensor | None = None  # canvas positions that survived eviction (None: no eviction)
+    kept: tuple[Tensor, Tensor] | None = None  # (positions, kept) of the step's live tokens, if it evicted
     would_keep: tuple[Tensor, Tensor] | None = None  # probe: (masked positions, bool kept)
 
     @property
@@ -154,6 +154,10 @@ class FocusState:
 
     def local(self, positions: Tensor) -> Tensor:
         return positions - self.start
+
+    def kept_positions(self) -> Tensor | None:
+        """Canvas positions that survived this step's eviction (None: nothing was evicted)."""
+        return None if self.kept is None else self.kept[0][self.kept[1]]
 
 
 def block_state(seq: Sequence) -> FocusState:
@@ -179,11 +183,13 @@ class EvictionHooks:
     """Layer 0: importance of the masked tokens. Layer 1: delta, selection, eviction."""
 
     def __init__(self, candidate: Tensor, never_processed: Tensor, budget: Tensor,
-                 states: list[FocusState]) -> None:
+                 states: list[FocusState], num_masked: list[int], any_never: bool) -> None:
         self.candidate = candidate  # [B, T] masked block tokens of the processing set
         self.never_processed = never_processed  # [B, T]
         self.budget = budget  # [B]
         self.states = states
+        self.width = max(num_masked, default=0)  # masked tokens of the widest row (host)
+        self.any_never = any_never  # some candidate was never processed in its block (host)
         self.base: Tensor | None = None  # layer-0 importance [B, M]
         self.dry_run = False  # select but evict nothing (``PredictorProbe``)
 
@@ -192,9 +198,8 @@ class EvictionHooks:
         cand = ctx.gather(self.candidate, ctx.token_index) & ctx.token_valid
         num = cand.sum(1)
         order = torch.sort((~cand).to(torch.int8), dim=1, stable=True).indices
-        width = int(num.max()) if num.numel() else 0
-        valid = torch.arange(width, device=cand.device)[None] < num[:, None]
-        return order[:, :width], valid, cand
+        valid = torch.arange(self.width, device=cand.device)[None] < num[:, None]
+        return order[:, :self.width], valid, cand
 
     def importance(self, q: Tensor, k: Tensor, index: Tensor, valid: Tensor) -> Tensor:
         qi = index[:, None, :, None]
@@ -202,8 +207,7 @@ class EvictionHooks:
         k_m = torch.gather(k, 2, qi.expand(-1, k.shape[1], -1, k.shape[3]))  # [B, Hkv, M, D]
         return masked_importance(q_m, k_m, valid)
 
-    def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: ForwardContext
-                 ) -> tuple[Tensor, Tensor] | None:
+    def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: ForwardContext) -> Kept | None:
         if layer_idx > 1:
             return None
         index, valid, cand = self.masked_view(ctx)
@@ -222,11 +226,10 @@ class EvictionHooks:
             return None
         kept_cand = torch.zeros_like(cand).scatter_(1, index, kept_m)
         keep = ctx.token_valid & (~cand | kept_cand)
-        self.hide_unprocessed(ctx, cand & ~kept_cand & ctx.gather(self.never_processed, ctx.token_index))
+        if self.any_never:
+            self.hide_unprocessed(ctx, cand & ~kept_cand & ctx.gather(self.never_processed, ctx.token_index))
         self.record(ctx, keep)
-        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
-        width = int(keep.sum(1).max())
-        return order[:, :width], torch.arange(width, device=keep.device)[None] < keep.sum(1)[:, None]
+        return compact(keep)
 
     def after_layer(self, layer_idx: int, hidden: Tensor, ctx: ForwardContext) -> None:
         return None
@@ -234,17 +237,15 @@ class EvictionHooks:
     @staticmethod
     def hide_unprocessed(ctx: ForwardContext, hidden: Tensor) -> None:
         """Evicted, never-processed tokens have no K/V above layer 1: mask their cache slots."""
-        if not hidden.any():
-            return
         num_keys = ctx.num_keys()
         slots = torch.where(hidden, ctx.slots, torch.full_like(ctx.slots, num_keys))
         invisible = torch.zeros(slots.shape[0], num_keys + 1, dtype=torch.bool, device=slots.device)
         invisible.scatter_(1, slots, hidden)  # [B, S + 1]; the last column collects the rest
-        ctx.attn_mask = ctx.attention_mask(num_keys) & ~invisible[:, None, None, :num_keys]
+        ctx.hide_keys(invisible[:, :num_keys])
 
     def record(self, ctx: ForwardContext, keep: Tensor) -> None:
-        for i, state in enumerate(self.states):  # bookkeeping only
-            state.kept = ctx.positions[i][keep[i]]
+        for i, state in enumerate(self.states):  # views only: read after the forward
+            state.kept = (ctx.positions[i], keep[i])
 
 
 # -- the strategy -----------------------------------------------------------------------------
@@ -287,8 +288,9 @@ class TokenEviction(Strategy):
                  for c, st, p in zip(cand, states, plans)]
         pad = torch.nn.utils.rnn.pad_sequence
         device = plans[0].positions.device
-        return EvictionHooks(pad(cand, batch_first=True), pad(never, batch_first=True),
-                             budget.to(device), states)
+        never = pad(never, batch_first=True)
+        return EvictionHooks(pad(cand, batch_first=True), never, budget.to(device), states,
+                             num_masked.tolist(), bool(never.any()))
 
     @staticmethod
     def candidates(seq: Sequence, plan: StepPlan) -> Tensor:
@@ -302,15 +304,16 @@ class TokenEviction(Strategy):
                       ) -> tuple[Tensor, Tensor]:
         """Mark what was computed in full, freeze stable K/V, and let only kept tokens commit."""
         state = block_state(seq)
-        done = state.planned if state.kept is None else state.kept
+        kept = state.kept_positions()
+        done = state.planned if kept is None else kept
         done = done[(done >= state.start) & (done < state.start + state.processed.numel())]
         state.processed[state.local(done)] = True
         start, end = seq.block
         # the canvas still holds this step's inputs: positions committed before this step were
         # just computed with their real token, so their K/V are final once the neighbour is too
         state.frozen |= delayed_cache_ready(seq.canvas[start:end] != seq.ids.mask_id)
-        if state.kept is not None:
-            ok = torch.isin(positions, state.kept)
+        if kept is not None:
+            ok = torch.isin(positions, kept)
             positions, logits = positions[ok], logits[ok]
         return positions, logits
 
