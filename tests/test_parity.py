@@ -118,6 +118,20 @@ def test_packing_live_tokens_changes_no_logit(monkeypatch):
     assert torch.equal(ctx.unpack(ctx.pack(x)), x * valid[..., None])
 
 
+@pytest.mark.parametrize("model_type", ["llada", "sdar"])
+def test_left_padded_short_row_of_a_plain_forward_matches_it_alone(model_type):
+    """A plain forward's padding is on the left, so a short row is not a narrow left-packed
+    row: its logits must be those of the row alone (it once ran attention on its padding)."""
+    model = random_model(model_type)
+    ids = torch.randint(11, 95, (2, 12))
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[1, :10] = False  # 2 live tokens of 12: at most a quarter
+    with torch.no_grad():
+        batch = model(ids, attention_mask=valid.long())
+        alone = model(ids[1:, 10:])
+    torch.testing.assert_close(batch[1, 10:], alone[0], rtol=1e-4, atol=1e-4)
+
+
 def test_ragged_attention_runs_narrow_rows_apart_with_the_same_result():
     from dllm_engine.models.context import row_groups
     from dllm_engine.models.layers import ragged_attention

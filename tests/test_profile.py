@@ -83,3 +83,46 @@ def test_profile_command_prints_the_table(tmp_path, capsys):
                  "--batch-sizes", "1,2", "--limit", "1", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "| `block:threshold=0.9` | 1 |" in out and "| `block:threshold=0.9` | 2 |" in out
+
+
+@pytest.fixture(scope="module")
+def sdar(tmp_path_factory):
+    return LLM(write_checkpoint(tmp_path_factory.mktemp("sdar"), "sdar", block_size=8))
+
+
+@pytest.mark.parametrize("spec", ["reference:threshold=0.9", "prefix-cache:threshold=0.9",
+                                  "dual-cache:threshold=0.9", "dual-cache+early-skip:threshold=0.5",
+                                  "dual-cache+jump-share:threshold=0.9", "block:threshold=0.9"])
+def test_no_host_sync_inside_the_layer_loop(llada, sdar, spec):
+    llm = sdar if spec.startswith("block") else llada
+    count = count_syncs(llm, parse_spec(spec, max_new_tokens=16, block_length=8), PROMPTS, 2)
+    assert count.total > 0 and count.in_layers == 0
+
+
+def test_focus_reads_the_device_once_per_evicting_forward(llada):
+    """The kept width is data-dependent: one host read sizes the shrunk set, nothing else."""
+    params = parse_spec("dual-cache+focus:threshold=0.9", max_new_tokens=16, block_length=8)
+    evicting = []
+    hook = llada.model.layers[1].self_attn.register_forward_hook(
+        lambda m, a, out: evicting.append(out[1] is not None))
+    try:
+        count = count_syncs(llada, params, PROMPTS, 2)
+    finally:
+        hook.remove()
+    assert any(evicting) and count.in_layers == sum(evicting)
+
+
+def test_runner_sends_no_mask_when_every_query_sees_every_key(llada):
+    """A full canvas of one sequence: SDPA runs maskless (its fused kernels); a ragged batch
+    gets one [B, 1, T, S] mask for the step."""
+    from dllm_engine.decoding.decoders import plan_step
+    seqs = [llada.make_sequence(p, parse_spec("reference", max_new_tokens=8, block_length=8))
+            for p in PROMPTS]
+    plans = [plan_step(s, 0).finalize(s, 0) for s in seqs]
+    runner = llada.engine.runner
+    limit = torch.nn.utils.rnn.pad_sequence([p.key_limit for p in plans], batch_first=True, padding_value=1)
+    valid = torch.arange(limit.shape[1])[None] < torch.tensor([len(p) for p in plans])[:, None]
+    assert runner.attention_keys(plans[:1], limit[:1], valid[:1]) == (len(plans[0]), None)
+    num_keys, mask = runner.attention_keys(plans, limit, valid)
+    assert num_keys == 13 and mask.shape == (2, 1, 13, 13)
+    assert mask[1, 0, :11].sum(1).tolist() == [11] * 11  # the short row sees its own 11 keys
