@@ -179,7 +179,7 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
                        "everything else, and host synchronisations per step")
     p.add_argument("--methods", nargs="+", required=True, help="specs as in dllm bench")
     p.add_argument("--batch-sizes", type=split_ints, default=[1, 64])
-    p.add_argument("--limit", type=int, default=2, help="prompts per task")
+    p.add_argument("--limit", type=int, default=2, help="prompts per task of the copy suite")
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
     add_model_args(p)
 
@@ -189,7 +189,7 @@ def run_profile(args: argparse.Namespace) -> None:
     from .bench.profile import HEADER, run_profile as profile, table
     from .tasks import load_split
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
-    examples = load_split(None, limit=args.limit)
+    examples = load_split("copy", limit=args.limit)
     defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
     print(f"model: {args.model}  prompts: {len(examples)}  device: {args.device}")
     print(HEADER)
