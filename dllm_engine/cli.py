@@ -185,10 +185,9 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    from . import LLM
     from .bench.profile import HEADER, run_profile as profile, table
     from .tasks import load_split
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = load_llm(args)  # as dllm bench: freed host memory kept unless --no-keep-freed-memory
     examples = load_split("copy", limit=args.limit)
     defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
     print(f"model: {args.model}  prompts: {len(examples)}  device: {args.device}")
