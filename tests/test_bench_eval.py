@@ -73,13 +73,13 @@ def test_eval_reports_steps_by_commits_and_stop_share(ckpt):
     """One token per step (fixed steps = block length) puts every step in the "1" bucket; the
     stop share is the decoded tokens past the answer."""
     from dllm_engine import SamplingParams
-    from dllm_engine.eval.evaluate import commit_histogram, stop_share
+    from dllm_engine.eval.evaluate import commit_histogram
     params = SamplingParams(method="reference", max_new_tokens=16, block_length=8, steps=8)
     report = evaluate(LLM(ckpt), params, tasks="sort", limit=2, batch_size=2, use_tqdm=False)
     s = report.stats
     assert s.step_commits == {1: s.nfe} and commit_histogram(s)["1"] == 1.0
     assert sum(commit_histogram(s).values()) == pytest.approx(1.0)
-    assert stop_share(s) == pytest.approx(1 - s.output_tokens / s.decoded_tokens)
+    assert s.stop_share == pytest.approx(1 - s.output_tokens / s.decoded_tokens)
     row = report.as_dict()["tasks"][0]
     assert row["steps_by_commits"]["1"] == 1.0 and 0 <= row["stop_share"] <= 1
     fast = evaluate(LLM(ckpt), SamplingParams(method="dual-cache", max_new_tokens=16, block_length=8,

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..engine.llm import LLM
+from ..engine.sequence import stop_share
 from ..eval import evaluate
 from ..models.loader import read_config, read_generation_config
 from ..sampling_params import SamplingParams, parse_spec, resolve_params
@@ -77,8 +78,7 @@ class BenchRecord:
 
     @property
     def stop_share(self) -> float:
-        """Decoded tokens the user never receives (EOS padding and after), as a share."""
-        return 1 - self.output_tokens / self.decoded_tokens if self.decoded_tokens else 0.0
+        return stop_share(self.output_tokens, self.decoded_tokens)
 
 
 def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Example],

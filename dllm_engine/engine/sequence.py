@@ -11,6 +11,12 @@ from ..decoding import num_transfer_tokens
 from ..sampling_params import SamplingParams
 
 
+def stop_share(output_tokens: int, decoded_tokens: int) -> float:
+    """Share of the decoded tokens the user never receives: stop tokens (EOS padding) and anything
+    after the first one."""
+    return 1 - output_tokens / decoded_tokens if decoded_tokens else 0.0
+
+
 @dataclass
 class SequenceStats:
     """SPEC §1 metrics of one sequence (or, summed, of a call)."""
@@ -29,6 +35,10 @@ class SequenceStats:
     @property
     def tokens_per_step(self) -> float:
         return self.decoded_tokens / self.nfe if self.nfe else 0.0
+
+    @property
+    def stop_share(self) -> float:
+        return stop_share(self.output_tokens, self.decoded_tokens)
 
     def add(self, other: "SequenceStats") -> None:
         """Sum another sequence's counts into this one (seconds are not additive: left alone)."""

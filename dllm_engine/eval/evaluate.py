@@ -34,14 +34,8 @@ class TaskResult:
                 "mean_output_tokens": round(self.stats.output_tokens / max(1, self.num_prompts), 2),
                 "nfe": self.stats.nfe, "tokens_per_step": round(self.stats.tokens_per_step, 3),
                 "redundancy": round(self.stats.redundancy, 3),
-                "stop_share": round(stop_share(self.stats), 4),
+                "stop_share": round(self.stats.stop_share, 4),
                 "steps_by_commits": commit_histogram(self.stats)}
-
-
-def stop_share(stats: SequenceStats) -> float:
-    """Share of the decoded tokens the user never receives: stop tokens (EOS padding) and anything
-    after the first one."""
-    return 1 - stats.output_tokens / stats.decoded_tokens if stats.decoded_tokens else 0.0
 
 
 COMMIT_BUCKETS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, None))
@@ -76,7 +70,7 @@ class EvalReport:
     def as_dict(self) -> dict:
         return {"method": self.method, "accuracy": round(self.accuracy, 4),
                 "throughput": round(self.throughput, 2), **self.stats.as_dict(),
-                "stop_share": round(stop_share(self.stats), 4),
+                "stop_share": round(self.stats.stop_share, 4),
                 "steps_by_commits": commit_histogram(self.stats),
                 "tasks": [t.row() for t in self.tasks.values()],
                 **({"diagnostics": self.diagnostics} if self.diagnostics else {})}
@@ -93,7 +87,7 @@ class EvalReport:
         s = self.stats
         lines.append(f"{'mean':<10} {sum(t.num_prompts for t in self.tasks.values()):>4} {self.accuracy:>7.1%}"
                      f"   throughput {self.throughput:.1f} tok/s, redundancy {s.redundancy:.2f}, "
-                     f"tokens/step {s.tokens_per_step:.2f}, stop share {stop_share(s):.1%}, {s.seconds:.1f} s")
+                     f"tokens/step {s.tokens_per_step:.2f}, stop share {s.stop_share:.1%}, {s.seconds:.1f} s")
         if self.diagnostics:
             lines.append("diagnostics: " + ", ".join(f"{k} {v}" for k, v in self.diagnostics.items()))
         return "\n".join(lines)
