@@ -216,6 +216,9 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                         "(check a run that is still training)")
     p.add_argument("--ar-weight", type=float, default=1.0,
                    help="weight of the auxiliary causal next-token loss (0 = diffusion loss only)")
+    p.add_argument("--suffix-mask", type=float, default=0.0, metavar="SHARE",
+                   help="share of rows masked as a left-to-right decoder sees them: clean before a "
+                        "random cut, fully masked a block after it (0 = uniform masking only)")
     p.add_argument("--task-mix", type=task_mix, default=None, metavar="TASK=N,...",
                    help="oversample tasks: N examples of TASK per round of one of each other task "
                         "(e.g. lookup=3,spell=2)")
@@ -241,7 +244,8 @@ def run_train(args: argparse.Namespace) -> None:
                       batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       num_kv_heads=args.num_kv_heads, block_size=args.block_size,
                       max_new_tokens=args.max_new_tokens,
-                      init_from=args.init_from, ar_weight=args.ar_weight, task_mix=args.task_mix)
+                      init_from=args.init_from, ar_weight=args.ar_weight, task_mix=args.task_mix,
+                      suffix_mask=args.suffix_mask)
     trainer = Trainer(cfg)
     print(f"checkpoint written to {trainer.export_saved() if args.export_only else trainer.train()}")
 

@@ -7,7 +7,7 @@ import torch
 from dllm_engine import LLM
 from dllm_engine.train import TrainConfig, Trainer
 from dllm_engine.train.trainer import grow_vocab
-from dllm_engine.train.data import MIN_T, block_diffusion_mask
+from dllm_engine.train.data import MIN_T, SUFFIX_WINDOW, block_diffusion_mask, noise
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
             batch_size=4, warmup=2, save_every=2, block_size=8)
@@ -32,6 +32,31 @@ def test_masking_touches_only_the_response(tmp_path, family):
     assert not b.is_masked[prompt_end == 0].any()  # the chat prompt's start is never masked
     if family == "sdar":
         assert length % 8 == 0 and torch.equal(b.input_ids[:, length:], b.targets)
+
+
+def test_suffix_masking_is_a_left_to_right_decoders_view():
+    ids = torch.arange(100).repeat(64, 1)
+    is_resp = torch.zeros(64, 100, dtype=torch.bool)
+    is_resp[:, 20:] = True
+    plain = noise(ids, is_resp, -1, torch.Generator().manual_seed(3))
+    off = noise(ids, is_resp, -1, torch.Generator().manual_seed(3), suffix_mask=0.0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, off))  # runs without it replay exactly
+    _, masked, weight = noise(ids, is_resp, -1, torch.Generator().manual_seed(3), suffix_mask=1.0)
+    assert not masked[~is_resp].any()
+    assert masked.any(1).float().mean() > 0.9
+    for row, w in zip(masked, weight):
+        if not row.any():  # a cut in the last few positions may mask nothing at a low rate
+            continue
+        first = int(row.float().argmax())
+        assert not row[:first].any() and first >= 20
+        tail = row[first + SUFFIX_WINDOW:]
+        assert tail.all(), "a block past the first masked token, everything is masked"
+        assert w == pytest.approx(1 / max(MIN_T, float(row.sum()) / 80))
+    half = noise(ids, is_resp, -1, torch.Generator().manual_seed(3), suffix_mask=0.5)[1]
+    suffix_rows = int((half != plain[1]).any(1).sum())  # the other rows keep their uniform draw
+    assert 16 < suffix_rows < 48
+    with pytest.raises(ValueError, match="suffix_mask must be in"):
+        TrainConfig(family="llada", out="x", work="y", suffix_mask=1.5)
 
 
 def test_block_diffusion_mask():

@@ -52,12 +52,15 @@ class TrainConfig:
     init_from: str | None = None  # continue from a saved checkpoint's weights (fresh optimizer)
     ar_weight: float = 1.0  # auxiliary causal next-token loss; 0 = the pure diffusion objective
     task_mix: dict[str, int] | None = None  # examples per task per round (default 1 each)
+    suffix_mask: float = 0.0  # share of rows masked as a left-to-right decoder sees them (data.py)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_SPECIALS:
             raise ValueError(f"family must be one of {sorted(FAMILY_SPECIALS)}, got {self.family!r}")
         if self.ar_weight < 0:
             raise ValueError(f"ar_weight must be >= 0, got {self.ar_weight}")
+        if not 0 <= self.suffix_mask <= 1:
+            raise ValueError(f"suffix_mask must be in [0, 1], got {self.suffix_mask}")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
         check_mix(self.task_mix)  # a bad mix fails here, not at the first step
@@ -140,8 +143,9 @@ class Trainer:
         lo = (step % POOL) * self.cfg.batch_size
         examples = self.pool(self.cfg.seed * 1_000_003 + (step // POOL) * POOL)[lo: lo + self.cfg.batch_size]
         if self.cfg.family == "sdar":
-            return block_diffusion_batch(self.encoder, examples, seed, self.cfg.block_size)
-        return masked_diffusion_batch(self.encoder, examples, seed)
+            return block_diffusion_batch(self.encoder, examples, seed, self.cfg.block_size,
+                                         self.cfg.suffix_mask)
+        return masked_diffusion_batch(self.encoder, examples, seed, self.cfg.suffix_mask)
 
     def pool(self, pool_seed: int) -> list:
         """The length-sorted pool drawn from ``pool_seed``, built once for its POOL steps."""
