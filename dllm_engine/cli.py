@@ -138,6 +138,28 @@ def run_eval(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
 
 
+def add_chain_probe(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chain-probe", help="worked tasks: does the model compute each intermediate "
+                       "result with the right masked, or only copy it (see eval/chain_probe.py)")
+    p.add_argument("--tasks", default="sum,add,story", help="worked tasks whose results follow '='")
+    p.add_argument("--limit", type=int, default=20, help="prompts per task")
+    p.add_argument("--json", default=None, help="write the rows as JSON here")
+    add_model_args(p)
+
+
+def run_chain_probe(args: argparse.Namespace) -> None:
+    import json
+    from .eval.chain_probe import chain_probe, probe_table
+    from .tasks import load_split, resolve_tasks
+    tasks = resolve_tasks(args.tasks)
+    set_threads(args.threads)
+    rows = chain_probe(load_llm(args), load_split(tasks, limit=args.limit))
+    print(f"model: {args.model}")
+    print(probe_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.as_dict() for r in rows.values()], indent=2) + "\n")
+
+
 def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="compare method specs on the same prompts; JSON + plot")
     p.add_argument("--methods", nargs="+", required=True,
@@ -430,6 +452,7 @@ def run_lm_eval(argv: list[str]) -> int:
 
 
 COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eval),
+            "chain-probe": (add_chain_probe, run_chain_probe),
             "bench": (add_bench, run_bench), "profile": (add_profile, run_profile), "train": (add_train, run_train),
             "serve": (add_serve, run_serve), "bench-serve": (add_bench_serve, run_bench_serve),
             "lm-eval-tasks": (add_lm_eval_tasks, run_lm_eval_tasks)}

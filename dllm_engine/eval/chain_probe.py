@@ -1,0 +1,101 @@
+"""Does a checkpoint compute a worked answer's intermediate results, or copy them?
+
+A worked answer writes each intermediate result twice: after ``=`` and again as the next clause's
+first operand (``3 + 5 = 8 , 8 + 2 = 0``). A bidirectional model trained with uniform random masks
+can predict a masked result by reading its copy further right, and never learn to compute it; a
+decoder going left to right (blocks of 32, the right masked) then finds nothing to copy. This probe
+separates the two: for every result token (from ``=`` to the next ``,``) it masks the answer from
+that token on and asks the model for it, once with the bidirectional attention the decoders use
+("right masked") and once under a causal mask, next-token style, as the auxiliary loss of
+``dllm train`` trains it ("causal"). For block-causal families the blocks are counted from the
+first token of the sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..engine.llm import LLM
+from ..tasks import Example
+from .evaluate import chat_prompt
+
+
+@dataclass
+class ChainProbeRow:
+    task: str
+    results: int = 0  # result tokens probed
+    right_masked: int = 0  # of them predicted with the answer masked from them on
+    causal: int = 0  # of them predicted next-token style under a causal mask
+
+    def as_dict(self) -> dict:
+        n = max(1, self.results)
+        return {"task": self.task, "results": self.results,
+                "right_masked": round(self.right_masked / n, 4), "causal": round(self.causal / n, 4)}
+
+
+def result_positions(answer: list[int], open_id: int, close_id: int) -> list[int]:
+    """Indices in ``answer`` of the tokens between each ``open_id`` and the next ``close_id``."""
+    out, inside = [], False
+    for i, tok in enumerate(answer):
+        if tok == close_id:
+            inside = False
+        elif inside:
+            out.append(i)
+        if tok == open_id:
+            inside = True
+    return out
+
+
+def right_masked_rows(ids: Tensor, targets: list[int], start: int, mask_id: int) -> Tensor:
+    """One row per target position t: ``ids`` with every answer token from t on masked (the
+    prompt, ``ids[:start]``, and the answer before t stay)."""
+    rows = ids.repeat(len(targets), 1)
+    cols = torch.arange(ids.shape[0])[None]
+    t = torch.tensor(targets)[:, None]
+    return torch.where((cols >= t) & (cols >= start), torch.full_like(rows, mask_id), rows)
+
+
+@torch.no_grad()
+def chain_probe(llm: LLM, examples: list[Example], open_word: str = "=",
+                close_word: str = ",") -> dict[str, ChainProbeRow]:
+    """Per task, how many result tokens the model predicts with the right masked and causally."""
+    tok, model = llm.tokenizer, llm.model
+    vocab = tok.get_vocab()
+    missing = [w for w in (open_word, close_word) if w not in vocab]
+    if missing:
+        raise ValueError(f"{llm.path}: the tokenizer has no {' / '.join(map(repr, missing))}: "
+                         "not a checkpoint trained on the worked tasks")
+    open_id, close_id = vocab[open_word], vocab[close_word]
+    rows: dict[str, ChainProbeRow] = {}
+    device = next(model.parameters()).device
+    for ex in examples:
+        prompt = list(tok.apply_chat_template(chat_prompt(ex), add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+        answer = tok.encode(ex.answer, add_special_tokens=False)
+        targets = [len(prompt) + i for i in result_positions(answer, open_id, close_id)]
+        row = rows.setdefault(ex.task, ChainProbeRow(ex.task))
+        if not targets:
+            continue
+        ids = torch.tensor(prompt + answer, device=device)
+        want = ids[targets]
+        x = right_masked_rows(ids, targets, len(prompt), llm.token_ids.mask_id)
+        hidden = model.forward_context(x, model.plain_context(x, None))
+        shift = 1 if model.config.logit_shift else 0  # Dream predicts slot t from position t - 1
+        picked = hidden[torch.arange(len(targets), device=device), [t - shift for t in targets]]
+        row.right_masked += int((model.logits(picked).argmax(-1) == want).sum())
+        n = ids.shape[0]
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]
+        hidden = model.forward_context(ids[None], model.plain_context(ids[None], causal))[0]
+        row.causal += int((model.logits(hidden[[t - 1 for t in targets]]).argmax(-1) == want).sum())
+        row.results += len(targets)
+    return rows
+
+
+def probe_table(rows: dict[str, ChainProbeRow]) -> str:
+    lines = [f"{'task':10} {'results':>8} {'right masked':>13} {'causal':>8}"]
+    for r in rows.values():
+        d = r.as_dict()
+        lines.append(f"{r.task:10} {r.results:>8} {d['right_masked']:>13.1%} {d['causal']:>8.1%}")
+    return "\n".join(lines)

@@ -1,0 +1,37 @@
+"""The chain probe: result tokens found, the right masked from each, both predictions counted."""
+import pytest
+import torch
+
+from dllm_engine import LLM
+from dllm_engine.eval.chain_probe import chain_probe, result_positions, right_masked_rows
+from dllm_engine.tasks import load_split
+from fixtures import write_checkpoint
+
+
+def test_result_positions_are_the_tokens_between_open_and_close():
+    # 3 + 5 = 8 , 8 + 2 = 1 0 , answer : 0   (ids stand for words; '=' is 9, ',' is 7)
+    answer = [3, 1, 5, 9, 8, 7, 8, 1, 2, 9, 1, 0, 7, 4, 6, 0]
+    assert result_positions(answer, 9, 7) == [4, 10, 11]
+    assert result_positions([9, 5, 5], 9, 7) == [1, 2]  # a result running to the end
+    assert result_positions([1, 2, 3], 9, 7) == []
+
+
+def test_right_masked_rows_keep_the_prompt_and_the_answer_before_each_target():
+    ids = torch.arange(10, 20)
+    rows = right_masked_rows(ids, [6, 8], start=4, mask_id=-1)
+    assert rows.tolist() == [[10, 11, 12, 13, 14, 15, -1, -1, -1, -1],
+                             [10, 11, 12, 13, 14, 15, 16, 17, -1, -1]]
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_chain_probe_counts_every_result_token(tmp_path, family):
+    llm = LLM(write_checkpoint(tmp_path / family, family, vocab_size=128))  # the worked words too
+    examples = load_split(["sum", "add"], limit=2)
+    rows = chain_probe(llm, examples)
+    vocab = llm.tokenizer.get_vocab()
+    for task in ("sum", "add"):
+        want = sum(len(result_positions(llm.tokenizer.encode(e.answer, add_special_tokens=False),
+                                        vocab["="], vocab[","])) for e in examples if e.task == task)
+        row = rows[task]
+        assert row.results == want > 0
+        assert 0 <= row.right_masked <= row.results and 0 <= row.causal <= row.results
