@@ -241,6 +241,10 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--suffix-mask", type=float, default=0.0, metavar="SHARE",
                    help="share of rows masked as a left-to-right decoder sees them: clean before a "
                         "random cut, fully masked a block after it (0 = uniform masking only)")
+    p.add_argument("--block-aux", type=float, default=0.0, metavar="WEIGHT",
+                   help="llada: add the block diffusion loss (SDAR's objective, block --block-size) "
+                        "on the same examples with this weight: every block learns from a clean left "
+                        "context (0 = off)")
     p.add_argument("--task-mix", type=task_mix, default=None, metavar="TASK=N,...",
                    help="oversample tasks: N examples of TASK per round of one of each other task "
                         "(e.g. lookup=3,spell=2)")
@@ -267,7 +271,7 @@ def run_train(args: argparse.Namespace) -> None:
                       num_kv_heads=args.num_kv_heads, block_size=args.block_size,
                       max_new_tokens=args.max_new_tokens,
                       init_from=args.init_from, ar_weight=args.ar_weight, task_mix=args.task_mix,
-                      suffix_mask=args.suffix_mask)
+                      suffix_mask=args.suffix_mask, block_aux=args.block_aux)
     trainer = Trainer(cfg)
     print(f"checkpoint written to {trainer.export_saved() if args.export_only else trainer.train()}")
 

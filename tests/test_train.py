@@ -59,6 +59,20 @@ def test_suffix_masking_is_a_left_to_right_decoders_view():
         TrainConfig(family="llada", out="x", work="y", suffix_mask=1.5)
 
 
+def test_block_aux_adds_the_block_diffusion_loss_on_the_same_examples(tmp_path):
+    plain, aux = trainer(tmp_path, name="plain"), trainer(tmp_path, name="aux", block_aux=1.0)
+    b = aux.block_batch(0)
+    assert b.attention_mask is not None and b.input_ids.shape[1] == 2 * b.targets.shape[1]
+    assert torch.equal(b.input_ids[:, b.targets.shape[1]:], b.targets)  # the clean copy
+    before = [p.detach().clone() for p in plain.model.parameters()]
+    plain.train_step(0)
+    aux.train_step(0)  # same weights (same seed), one more loss term: a different update
+    moved = [not torch.equal(p, q) for p, q in zip(plain.model.parameters(), aux.model.parameters())]
+    assert any(moved) and not all(torch.equal(p, q) for p, q in zip(before, plain.model.parameters()))
+    with pytest.raises(ValueError, match="block_aux must be"):
+        TrainConfig(family="sdar", out="x", work="y", block_aux=1.0)
+
+
 def test_block_diffusion_mask():
     m = block_diffusion_mask(4, 2)[0, 0]  # [noisy 0..3 ; clean 0..3]
     noisy_q2 = m[2].tolist()  # noisy token in block 1

@@ -53,12 +53,16 @@ class TrainConfig:
     ar_weight: float = 1.0  # auxiliary causal next-token loss; 0 = the pure diffusion objective
     task_mix: dict[str, int] | None = None  # examples per task per round (default 1 each)
     suffix_mask: float = 0.0  # share of rows masked as a left-to-right decoder sees them (data.py)
+    block_aux: float = 0.0  # full-attention families: weight of an auxiliary block diffusion loss
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_SPECIALS:
             raise ValueError(f"family must be one of {sorted(FAMILY_SPECIALS)}, got {self.family!r}")
         if self.ar_weight < 0:
             raise ValueError(f"ar_weight must be >= 0, got {self.ar_weight}")
+        if self.block_aux < 0 or (self.block_aux and self.family == "sdar"):
+            raise ValueError(f"block_aux must be >= 0 and is for full-attention families (sdar's "
+                             f"objective is block diffusion already), got {self.block_aux}")
         if not 0 <= self.suffix_mask <= 1:
             raise ValueError(f"suffix_mask must be in [0, 1], got {self.suffix_mask}")
         if self.steps < 1 or self.batch_size < 1:
@@ -135,17 +139,28 @@ class Trainer:
         progress = (step - c.warmup) / max(1, c.steps - c.warmup)
         return c.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
-    def batch(self, step: int) -> Batch:
+    def examples(self, step: int) -> list:
         """Length bucketing: a pool of POOL batches is drawn per POOL steps and sorted by answer
         length, so each batch's canvas is tight (padding a 10-token answer to a 120-token
         neighbour's canvas would waste most of the step)."""
-        seed = self.cfg.seed * 1_000_003 + step
         lo = (step % POOL) * self.cfg.batch_size
-        examples = self.pool(self.cfg.seed * 1_000_003 + (step // POOL) * POOL)[lo: lo + self.cfg.batch_size]
+        return self.pool(self.cfg.seed * 1_000_003 + (step // POOL) * POOL)[lo: lo + self.cfg.batch_size]
+
+    def batch(self, step: int) -> Batch:
+        seed = self.cfg.seed * 1_000_003 + step
         if self.cfg.family == "sdar":
-            return block_diffusion_batch(self.encoder, examples, seed, self.cfg.block_size,
+            return block_diffusion_batch(self.encoder, self.examples(step), seed, self.cfg.block_size,
                                          self.cfg.suffix_mask)
-        return masked_diffusion_batch(self.encoder, examples, seed, self.cfg.suffix_mask)
+        return masked_diffusion_batch(self.encoder, self.examples(step), seed, self.cfg.suffix_mask)
+
+    def block_batch(self, step: int) -> Batch:
+        """The same examples under the block diffusion objective (``block_aux``): each noisy
+        block reads the clean blocks before it, so every block of a worked answer trains the
+        model to compute the next result from a clean left context (uniform masks mostly leave
+        it a copy to read on the right)."""
+        seed = self.cfg.seed * 1_000_003 + step + 500_009
+        return block_diffusion_batch(self.encoder, self.examples(step), seed, self.cfg.block_size,
+                                     self.cfg.suffix_mask)
 
     def pool(self, pool_seed: int) -> list:
         """The length-sorted pool drawn from ``pool_seed``, built once for its POOL steps."""
@@ -158,6 +173,12 @@ class Trainer:
 
     def loss(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(diffusion loss, auxiliary causal loss); the step minimises diffusion + ar_weight * causal."""
+        diffusion = self.diffusion_loss(b)
+        if self.cfg.ar_weight == 0:
+            return diffusion, torch.zeros(())
+        return diffusion, self.causal_loss(b.targets[:, : b.content_length])
+
+    def diffusion_loss(self, b: Batch) -> torch.Tensor:
         ctx = self.model.plain_context(b.input_ids, b.attention_mask)
         if b.position_ids is not None:
             ctx.positions = b.position_ids.expand_as(b.input_ids)
@@ -166,10 +187,7 @@ class Trainer:
         ce = F.cross_entropy(logits, b.targets[b.is_masked], reduction="none")
         weight = b.weight[:, None].expand_as(b.targets)[b.is_masked]
         # LLaDA SFT normalises by the response length; every row is the same length here
-        diffusion = (ce * weight).sum() / max(1, int(b.is_masked.numel()))
-        if self.cfg.ar_weight == 0:
-            return diffusion, torch.zeros(())
-        return diffusion, self.causal_loss(b.targets[:, : b.content_length])
+        return (ce * weight).sum() / max(1, int(b.is_masked.numel()))
 
     def causal_loss(self, ids: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy of the clean rows under a causal mask (prompt, answer, first EOS).
@@ -255,8 +273,11 @@ class Trainer:
         for group in self.opt.param_groups:
             group["lr"] = self.lr_at(step)
         diffusion, causal = self.loss(self.batch(step))
+        total = diffusion + self.cfg.ar_weight * causal
+        if self.cfg.block_aux:
+            total = total + self.cfg.block_aux * self.diffusion_loss(self.block_batch(step))
         self.opt.zero_grad(set_to_none=True)
-        (diffusion + self.cfg.ar_weight * causal).backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         return diffusion.item(), causal.item()
