@@ -21,12 +21,16 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                         "(faster; the process keeps its peak heap; see engine/host_memory.py)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (the README's benchmarks use 1; default: torch's choice)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N processes, one per device (spawned here, or the "
+                        "ranks of torchrun); each process uses --threads CPU threads")
 
 
 def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     from . import LLM
     return LLM(model or args.model, dtype=args.dtype, device=args.device,
-               keep_freed_memory=args.keep_freed_memory, **kw)
+               keep_freed_memory=args.keep_freed_memory,
+               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), **kw)
 
 
 def set_threads(threads: int | None) -> None:
@@ -330,6 +334,9 @@ def run_serve(args: argparse.Namespace) -> None:
 
 def run_serve_replicated(args: argparse.Namespace) -> None:
     import os
+    if args.tensor_parallel_size != 1:
+        raise ValueError("--tensor-parallel-size with --replicas is not supported yet: a replica "
+                         "runs in one process; use one or the other")
     try:
         from .server.replicated import ReplicaOptions, Scaling, run_replicated
     except ImportError as e:
