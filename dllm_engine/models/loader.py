@@ -143,8 +143,9 @@ def read_shard(folder: Path, model: DiffusionLM, family: Family) -> tuple[dict[s
             if tuple(tensor_slice.get_shape()) != full:
                 raise ValueError(f"tensor {ckpt} has shape {tuple(tensor_slice.get_shape())} but "
                                  f"the config implies {full}")
-            state[ours] = read_slices(tensor_slice, getattr(param, "load_slices", None))
-            nbytes += state[ours].numel() * state[ours].element_size()
+            slices = getattr(param, "load_slices", None)
+            state[ours] = read_slices(tensor_slice, slices, param.shape[0] if slices else None)
+            nbytes += read_bytes(state[ours], slices, tensor_slice.get_shape())
     return state, nbytes
 
 
@@ -159,6 +160,14 @@ def named_tensors(model: DiffusionLM) -> dict[str, torch.Tensor]:
 def expected_names(model: DiffusionLM, family: Family) -> dict[str, str]:
     """checkpoint tensor name -> our parameter name."""
     return {family.checkpoint_name(name): name for name in named_tensors(model)}
+
+
+def read_bytes(tensor: torch.Tensor, slices, full_shape: list[int]) -> int:
+    """Bytes of ``tensor`` read from the file (zero padding rows excluded)."""
+    if not slices or slices[0][0] != 0:
+        return tensor.numel() * tensor.element_size()
+    rows = sum(end - start for _, start, end in slices)
+    return rows * (tensor.numel() // max(tensor.shape[0], 1)) * tensor.element_size()
 
 
 def check_names(found: set[str], names: dict[str, str], family: Family, folder: Path) -> None:

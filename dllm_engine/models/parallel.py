@@ -49,6 +49,13 @@ class Shard:
         n = total // self.size
         return self.rank * n, (self.rank + 1) * n
 
+    def vocab_part(self, vocab_size: int) -> tuple[int, int, int]:
+        """(start, end, rows) of this rank's vocabulary slice: ceil(vocab / size) rows each, the
+        last rank's tail padded with zero rows when the vocabulary does not divide."""
+        rows = -(-vocab_size // self.size)
+        start = min(self.rank * rows, vocab_size)
+        return start, min(start + rows, vocab_size), rows
+
     def all_reduce(self, x: Tensor) -> Tensor:
         """Sum ``x`` over ranks, in place."""
         if self.group is not None:
@@ -67,13 +74,13 @@ class Shard:
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:
     """Refuse, naming the field and the sizes, a model whose shapes do not split over ``size``
-    ranks. KV heads fewer than ranks are replicated (each KV head on size / num_kv_heads ranks)."""
+    ranks. Fallbacks instead of errors: KV heads fewer than ranks are replicated (each KV head on
+    size / num_kv_heads ranks); a vocabulary that does not divide is padded (``vocab_part``)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
-    need = {"num_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
-            "vocab_size": cfg.vocab_size}
+    need = {"num_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size}
     if cfg.moe is not None:
         need["num_experts"] = cfg.moe.num_experts
         need["moe_intermediate_size * num_shared_experts"] = (cfg.moe.moe_intermediate_size
@@ -133,8 +140,8 @@ class VocabParallelEmbedding(nn.Embedding):
     """Rows [start, end) of the embedding; ids outside give zeros, summed over ranks."""
 
     def __init__(self, vocab_size: int, hidden_size: int, shard: Shard) -> None:
-        self.start, self.end = shard.part(vocab_size)
-        super().__init__(self.end - self.start, hidden_size)
+        self.start, self.end, rows = shard.vocab_part(vocab_size)
+        super().__init__(rows, hidden_size)
         self.shard = shard
         mark(self.weight, (vocab_size, hidden_size), [(0, self.start, self.end)])
 
@@ -145,31 +152,35 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class ParallelLMHead(nn.Linear):
-    """Logits of vocabulary rows [start, end); rank 0 gathers the full rows."""
+    """Logits of vocabulary rows [start, end); rank 0 gathers the full rows (padding cut off)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, shard: Shard) -> None:
-        start, end = shard.part(vocab_size)
-        super().__init__(hidden_size, end - start, bias=False)
-        self.shard = shard
+        start, end, rows = shard.vocab_part(vocab_size)
+        super().__init__(hidden_size, rows, bias=False)
+        self.shard, self.vocab_size = shard, vocab_size
         mark(self.weight, (vocab_size, hidden_size), [(0, start, end)])
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.shard.gather_last(F.linear(x, self.weight))
+        return self.shard.gather_last(F.linear(x, self.weight))[..., : self.vocab_size]
 
 
 def mark(param: Tensor, full_shape: tuple[int, ...], slices: Slices) -> None:
-    """Tell the loader which part of the checkpoint tensor (of ``full_shape``) ``param`` holds."""
+    """Tell the loader which part of the checkpoint tensor (of ``full_shape``) ``param`` holds;
+    rows past the checkpoint's (a padded vocabulary slice) stay zero."""
     param.full_shape = full_shape
     param.load_slices = slices
 
 
-def read_slices(tensor_slice, slices: Slices | None) -> Tensor:
+def read_slices(tensor_slice, slices: Slices | None, rows: int | None = None) -> Tensor:
     """The parts ``slices`` of a safetensors slice (the whole tensor when None), reading only
-    those bytes."""
+    those bytes; zero rows appended up to ``rows``."""
     if slices is None:
         return tensor_slice[:]
     parts = []
     for dim, start, end in slices:
         index = (slice(None),) * dim + (slice(start, end),)
         parts.append(tensor_slice[index])
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=slices[0][0])
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=slices[0][0])
+    if rows is not None and out.shape[0] < rows:
+        out = torch.cat([out, out.new_zeros((rows - out.shape[0],) + tuple(out.shape[1:]))])
+    return out
