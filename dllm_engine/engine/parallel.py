@@ -217,9 +217,15 @@ class TensorParallel:
             return self.guard(self.model, input_ids, attention_mask)
 
     def report(self) -> list[dict]:
-        """Per rank: weight bytes it read, its parameter count and peak resident memory."""
+        """Per rank: weight bytes it read, its parameter count and its peak resident memory
+        (since start, or since ``reset_peak``)."""
         self.send(("report",))
         return self.guard(gather_reports, self.channel.group, rank_report(self.model))
+
+    def reset_peak(self) -> None:
+        """Start every rank's peak resident memory afresh (Linux; a no-op elsewhere)."""
+        self.send(("reset_peak",))
+        reset_peak_rss()
 
     # -- shutdown ----------------------------------------------------------------------------
     def close(self, send: bool = True) -> None:
@@ -270,7 +276,25 @@ def gather_errors(group, error: str | None) -> list[str]:
 def rank_report(model: DiffusionLM) -> dict:
     return {"rank": model.shard.rank, "loaded_bytes": getattr(model, "loaded_bytes", 0),
             "num_parameters": sum(p.numel() for p in model.parameters()),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM; getrusage where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(kb / 1024, 1)
+
+
+def reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: reset VmHWM to the current RSS
+    except OSError:
+        pass
 
 
 def gather_reports(group, report: dict) -> list[dict]:
@@ -379,3 +403,6 @@ class Worker:
 
     def report(self) -> None:
         gather_reports(self.channel.group, rank_report(self.model))
+
+    def reset_peak(self) -> None:
+        reset_peak_rss()
