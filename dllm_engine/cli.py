@@ -191,6 +191,9 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
 def run_profile(args: argparse.Namespace) -> None:
     from .bench.profile import HEADER, run_profile as profile, table
     from .tasks import load_split
+    if args.tensor_parallel_size != 1:  # its floor pass calls modules whose collectives need every rank
+        raise ValueError("dllm profile replays the model's modules in this process; run it with "
+                         "--tensor-parallel-size 1")
     llm = load_llm(args)  # as dllm bench: freed host memory kept unless --no-keep-freed-memory
     examples = load_split("copy", limit=args.limit)
     defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
