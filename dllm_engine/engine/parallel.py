@@ -174,10 +174,10 @@ class TensorParallel:
         channel = Channel(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT), device)
         model, error = load_shard(path, dtype, device, 0, size)
         errors = gather_errors(channel.group, error)
-        if errors:
-            tp = cls.__new__(cls)
-            tp.procs, tp.owns_group, tp.closed, tp.channel = procs, owns_group, False, channel
-            tp.close(send=False)
+        if errors:  # every rank saw them: the workers return, rank 0 raises
+            stop(procs)
+            if owns_group:
+                dist.destroy_process_group()
             raise ValueError("tensor-parallel ranks failed to load the model: " + "; ".join(errors))
         return cls(model, channel, procs, owns_group)
 
