@@ -80,6 +80,20 @@ def test_greedy_tokens_equal_one_process(pair):
         assert work[method] < work[base], method
 
 
+def test_rows_joining_and_leaving_move_on_every_rank(pair):
+    """Two running sequences at a time: five prompts join as others finish, so KV pool rows
+    move between steps; rank 1's pools must move the same way."""
+    family, one, two = pair
+    params = SamplingParams(method=METHODS[family][-1], max_new_tokens=16, block_length=8)
+    prompts = PROMPTS + [[40, 41, 42, 43, 44], [50, 51]]
+    one.engine.max_num_seqs = two.engine.max_num_seqs = 2
+    try:
+        a, b = one.generate(prompts, params), two.generate(prompts, params)
+    finally:
+        one.engine.max_num_seqs = two.engine.max_num_seqs = 256
+    assert [o.token_ids for o in b] == [o.token_ids for o in a]
+
+
 def test_each_rank_reads_only_its_slices(pair):
     _, one, two = pair
     full = sum(p.numel() * p.element_size() for p in one.model.parameters())

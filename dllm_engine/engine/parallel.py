@@ -88,10 +88,10 @@ class LoggedKVCache(KVCache):
 class ParallelRunner(Runner):
     """Rank 0's runner: before each forward, sends the step to the other ranks."""
 
-    def __init__(self, model: DiffusionLM, group: "TensorParallel") -> None:
+    def __init__(self, model: DiffusionLM, parallel: "TensorParallel") -> None:
         super().__init__(model)
-        self.group = group
-        self.cache_log: list = []
+        self.parallel = parallel
+        self.cache_log: list = []  # pool changes not yet sent (a pool's finalizer may add one any time)
         self.num_caches = 0
 
     def new_cache(self) -> KVCache:
@@ -106,9 +106,11 @@ class ParallelRunner(Runner):
     def run(self, step: StepInputs, ctx) -> tuple:
         view = ctx.cache
         where = (view.cache.cache_id, view.rows) if hasattr(view, "cache") else (view.cache_id, slice(None))
-        ops, self.cache_log[:] = list(self.cache_log), []
-        self.group.send(("step", ops, step, where, ctx.hooks))
-        return self.group.guard(super().run, step, ctx)
+        n = len(self.cache_log)
+        ops = self.cache_log[:n]
+        del self.cache_log[:n]
+        self.parallel.send(("step", ops, step, where, ctx.hooks))
+        return self.parallel.guard(super().run, step, ctx)
 
 
 class TensorParallel:
