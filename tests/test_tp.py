@@ -167,14 +167,17 @@ def kill_worker(llm: LLM) -> None:
 
 
 def test_dead_worker_is_an_error_and_the_server_answers_503(pair):
-    """A killed rank: the server fails the request and every later one with 503 and /health
-    says so; generate raises WorkerDied naming the rank. (Runs last: it ends the group of the
+    """The server steps a tensor-parallel engine from its loop thread; then a killed rank: the
+    server fails the request and every later one with 503 and /health says so; generate raises
+    WorkerDied naming the rank. (Runs last: it ends the group of the
     module's last family.)"""
     from test_server import SHORT, serving
     family, _, llm = pair
     if family != list(METHODS)[-1]:
         pytest.skip("runs once, on the last family's group")
     with serving(llm) as (url, _):
+        served = httpx.post(f"{url}/v1/completions", json=SHORT, timeout=60)
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] > 0
         kill_worker(llm)
         start = time.monotonic()
         r = httpx.post(f"{url}/v1/completions", json=SHORT, timeout=30)
