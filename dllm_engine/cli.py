@@ -21,12 +21,16 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                         "(faster; the process keeps its peak heap; see engine/host_memory.py)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (the README's benchmarks use 1; default: torch's choice)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N processes, one per device (spawned here, or the "
+                        "ranks of torchrun); each process uses --threads CPU threads")
 
 
 def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     from . import LLM
     return LLM(model or args.model, dtype=args.dtype, device=args.device,
-               keep_freed_memory=args.keep_freed_memory, **kw)
+               keep_freed_memory=args.keep_freed_memory,
+               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), **kw)
 
 
 def set_threads(threads: int | None) -> None:
@@ -209,6 +213,9 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
 def run_profile(args: argparse.Namespace) -> None:
     from .bench.profile import HEADER, run_profile as profile, table
     from .tasks import load_split
+    if args.tensor_parallel_size != 1:  # its floor pass calls modules whose collectives need every rank
+        raise ValueError("dllm profile replays the model's modules in this process; run it with "
+                         "--tensor-parallel-size 1")
     llm = load_llm(args)  # as dllm bench: freed host memory kept unless --no-keep-freed-memory
     examples = load_split("copy", limit=args.limit)
     defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
@@ -360,6 +367,9 @@ def run_serve(args: argparse.Namespace) -> None:
 
 def run_serve_replicated(args: argparse.Namespace) -> None:
     import os
+    if args.tensor_parallel_size != 1:
+        raise ValueError("--tensor-parallel-size with --replicas is not supported yet: a replica "
+                         "runs in one process; use one or the other")
     try:
         from .server.replicated import ReplicaOptions, Scaling, run_replicated
     except ImportError as e:

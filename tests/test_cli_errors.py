@@ -74,6 +74,13 @@ def cases(ckpt, tmp_path_factory) -> dict[str, tuple[list[str], str]]:
         "serve a default it cannot run": (["serve", str(ckpt), "--method", "block", "--port", port],
                                           "method 'block' cannot run on this model"),
         "two models to serve": (["serve", str(ckpt), "--model", "/elsewhere"], "two models given"),
+        # refused before any worker process starts
+        "tensor parallel does not divide": (["generate", *model, "--tensor-parallel-size", "3"],
+                                            "num_heads 4 is not divisible by tensor_parallel_size 3"),
+        "profile under tensor parallel": (["profile", *model, "--methods", "dual-cache",
+                                           "--tensor-parallel-size", "2"], "run it with --tensor-parallel-size 1"),
+        "replicas under tensor parallel": (["serve", str(ckpt), "--replicas", "2", "--tensor-parallel-size", "2"],
+                                           "--tensor-parallel-size with --replicas is not supported"),
         # the spec fails before the (broken) weights are read: specs are checked first
         "bench spec before weights": (["bench", "--model", str(folders["truncated weights"]), "--methods",
                                        "block", "--out", "unused"], "spec 'block': method 'block' cannot run"),
@@ -122,7 +129,8 @@ def test_bad_input_is_one_error_line_and_exit_2(results, argv_cases, name):
 
 CASES = [*BROKEN, "model is a file", "device tpu", "device cuda on a CPU build", "port out of range",
          "temperature NaN", "factor inf", "serve a default it cannot run", "two models to serve",
-         "bench spec before weights"]
+         "bench spec before weights", "tensor parallel does not divide", "profile under tensor parallel",
+         "replicas under tensor parallel"]
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -75,6 +75,8 @@ class BenchRecord:
     prefill_tokens: int
     peak_memory_mb: float
     tasks: list[str]  # the workload: task names of the prompts, in order
+    # tensor parallel: each rank's peak resident memory (VmHWM) during the run, rank 0 first
+    peak_memory_mb_per_rank: list[float] | None = None
 
     @property
     def stop_share(self) -> float:
@@ -84,15 +86,21 @@ class BenchRecord:
 def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Example],
               batch_size: int) -> BenchRecord:
     evaluate(llm, params, examples=examples[:1], batch_size=1, use_tqdm=False)  # warm-up
+    if llm.parallel is not None:
+        llm.parallel.reset_peak()
     with PeakMemory(llm.device) as mem:
         report = evaluate(llm, params, examples=examples, batch_size=batch_size, use_tqdm=False)
+    per_rank = None
+    if llm.parallel is not None and llm.device.type == "cpu":
+        per_rank = [r["peak_rss_mb"] for r in llm.parallel.report()]
     s = report.stats
     return BenchRecord(method=spec, batch_size=batch_size, num_prompts=len(examples),
                        accuracy=round(report.accuracy, 4), throughput=round(report.throughput, 2),
                        seconds=round(s.seconds, 3), nfe=s.nfe, decoded_tokens=s.decoded_tokens,
                        output_tokens=s.output_tokens, processed_tokens=round(s.processed_tokens, 1),
                        redundancy=round(s.redundancy, 3), prefill_tokens=s.prefill_tokens,
-                       peak_memory_mb=mem.mb, tasks=list(dict.fromkeys(e.task for e in examples)))
+                       peak_memory_mb=mem.mb, tasks=list(dict.fromkeys(e.task for e in examples)),
+                       peak_memory_mb_per_rank=per_rank)
 
 
 def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
@@ -146,7 +154,14 @@ HEADER = (f"{'method':<48} {'batch':>5} {'acc':>6} {'tok/s':>8} {'nfe':>6} {'tok
 def format_row(r: BenchRecord) -> str:
     return (f"{r.method:<48} {r.batch_size:>5} {r.accuracy:>6.1%} {r.throughput:>8.1f} {r.nfe:>6} "
             f"{r.decoded_tokens / max(1, r.nfe):>8.2f} {r.redundancy:>7.2f} {r.stop_share:>6.1%} {r.prefill_tokens:>8} "
-            f"{r.peak_memory_mb:>7.0f}")
+            f"{r.peak_memory_mb:>7.0f}" + per_rank_memory(r))
+
+
+def per_rank_memory(r: BenchRecord) -> str:
+    """Tensor parallel: `` ranks MB a/b/...`` (each rank's peak resident memory)."""
+    if not r.peak_memory_mb_per_rank:
+        return ""
+    return "  ranks MB " + "/".join(f"{m:.0f}" for m in r.peak_memory_mb_per_rank)
 
 
 def table(records: list[BenchRecord]) -> str:

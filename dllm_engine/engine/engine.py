@@ -31,15 +31,14 @@ def length_class(positions: int) -> int:
 
 
 class Engine:
-    def __init__(self, model: DiffusionLM, max_num_seqs: int = 256) -> None:
+    def __init__(self, model: DiffusionLM, max_num_seqs: int = 256, runner: Runner | None = None) -> None:
+        """``runner``: how a step's forward runs (default: in this process; a tensor-parallel
+        runner also drives the other ranks)."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        cfg = model.config
-        device = next(model.parameters()).device
-        dtype = next(model.parameters()).dtype
         self.model = model
-        self.runner = Runner(model)
-        self.new_cache = partial(KVCache, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.runner = runner if runner is not None else Runner(model)
+        self.new_cache = self.runner.new_cache
         self.caches: dict[GroupKey, KVCache] = {}
         self.groups: dict[GroupKey, list[Sequence]] = {}  # running sequences, in row order
         self.group_of: dict[int, GroupKey] = {}  # running sequence id -> its group

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,19 +62,50 @@ def quiet_transformers():
 
 class LLM:
     def __init__(self, model: str | Path, dtype: str = "float32", device: str = "cpu",
-                 max_num_seqs: int = 256, keep_freed_memory: bool = False) -> None:
+                 max_num_seqs: int = 256, keep_freed_memory: bool = False,
+                 tensor_parallel_size: int = 1) -> None:
         """``keep_freed_memory``: on CPU, tune this process's glibc allocator to reuse freed
-        activations (faster, keeps the peak heap; process-wide: see ``engine/host_memory.py``)."""
+        activations (faster, keeps the peak heap; process-wide: see ``engine/host_memory.py``).
+
+        ``tensor_parallel_size`` N > 1: the model is split over N processes, one per device
+        (``engine/parallel.py``); this process is rank 0. Under torchrun, ranks other than 0
+        serve inside this call and exit when rank 0 calls ``close()`` (or exits)."""
         self.path = Path(model)
         self.device = parse_device(device)
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
-        self.model = load_model(self.path, dtype=dtype, device=self.device)
+        self.parallel = None
+        if tensor_parallel_size > 1 and self.device.type != "meta":
+            from .parallel import TensorParallel
+            self.parallel = TensorParallel.start(self.path, dtype, self.device, tensor_parallel_size,
+                                                 keep_freed_memory)
+            weakref.finalize(self, self.parallel.close)
+            self.model = self.parallel.model
+        else:
+            self.model = load_model(self.path, dtype=dtype, device=self.device)
         self.tokenizer = self.load_tokenizer()
         self.generation_config = read_generation_config(self.path)
         self.token_ids = self.resolve_ids()
-        self.engine = Engine(self.model, max_num_seqs=max_num_seqs)
+        runner = self.parallel.runner if self.parallel is not None else None
+        self.engine = Engine(self.model, max_num_seqs=max_num_seqs, runner=runner)
         self.counter = itertools.count()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.parallel is None else self.parallel.size
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do in one process)."""
+        if self.parallel is not None:
+            self.parallel.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def load_tokenizer(self):
         if not (self.path / "tokenizer.json").is_file() and not (self.path / "tokenizer_config.json").is_file():

@@ -2,6 +2,8 @@
 per sequence, the logits of the positions its decoder asked for."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -17,11 +19,30 @@ def pad_stack(rows: list[Tensor], value: int) -> Tensor:
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
 
 
+@dataclass
+class StepInputs:
+    """The batch tensors of one step: all a rank needs to run the same forward (a
+    tensor-parallel runner sends them to the other ranks)."""
+    token_ids: Tensor  # [B, T]
+    positions: Tensor  # [B, T]
+    valid: Tensor  # [B, T] False for row padding
+    mask: Tensor | None  # [B, 1, T, S] or None (every query sees every key)
+    num_keys: int  # S
+    slots: Tensor  # [B, T] cache slot of each token
+    lengths: list[int]  # live tokens per row
+    logit_slots: Tensor  # [B, N] cache slots whose logits the step wants
+
+
 class Runner:
     def __init__(self, model: DiffusionLM) -> None:
         self.model = model
         self.shift = model.config.logit_shift
         self.num_layers = model.config.num_layers
+
+    def new_cache(self) -> KVCache:
+        """An empty KV pool for this process's KV heads."""
+        p = next(self.model.parameters())
+        return KVCache(self.num_layers, self.model.num_kv_heads, self.model.config.head_dim, p.dtype, p.device)
 
     def forward(self, seqs: list[Sequence], plans: list[StepPlan], cache: KVCache,
                 hooks: LayerHooks | None = None) -> list[tuple[Tensor, Tensor]]:
@@ -29,17 +50,34 @@ class Runner:
         planned logit positions that are still live at the last layer (a strategy may evict).
         Everything the layer loop needs is derived here, once (see ``ForwardContext``)."""
         plans = [p.finalize(s, self.shift) for s, p in zip(seqs, plans)]
+        step = self.inputs(plans)
+        ctx = self.context(step, cache, hooks)
+        flat, counts, logits = self.run(step, ctx)
+        self.account(seqs, ctx)
+        positions = pad_stack([p.logit_positions for p in plans], 0).reshape(-1)[flat]
+        return list(zip(positions.split(counts), logits.split(counts)))
+
+    def inputs(self, plans: list[StepPlan]) -> StepInputs:
         lengths = [len(p) for p in plans]
         positions = pad_stack([p.positions for p in plans], 0)
         dev = positions.device
         valid = torch.arange(positions.shape[1], device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
         num_keys, mask = self.attention_keys(plans, pad_stack([p.key_limit for p in plans], 1), valid)
-        ctx = ForwardContext(positions=positions, token_valid=valid, attn_mask=mask, key_length=num_keys,
-                             cache=cache, hooks=hooks, processed=[0.0] * len(seqs), row_lengths=lengths,
-                             slots=pad_stack([p.slots for p in plans], 0))
-        hidden = self.model.forward_context(pad_stack([p.token_ids for p in plans], 0), ctx)
-        self.account(seqs, ctx)
-        return self.logits(plans, hidden, ctx)
+        return StepInputs(pad_stack([p.token_ids for p in plans], 0), positions, valid, mask, num_keys,
+                          pad_stack([p.slots for p in plans], 0), lengths,
+                          pad_stack([p.logit_slots for p in plans], num_keys))
+
+    def context(self, step: StepInputs, cache, hooks: LayerHooks | None) -> ForwardContext:
+        return ForwardContext(positions=step.positions, token_valid=step.valid, attn_mask=step.mask,
+                              key_length=step.num_keys, cache=cache, hooks=hooks,
+                              processed=[0.0] * len(step.lengths), row_lengths=step.lengths,
+                              slots=step.slots, shard=self.model.shard)
+
+    def run(self, step: StepInputs, ctx: ForwardContext) -> tuple[Tensor, list[int], Tensor]:
+        """The forward and the LM head over the wanted live tokens: (flat index of each logits
+        row into [B, N] of ``step.logit_slots``, rows per sequence, logits)."""
+        hidden = self.model.forward_context(step.token_ids, ctx)
+        return self.logits(step.logit_slots, hidden, ctx)
 
     @staticmethod
     def attention_keys(plans: list[StepPlan], limit: Tensor, valid: Tensor) -> tuple[int, Tensor | None]:
@@ -73,22 +111,18 @@ class Runner:
                 work -= seq.prompt_len
             seq.stats.processed_tokens += work
 
-    def logits(self, plans: list[StepPlan], hidden: Tensor, ctx: ForwardContext
-               ) -> list[tuple[Tensor, Tensor]]:
-        """Logits of each plan's ``logit_slots`` whose token is still live, batched: a [B, S + 1]
-        map from cache slot to live column (column S collects padding), one LM-head call, one
-        host read (the count per row)."""
+    def logits(self, wanted: Tensor, hidden: Tensor, ctx: ForwardContext) -> tuple[Tensor, list[int], Tensor]:
+        """Logits of the ``wanted`` [B, N] cache slots whose token is still live, batched: a
+        [B, S + 1] map from cache slot to live column (column S collects padding), one LM-head
+        call, one host read (the count per row)."""
         b, s = ctx.slots.shape[0], ctx.key_length
         slots = torch.where(ctx.token_valid & (ctx.slots < s), ctx.slots, s)
         where = torch.full((b, s + 1), -1, dtype=torch.long, device=hidden.device)
         where.scatter_(1, slots, torch.arange(slots.shape[1], device=hidden.device).expand_as(slots))
         where[:, s] = -1
-        wanted = pad_stack([p.logit_slots for p in plans], s)
         src = where.gather(1, torch.where((wanted >= 0) & (wanted < s), wanted, s))  # [B, N]
         ok = src >= 0
         counts = ok.sum(1).tolist()
         flat = torch.nonzero_static(ok.reshape(-1), size=sum(counts))[:, 0]
         rows = flat // ok.shape[1]
-        logits = self.model.logits(hidden[rows, src.reshape(-1)[flat]])
-        positions = pad_stack([p.logit_positions for p in plans], 0).reshape(-1)[flat]
-        return list(zip(positions.split(counts), logits.split(counts)))
+        return flat, counts, self.model.logits(hidden[rows, src.reshape(-1)[flat]])

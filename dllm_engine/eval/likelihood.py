@@ -79,6 +79,9 @@ def masked_logprobs(model: DiffusionLM, noisy: Tensor, targets: Tensor, is_maske
 
 
 def masked_logits(model: DiffusionLM, ids: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    if model.shard is not None:  # the other ranks run engine steps only
+        raise ValueError("loglikelihood scoring runs in one process; load the model with "
+                         "tensor_parallel_size 1 for it")
     hidden = model.forward_context(ids, model.plain_context(ids, None))  # [B, T, d]
     if model.config.logit_shift:  # Dream: position i reads the output at i - 1
         cols = (cols - model.config.logit_shift).clamp(min=0)

@@ -79,6 +79,7 @@ class ForwardContext:
     key_length: int | None = None  # S, the cache positions attention reads (default max key_limit)
     row_lengths: list[int] | None = None  # live tokens per row, left-packed (None: unknown layout)
     derived: dict = field(default_factory=dict, repr=False)  # facts of the live set; shrink clears it
+    shard: object | None = None  # parallel.Shard of a tensor-parallel model; None in one process
 
     def __post_init__(self) -> None:
         if self.token_index is None:
@@ -104,6 +105,11 @@ class ForwardContext:
         """Add the live tokens of one layer to ``processed`` (SPEC: processed_tokens)."""
         if self.processed is not None:
             self.processed = [p + n for p, n in zip(self.processed, self.live_counts())]
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """``x`` summed over tensor-parallel ranks (a sum over attention heads that each rank
+        computed for its own heads); ``x`` itself in one process."""
+        return x if self.shard is None else self.shard.all_reduce(x)
 
     def num_keys(self) -> int:
         """How many cache positions attention reads this forward."""

@@ -12,6 +12,8 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig, MoEConfig
 from .context import ForwardContext
+from .parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
+                       VocabParallelEmbedding, kv_heads_of)
 
 
 class RMSNorm(nn.Module):
@@ -66,25 +68,48 @@ def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    """Self-attention over this rank's heads (all of them without a ``shard``): column-parallel
+    q/k/v, row-parallel o followed by an all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         d = cfg.hidden_size
-        self.qkv_sizes = [n * self.head_dim for n in (self.num_heads, self.num_kv_heads, self.num_kv_heads)]
         self.fused_qkv = cfg.fused_qkv
-        if cfg.fused_qkv:  # LLaDA2.0 / Ling: one projection, rows Q | K | V
+        self.qkv_sizes = [n * self.head_dim for n in (self.num_heads, self.num_kv_heads, self.num_kv_heads)]
+        if shard is not None:
+            self.shard_projections(cfg, shard)
+        elif cfg.fused_qkv:  # LLaDA2.0 / Ling: one projection, rows Q | K | V
             self.qkv_proj = nn.Linear(d, sum(self.qkv_sizes), bias=cfg.qkv_bias)
         else:
             self.q_proj = nn.Linear(d, self.qkv_sizes[0], bias=cfg.qkv_bias)
             self.k_proj = nn.Linear(d, self.qkv_sizes[1], bias=cfg.qkv_bias)
             self.v_proj = nn.Linear(d, self.qkv_sizes[2], bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=cfg.attn_out_bias)
+        if shard is None:
+            self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=cfg.attn_out_bias)
         if cfg.qk_norm:  # Qwen3 / SDAR: per-head RMSNorm before RoPE
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+
+    def shard_projections(self, cfg: ModelConfig, shard: Shard) -> None:
+        """This rank's query heads and the KV heads they read (``kv_heads_of``)."""
+        d, hd = cfg.hidden_size, self.head_dim
+        q_start, q_end = shard.part(cfg.num_heads)
+        kv_start, self.num_kv_heads = kv_heads_of(cfg, shard)
+        self.num_heads = q_end - q_start
+        q = (cfg.num_heads * hd, q_start * hd, q_end * hd)
+        kv = (cfg.num_kv_heads * hd, kv_start * hd, (kv_start + self.num_kv_heads) * hd)
+        self.qkv_sizes = [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd]
+        if cfg.fused_qkv:
+            self.qkv_proj = ColumnParallelLinear(d, [q, kv, kv], cfg.qkv_bias)
+        else:
+            self.q_proj = ColumnParallelLinear(d, [q], cfg.qkv_bias)
+            self.k_proj = ColumnParallelLinear(d, [kv], cfg.qkv_bias)
+            self.v_proj = ColumnParallelLinear(d, [kv], cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * hd, d, shard, bias=cfg.attn_out_bias)
 
     def project(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
         b, t, _ = x.shape
@@ -123,13 +148,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x)."""
+    """SwiGLU: down(silu(gate x) * up x). With a ``shard``: gate/up column-parallel, down
+    row-parallel (its all-reduce off when ``reduce`` is False: the caller sums)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, shard: Shard | None = None,
+                 reduce: bool = True) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        if shard is None:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+            return
+        part = (intermediate_size, *shard.part(intermediate_size))
+        self.gate_proj = ColumnParallelLinear(hidden_size, [part], bias=False)
+        self.up_proj = ColumnParallelLinear(hidden_size, [part], bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, shard, reduce=reduce)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -175,16 +208,32 @@ class Router(nn.Module):
         return weights * m.routed_scaling_factor, experts
 
 
-class MoE(nn.Module):
-    """Routed experts plus always-on shared experts (DeepSeekMoE, arXiv 2401.06066; LLaDA2.0)."""
+class Experts(nn.ModuleDict):
+    """The experts a process holds, by global expert id (``experts[e]``; in the checkpoint's
+    names ``experts.{e}.*``, as an ``nn.ModuleList`` of all of them would be)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+    def __getitem__(self, e: int | str) -> nn.Module:
+        return super().__getitem__(str(e))
+
+
+class MoE(nn.Module):
+    """Routed experts plus always-on shared experts (DeepSeekMoE, arXiv 2401.06066; LLaDA2.0).
+
+    With a ``shard`` (expert parallelism): the router is replicated, each rank holds
+    ``num_experts / size`` whole experts (``experts`` keyed by global expert id) and a
+    column/row slice of the shared expert; the routed and shared partial outputs are summed over
+    ranks in one all-reduce."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, shard: Shard | None = None) -> None:
         super().__init__()
+        self.shard = shard
+        self.num_experts = moe.num_experts
         self.gate = Router(hidden_size, moe)
-        self.experts = nn.ModuleList(MLP(hidden_size, moe.moe_intermediate_size)
-                                     for _ in range(moe.num_experts))
+        start, end = (0, moe.num_experts) if shard is None else shard.part(moe.num_experts)
+        self.experts = Experts({str(e): MLP(hidden_size, moe.moe_intermediate_size)
+                                for e in range(start, end)})
         shared = moe.moe_intermediate_size * moe.num_shared_experts
-        self.shared_experts = MLP(hidden_size, shared) if shared else None
+        self.shared_experts = MLP(hidden_size, shared, shard, reduce=False) if shared else None
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [N, d]
@@ -192,6 +241,8 @@ class MoE(nn.Module):
         out = self.dispatch(flat, weights, experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
+        if self.shard is not None:
+            self.shard.all_reduce(out)
         return out.view(x.shape)
 
     def dispatch(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
@@ -203,27 +254,31 @@ class MoE(nn.Module):
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # [N*k] pair ids grouped by expert
         # the one host read of a MoE layer: each expert's matmul is sized by its token count
-        counts = torch.zeros(len(self.experts), dtype=torch.long, device=x.device).scatter_add_(
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat)).tolist()
         tokens = x[order // k]  # [N*k, d], sorted by expert
-        outs = [self.experts[e](chunk) for e, chunk in enumerate(tokens.split(counts)) if counts[e]]
+        outs = [self.expert(e, chunk) for e, chunk in enumerate(tokens.split(counts)) if counts[e]]
         pairs = torch.empty_like(tokens)
         pairs[order] = torch.cat(outs)  # back to pair order: [N*k, d]
         out = (pairs.view(n, k, -1).float() * weights[..., None]).sum(1)  # [N, d]
         return out.to(x.dtype)
 
+    def expert(self, e: int, tokens: Tensor) -> Tensor:
+        """Expert ``e`` on ``tokens``; zeros for an expert another rank holds."""
+        return self.experts[e](tokens) if str(e) in self.experts else torch.zeros_like(tokens)
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         moe = cfg.moe
         if moe is not None and layer_idx >= moe.first_k_dense_replace:
-            self.mlp = MoE(cfg.hidden_size, moe)
+            self.mlp = MoE(cfg.hidden_size, moe, shard)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, shard)
 
     def forward(self, h: Tensor, ctx: ForwardContext) -> Tensor:
         attn_out, keep = self.self_attn(self.input_layernorm(h), ctx)
@@ -239,15 +294,25 @@ class DiffusionLM(nn.Module):
 
     ``forward(input_ids, attention_mask)`` is the plain HF-like call (used by parity tests and
     training); ``forward_context`` is what the engine uses, with a KV cache and hooks.
+
+    ``shard``: this process is one rank of a tensor-parallel model (``models/parallel.py``);
+    every rank runs the same forward, and ``logits`` are complete on rank 0 only.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.shard = shard
+        if shard is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if shard is None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, shard)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -264,6 +329,11 @@ class DiffusionLM(nn.Module):
                 h = ctx.gather(h, keep.index)
                 ctx.shrink(*keep)
         return self.norm(h)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this process holds (its KV cache's width)."""
+        return self.layers[0].self_attn.num_kv_heads if self.layers else self.config.num_kv_heads
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden).float()
@@ -295,7 +365,7 @@ class DiffusionLM(nn.Module):
             mask = attention_mask.bool()
         else:
             mask = self.pattern_mask(positions, valid, padded=attention_mask is not None)
-        return ForwardContext(positions=positions, token_valid=valid, attn_mask=mask)
+        return ForwardContext(positions=positions, token_valid=valid, attn_mask=mask, shard=self.shard)
 
     def pattern_mask(self, positions: Tensor, valid: Tensor, padded: bool = True) -> Tensor | None:
         """[B, 1, T, T] bool: the family's attention pattern over one padded canvas; None for

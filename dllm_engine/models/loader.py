@@ -4,6 +4,7 @@ family's own names. The same code loads a real 8B checkpoint and the embedded ti
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from safetensors.torch import save_file
 
 from .family import Family
 from .layers import DiffusionLM
+from .parallel import Shard, check_shardable, read_slices
 from .registry import get_family
 from ..config import ModelConfig
 
@@ -106,14 +108,45 @@ def weight_files(folder: Path) -> list[Path]:
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in weight_files(folder):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{file}: not a readable safetensors file ({e}); "
-                             f"is it truncated or still downloading?") from None
+        with open_weights(file) as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
     return tensors
+
+
+@contextmanager
+def open_weights(file: Path):
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e}); "
+                         f"is it truncated or still downloading?") from None
+
+
+def read_shard(folder: Path, model: DiffusionLM, family: Family) -> tuple[dict[str, torch.Tensor], int]:
+    """This rank's part of every tensor (``parallel.mark``), reading only those bytes from the
+    memory-mapped files; returns the state dict and the bytes read."""
+    names = expected_names(model, family)
+    params = named_tensors(model)
+    state, nbytes = {}, 0
+    with ExitStack() as stack:
+        handles = [stack.enter_context(open_weights(f)) for f in weight_files(folder)]
+        where = {name: h for h in handles for name in h.keys()}
+        with torch.device("meta"):  # the whole model's names: other ranks' experts are expected too
+            whole = expected_names(DiffusionLM(model.config), family)
+        check_names(set(where), whole, family, folder)
+        for ckpt, ours in names.items():
+            tensor_slice = where[ckpt].get_slice(ckpt)
+            param = params[ours]
+            full = tuple(getattr(param, "full_shape", param.shape))
+            if tuple(tensor_slice.get_shape()) != full:
+                raise ValueError(f"tensor {ckpt} has shape {tuple(tensor_slice.get_shape())} but "
+                                 f"the config implies {full}")
+            slices = getattr(param, "load_slices", None)
+            state[ours] = read_slices(tensor_slice, slices, param.shape[0] if slices else None)
+            nbytes += read_bytes(state[ours], slices, tensor_slice.get_shape())
+    return state, nbytes
 
 
 def named_tensors(model: DiffusionLM) -> dict[str, torch.Tensor]:
@@ -129,13 +162,25 @@ def expected_names(model: DiffusionLM, family: Family) -> dict[str, str]:
     return {family.checkpoint_name(name): name for name in named_tensors(model)}
 
 
-def check_tensors(tensors: dict, model: DiffusionLM, family: Family, folder: Path) -> dict:
-    names = expected_names(model, family)
-    missing = sorted(set(names) - set(tensors))
-    extra = sorted(set(tensors) - set(names))
+def read_bytes(tensor: torch.Tensor, slices, full_shape: list[int]) -> int:
+    """Bytes of ``tensor`` read from the file (zero padding rows excluded)."""
+    if not slices or slices[0][0] != 0:
+        return tensor.numel() * tensor.element_size()
+    rows = sum(end - start for _, start, end in slices)
+    return rows * (tensor.numel() // max(tensor.shape[0], 1)) * tensor.element_size()
+
+
+def check_names(found: set[str], names: dict[str, str], family: Family, folder: Path) -> None:
+    missing = sorted(set(names) - found)
+    extra = sorted(found - set(names))
     if missing or extra:
         raise ValueError(f"checkpoint {str(folder)!r} does not match its config "
                          f"({family.model_type}): missing tensors {missing[:8]}, unexpected tensors {extra[:8]}")
+
+
+def check_tensors(tensors: dict, model: DiffusionLM, family: Family, folder: Path) -> dict:
+    names = expected_names(model, family)
+    check_names(set(tensors), names, family, folder)
     params = named_tensors(model)
     for ckpt, ours in names.items():
         if tuple(tensors[ckpt].shape) != tuple(params[ours].shape):
@@ -145,20 +190,28 @@ def check_tensors(tensors: dict, model: DiffusionLM, family: Family, folder: Pat
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu") -> DiffusionLM:
+               device: str | torch.device = "cpu", shard: Shard | None = None) -> DiffusionLM:
     """Build the family's model from a local checkpoint folder. On the ``meta`` device the
     weights are not read: the model has its config and shapes only (an HTTP front that
-    tokenizes and validates for replicas elsewhere needs nothing more)."""
+    tokenizes and validates for replicas elsewhere needs nothing more).
+
+    ``shard``: build and read only this tensor-parallel rank's slices (``model.loaded_bytes``
+    says how many bytes of weights it read)."""
     folder = Path(path)
     device = parse_device(device)
     dtype = parse_dtype(dtype)
     _, family, cfg = read_config(folder)
+    if shard is not None:
+        check_shardable(cfg, shard.size)
     with torch.device("meta"):
-        model = DiffusionLM(cfg)
+        model = DiffusionLM(cfg, shard)
     model.family = family
     if device.type == "meta":
         return model.to(dtype).eval()
-    state = check_tensors(read_tensors(folder), model, family, folder)
+    if shard is None:
+        state = check_tensors(read_tensors(folder), model, family, folder)
+    else:
+        state, model.loaded_bytes = read_shard(folder, model, family)
     model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=False)
     if cfg.tie_word_embeddings:

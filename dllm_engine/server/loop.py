@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 
 from ..engine.llm import LLM
+from ..engine.parallel import WorkerDied
 from ..engine.sequence import Sequence
 from ..engine.stop_strings import committed_end, committed_ids, find_stop, tokens_through_stop
 from .metrics import Metrics
@@ -95,6 +96,7 @@ class EngineLoop:
         self.in_flight = 0  # sequences submitted and not yet done (guarded by lock)
         self.accepting = True
         self.stopping = False
+        self.failure: str | None = None  # why the engine cannot step any more (a dead tensor-parallel rank)
         self.tracks: dict[int, Track] = {}  # seq_id -> track (engine thread only)
         # the HTTP side encodes while this thread decodes: one tokenizer, used one call at a time
         self.tokenizer_lock = threading.Lock()
@@ -112,7 +114,7 @@ class EngineLoop:
                            f"{capacity} sequences (--max-num-seqs + --max-queue)", "prompt")
         with self.lock:
             if not self.accepting:
-                raise ApiError(503, "server is shutting down", kind="server_error")
+                raise ApiError(503, self.failure or "server is shutting down", kind="server_error")
             if self.in_flight + len(job.seqs) > capacity:
                 raise ApiError(429, f"server full: {self.in_flight} sequences in flight, this request "
                                f"needs {len(job.seqs)} more, the limit is {capacity} (--max-num-seqs "
@@ -216,6 +218,9 @@ class EngineLoop:
         start = time.perf_counter()
         try:
             finished = self.engine.step()
+        except WorkerDied as e:  # no step can run any more: answer 503 from now on
+            self.fail(e)
+            return
         except Exception as e:
             log.exception("engine step failed; isolating the failing sequence(s)")
             finished = self.recover(before, e)
@@ -227,6 +232,15 @@ class EngineLoop:
             except Exception as e:  # e.g. the tokenizer failed on this output: this job only
                 log.exception("job %d: output failed", track.job.job_id)
                 self.drop(track.job, ApiError(500, f"request failed: {e}", kind="server_error"))
+
+    def fail(self, error: Exception) -> None:
+        """The engine is gone (a tensor-parallel rank died): refuse new jobs and end every
+        in-flight one with 503; ``/health`` answers 503 too."""
+        log.error("engine unavailable: %s", error)
+        with self.lock:
+            self.accepting = False
+            self.failure = f"engine unavailable: {error}"
+        self.reset(ApiError(503, self.failure, kind="server_error"))
 
     def recover(self, before: dict, error: Exception) -> list[Sequence]:
         """Re-run, one at a time, the sequences the failed step did not advance; those that fail

@@ -211,7 +211,7 @@ class EvictionHooks:
         if layer_idx > 1:
             return None
         index, valid, cand = self.masked_view(ctx)
-        scores = self.importance(q, k, index, valid)
+        scores = ctx.all_reduce(self.importance(q, k, index, valid))  # this rank's heads -> all heads
         if layer_idx == 0:
             self.base = scores
             return None

@@ -1,0 +1,189 @@
+"""Tensor and expert parallelism (``tensor_parallel_size``): 2 ranks over gloo on the CPU give
+the logits (fp32, <= 1e-5) and greedy tokens of one process, for every family, method and
+strategy; each rank reads only its slices; shapes that do not split are refused by name; a dead
+rank is an error (and a 503 from the server), never a hang.
+
+Each family's 2-rank group starts once for the module (worker start-up dominates the runtime)."""
+import os
+import signal
+import time
+
+os.environ.setdefault("DLLM_TP_TIMEOUT", "60")  # every collective of these tests is bounded by it
+
+import httpx
+import pytest
+import torch
+
+from dllm_engine import LLM, SamplingParams
+from dllm_engine.engine.parallel import WorkerDied
+from dllm_engine.models import load_model
+from dllm_engine.models.parallel import Shard, check_shardable
+from fixtures import tiny_config, tiny_llada2_config, write_checkpoint, write_llada2_checkpoint
+
+FULL = ["reference", "dual-cache", "dual-cache+focus", "dual-cache+early-skip", "dual-cache+adaptive-length"]
+BLOCK = ["block", "block+focus", "block+adaptive-length"]
+METHODS = {"llada": FULL + ["dual-cache+jump-share"], "Dream": FULL, "sdar": BLOCK, "llada2_moe": BLOCK}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]]
+
+
+def write(folder, family: str):
+    """LLaDA with the embedded checkpoints' vocabulary of 95 ids: the padded vocab-parallel
+    embedding and head (48 + 47 rows)."""
+    if family == "llada2_moe":
+        return write_llada2_checkpoint(folder)
+    return write_checkpoint(folder, family, **({"vocab_size": 95} if family == "llada" else {}))
+
+
+@pytest.fixture(scope="module", params=list(METHODS))
+def pair(request, tmp_path_factory):
+    """(family, one-process LLM, 2-rank LLM) on the same random checkpoint."""
+    folder = write(tmp_path_factory.mktemp(request.param), request.param)
+    two = LLM(folder, tensor_parallel_size=2)
+    yield request.param, LLM(folder), two
+    two.close()
+
+
+def ragged_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows, left-padded to 14 tokens (4, 0 and 9 pads)."""
+    ids = torch.randint(5, 90, (3, 14), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 14, dtype=torch.long)
+    mask[0, :4] = 0
+    mask[2, :9] = 0
+    return ids, mask
+
+
+def test_logits_equal_one_process(pair):
+    _, one, two = pair
+    ids, mask = ragged_batch()
+    with torch.inference_mode():
+        expected = one.model(ids, mask)
+    got = two.parallel.forward(ids, mask)
+    valid = mask.bool()
+    assert got.shape == expected.shape
+    assert (got[valid] - expected[valid]).abs().max().item() <= 1e-5
+
+
+def test_greedy_tokens_equal_one_process(pair):
+    """Every method and strategy: the same tokens and the same work (a strategy's hooks decided
+    the same on both ranks as in one process); FOCUS and early skipping did shrink the work."""
+    family, one, two = pair
+    work = {}
+    for method in METHODS[family]:
+        params = SamplingParams(method=method, max_new_tokens=16, block_length=8)
+        a, b = one.generate(PROMPTS, params), two.generate(PROMPTS, params)
+        assert [o.token_ids for o in b] == [o.token_ids for o in a], method
+        assert (b.stats.nfe, b.stats.decoded_tokens) == (a.stats.nfe, a.stats.decoded_tokens), method
+        assert b.stats.processed_tokens == pytest.approx(a.stats.processed_tokens), method
+        work[method] = b.stats.processed_tokens
+    base = METHODS[family][0] if family in ("sdar", "llada2_moe") else "dual-cache"
+    for method in (m for m in work if m.endswith(("+focus", "+early-skip"))):
+        assert work[method] < work[base], method
+
+
+def test_rows_joining_and_leaving_move_on_every_rank(pair):
+    """Two running sequences at a time: five prompts join as others finish, so KV pool rows
+    move between steps; rank 1's pools must move the same way."""
+    family, one, two = pair
+    params = SamplingParams(method=METHODS[family][-1], max_new_tokens=16, block_length=8)
+    prompts = PROMPTS + [[40, 41, 42, 43, 44], [50, 51]]
+    one.engine.max_num_seqs = two.engine.max_num_seqs = 2
+    try:
+        a, b = one.generate(prompts, params), two.generate(prompts, params)
+    finally:
+        one.engine.max_num_seqs = two.engine.max_num_seqs = 256
+    assert [o.token_ids for o in b] == [o.token_ids for o in a]
+
+
+def test_each_rank_reads_only_its_slices(pair):
+    _, one, two = pair
+    full = sum(p.numel() * p.element_size() for p in one.model.parameters())
+    reports = two.parallel.report()
+    assert [r["rank"] for r in reports] == [0, 1]
+    for r in reports:  # half of every split tensor, all of the norms and the router
+        assert 0.45 * full < r["loaded_bytes"] < 0.55 * full
+
+
+# -- without processes: the loader's slices and the shape checks -------------------------------
+@pytest.mark.parametrize("family,size", [("Dream", 2), ("llada2_moe", 2), ("Dream", 4), ("llada", 2)])
+def test_shard_is_the_slice_of_the_checkpoint(tmp_path, family, size):
+    """Rank r's tensors are rows / columns of the full ones (Dream at 4 ranks: 2 KV heads, each
+    replicated on 2 ranks; LLaDA's 95-id vocabulary: 48 rows each, the last one zero); the
+    experts a rank does not hold are not read."""
+    folder = write(tmp_path, family)
+    full = dict(load_model(folder).named_parameters())
+    for rank in range(size):
+        part = load_model(folder, shard=Shard(rank, size))
+        params = dict(part.named_parameters())
+        head = full["lm_head.weight"]
+        vocab = -(-head.shape[0] // size)
+        expected = torch.cat([head, head.new_zeros(vocab * size - head.shape[0], head.shape[1])])
+        assert torch.equal(params["lm_head.weight"], expected[rank * vocab:(rank + 1) * vocab])
+        padding = 2 * (vocab * size - head.shape[0]) * head.shape[1] * 4 if rank == size - 1 else 0
+        assert part.loaded_bytes == sum(t.numel() * 4 for t in part.state_dict().values()) - padding
+        down = full["layers.0.mlp.down_proj.weight"]
+        cols = down.shape[1] // size
+        assert torch.equal(params["layers.0.mlp.down_proj.weight"], down[:, rank * cols:(rank + 1) * cols])
+        if family == "Dream":
+            kv = rank * 2 // size  # KV head of this rank's query heads
+            k = full["layers.1.self_attn.k_proj.bias"].view(2, -1)[kv]
+            assert torch.equal(params["layers.1.self_attn.k_proj.bias"], k)
+        if family == "llada2_moe":
+            experts = {n.split(".")[4] for n in params if ".experts." in n}
+            assert experts == {str(e) for e in range(rank * 8 // size, (rank + 1) * 8 // size)}
+
+
+@pytest.mark.parametrize("overrides,size,message", [
+    ({}, 3, "num_heads 4 is not divisible by tensor_parallel_size 3"),
+    ({"num_heads": 6, "num_kv_heads": 3, "hidden_size": 36}, 2,
+     "num_kv_heads 3 and tensor_parallel_size 2: one must divide the other"),
+    ({"intermediate_size": 50}, 4, "intermediate_size 50 is not divisible by tensor_parallel_size 4"),
+])
+def test_shapes_that_do_not_divide_are_refused(overrides, size, message):
+    with pytest.raises(ValueError, match=message):
+        check_shardable(tiny_config("sdar", **overrides), size)
+
+
+def test_experts_that_do_not_divide_are_refused():
+    with pytest.raises(ValueError, match="num_experts 8 is not divisible by tensor_parallel_size 3"):
+        check_shardable(tiny_llada2_config(num_heads=3, num_kv_heads=3, hidden_size=24,
+                                           intermediate_size=48, vocab_size=96), 3)
+
+
+def test_llm_refuses_before_starting_any_process(tmp_path):
+    folder = write(tmp_path, "llada")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="num_heads 4 is not divisible by tensor_parallel_size 3"):
+        LLM(folder, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(folder, tensor_parallel_size=0)
+    assert time.monotonic() - start < 10
+
+
+# -- a rank that dies ---------------------------------------------------------------------------
+def kill_worker(llm: LLM) -> None:
+    proc = llm.parallel.procs[0]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+
+
+def test_dead_worker_is_an_error_and_the_server_answers_503(pair):
+    """The server steps a tensor-parallel engine from its loop thread; then a killed rank: the
+    server fails the request and every later one with 503 and /health says so; generate raises
+    WorkerDied naming the rank. (Runs last: it ends the group of the
+    module's last family.)"""
+    from test_server import SHORT, serving
+    family, _, llm = pair
+    if family != list(METHODS)[-1]:
+        pytest.skip("runs once, on the last family's group")
+    with serving(llm) as (url, _):
+        served = httpx.post(f"{url}/v1/completions", json=SHORT, timeout=60)
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] > 0
+        kill_worker(llm)
+        start = time.monotonic()
+        r = httpx.post(f"{url}/v1/completions", json=SHORT, timeout=30)
+        assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
+        assert httpx.post(f"{url}/v1/completions", json=SHORT, timeout=30).status_code == 503
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 503
+        assert time.monotonic() - start < 20
+    with pytest.raises(WorkerDied, match="rank 1"):
+        llm.generate(PROMPTS[:1], SamplingParams(method="block", max_new_tokens=8, block_length=8))
