@@ -113,7 +113,7 @@ class ReadOnlyCache:
     def __init__(self, cache, layer: int) -> None:
         self.k, self.v = cache.read(layer, self.ALL)
 
-    def write(self, *args) -> None:
+    def write(self, *args, **kwargs) -> None:
         pass
 
     def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
