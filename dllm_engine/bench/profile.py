@@ -1,17 +1,18 @@
 """``dllm profile``: where a step's time goes, and how often it waits for the device.
 
-For each method spec and batch size the same prompts run twice; greedy outputs are
-deterministic, so both passes make the same steps:
+For each method spec and batch size the same prompts run three times; greedy outputs are
+deterministic, so every pass makes the same steps:
 
-1. timed: the wall time of every ``Engine.step`` (tokens/s as ``dllm bench`` counts them) and,
-   right after each step, its floor: every module of the model's forward (embedding, each
-   layer, final norm, LM head) replayed on the tensors it was given, its context frozen and
-   made ready beforehand (masks, key lengths, packing indices and row groups computed, no
-   hooks, no cache writes, no stats). The floor is the model's forward on the step's tensors
-   alone; everything else (planning, building the step's tensors, masks, packing, hooks, K/V
-   writes, logits selection, commit, bookkeeping) is the overhead. Recording a call costs a
-   shallow copy of its context (microseconds against milliseconds per layer);
-2. syncs: a ``TorchDispatchMode`` counts host synchronisations (ops whose result the host
+1. timed: the wall time of every ``Engine.step`` (tokens/s as ``dllm bench`` counts them);
+2. floor: the same steps again and, right after each, every module of the model's forward
+   (embedding, each layer, final norm, LM head) replayed on the tensors it was given, its
+   context frozen and made ready beforehand (masks, key lengths, packing indices and row
+   groups computed, no hooks, no cache writes, no stats). The floor is the model's forward on
+   the step's tensors alone; everything else (planning, building the step's tensors, masks,
+   packing, hooks, K/V writes, logits selection, commit, bookkeeping) is the overhead.
+   Recording a call costs a pre-hook and a shallow copy of its context (~50 us a layer, a few
+   percent of a tiny model's step), which is why the timed pass runs without it;
+3. syncs: a ``TorchDispatchMode`` counts host synchronisations (ops whose result the host
    reads, or whose output shape depends on data: ``aten._local_scalar_dense`` / ``aten.item`` /
    ``aten.is_nonzero`` behind ``.item()``, ``int()``, ``bool()``, ``nonzero``, boolean indexing, ``equal``, ...), a
    ``TorchFunctionMode`` adds ``.tolist()``; the ones inside the layer loop (between the
@@ -211,12 +212,8 @@ def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[
     """Profile one spec at one batch size; prompts repeat to fill a batch larger than them."""
     prompts = [prompts[i % len(prompts)] for i in range(max(len(prompts), batch_size))]
     run_batches(llm, params, prompts[:1], 1)  # warm-up
-    recorder = FloorRecorder(llm.model)
-    try:
-        steps, seconds, tokens = run_batches(llm, params, prompts, batch_size, recorder.replay)
-    finally:
-        recorder.remove()
-    floor = recorder.seconds
+    steps, seconds, tokens = run_batches(llm, params, prompts, batch_size)
+    floor = floor_seconds(llm, params, prompts, batch_size, steps)
     count = count_syncs(llm, params, prompts, batch_size)
     return ProfileRecord(method=spec, batch_size=batch_size, steps=steps,
                          step_ms=round(1e3 * seconds / steps, 3), floor_ms=round(1e3 * floor / steps, 3),
@@ -224,6 +221,22 @@ def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[
                          syncs_per_step=round(count.total / steps, 2),
                          layer_syncs_per_step=round(count.in_layers / steps, 2),
                          throughput=round(tokens / seconds, 2))
+
+
+def floor_seconds(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
+                  steps: int) -> float:
+    """The floor of the same ``steps`` (greedy steps repeat), in a pass of its own: recording
+    a module call (a pre-hook, a shallow copy of its context) costs a few percent of a tiny
+    model's step, so the timed pass runs without the recorder."""
+    recorder = FloorRecorder(llm.model)
+    try:
+        again = run_batches(llm, params, prompts, batch_size, recorder.replay)[0]
+    finally:
+        recorder.remove()
+    if again != steps:
+        raise RuntimeError(f"{params.method}: the floor pass made {again} steps, the timed pass "
+                           f"{steps}: the passes must make the same steps (a fixed seed)")
+    return recorder.seconds
 
 
 def count_syncs(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int) -> SyncCount:
