@@ -21,10 +21,15 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                         "(faster; the process keeps its peak heap; see engine/host_memory.py)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (the README's benchmarks use 1; default: torch's choice)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the layers' norms and MLPs (dynamic shapes; not bit-exact: "
+                        "last bits of the logits; off by default; dllm bench --compile runs each "
+                        "spec eager and compiled)")
 
 
 def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     from . import LLM
+    kw.setdefault("compile", getattr(args, "compile", False))
     return LLM(model or args.model, dtype=args.dtype, device=args.device,
                keep_freed_memory=args.keep_freed_memory, **kw)
 
@@ -161,14 +166,15 @@ def run_bench(args: argparse.Namespace) -> None:
     defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
                                   ("block_length", args.block_length)) if v is not None}
     resolved = check_specs(args.model, args.methods, defaults)  # before the weights load
-    llm = load_llm(args)
+    llm = load_llm(args, compile=False)  # --compile: each spec runs eager, then compiled
     for spec, params in resolved.items():
         print(f"method: {spec} = {params.describe()}")
     from .engine.host_memory import is_kept
     print(f"model: {args.model}  prompts: {len(examples)}  tasks: {','.join(args.tasks)}  device: {args.device}  "
           f"keep_freed_memory: {'on' if is_kept() else 'off'}")
     print(HEADER)
-    records = bench(llm, args.methods, args.batch_sizes, examples, args.out, defaults)
+    records = bench(llm, args.methods, args.batch_sizes, examples, args.out, defaults,
+                    compare_compiled=args.compile)
     print()
     print(table(records))
     print(f"\nwrote {args.out}/results.json and {args.out}/throughput.png")

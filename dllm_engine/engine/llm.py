@@ -10,6 +10,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..models import load_model
+from ..models.compiled import compile_model
 from ..models.loader import parse_device, read_generation_config
 from ..sampling_params import SamplingParams, check_prompt, resolve_params
 from .engine import Engine
@@ -61,14 +62,18 @@ def quiet_transformers():
 
 class LLM:
     def __init__(self, model: str | Path, dtype: str = "float32", device: str = "cpu",
-                 max_num_seqs: int = 256, keep_freed_memory: bool = False) -> None:
+                 max_num_seqs: int = 256, keep_freed_memory: bool = False, compile: bool = False) -> None:
         """``keep_freed_memory``: on CPU, tune this process's glibc allocator to reuse freed
-        activations (faster, keeps the peak heap; process-wide: see ``engine/host_memory.py``)."""
+        activations (faster, keeps the peak heap; process-wide: see ``engine/host_memory.py``).
+        ``compile``: torch.compile the layers' norms and MLPs (``models/compiled.py``; not
+        bit-exact, off by default)."""
         self.path = Path(model)
         self.device = parse_device(device)
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
         self.model = load_model(self.path, dtype=dtype, device=self.device)
+        if compile:
+            compile_model(self.model)
         self.tokenizer = self.load_tokenizer()
         self.generation_config = read_generation_config(self.path)
         self.token_ids = self.resolve_ids()
