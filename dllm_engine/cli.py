@@ -187,18 +187,22 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", type=split_ints, default=[1, 64])
     p.add_argument("--limit", type=int, default=2, help="prompts per task of the copy suite")
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed and floor passes, alternating; each keeps its fastest (a shared machine)")
     add_model_args(p)
 
 
 def run_profile(args: argparse.Namespace) -> None:
     from .bench.profile import HEADER, run_profile as profile, table
     from .tasks import load_split
+    set_threads(args.threads)
     llm = load_llm(args)  # as dllm bench: freed host memory kept unless --no-keep-freed-memory
     examples = load_split("copy", limit=args.limit)
     defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
-    print(f"model: {args.model}  prompts: {len(examples)}  device: {args.device}")
+    print(f"model: {args.model}  prompts: {len(examples)}  device: {args.device}  "
+          f"compile: {'on' if args.compile else 'off'}  repeats: {args.repeats}")
     print(HEADER)
-    records = profile(llm, args.methods, args.batch_sizes, examples, defaults)
+    records = profile(llm, args.methods, args.batch_sizes, examples, defaults, repeats=args.repeats)
     print()
     print(table(records))
 

@@ -152,3 +152,11 @@ def test_runner_writes_a_contiguous_slot_range_as_one_slice(llada):
     ragged[1, 3] = False  # padding goes to the sink column, never into a real slot
     caches[1].write(0, k[1], v[1], slots, ragged)
     assert torch.equal(caches[1].k[0][1, :, 6], k[0][1, :, 3]) and torch.equal(caches[1].k[0][0, :, 3:7], k[1][0])
+
+
+def test_profile_repeats_keep_the_fastest_pass(llada):
+    params = parse_spec("dual-cache:threshold=0.9", max_new_tokens=16, block_length=8)
+    one = profile_one(llada, "dual-cache", params, PROMPTS, 2)
+    three = profile_one(llada, "dual-cache", params, PROMPTS, 2, repeats=3)
+    assert three.steps == one.steps and three.syncs_per_step == one.syncs_per_step
+    assert 0 < three.floor_ms and three.overhead == pytest.approx(1 - three.floor_ms / three.step_ms, abs=0.01)

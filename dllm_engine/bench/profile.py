@@ -208,12 +208,17 @@ def run_batches(llm: LLM, params: SamplingParams, prompts: list[list[int]], batc
 
 
 def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[int]],
-                batch_size: int) -> ProfileRecord:
-    """Profile one spec at one batch size; prompts repeat to fill a batch larger than them."""
+                batch_size: int, repeats: int = 1) -> ProfileRecord:
+    """Profile one spec at one batch size; prompts repeat to fill a batch larger than them.
+    ``repeats``: timed and floor passes alternate that many times and each keeps its fastest
+    (on a shared machine the minimum is the least disturbed)."""
     prompts = [prompts[i % len(prompts)] for i in range(max(len(prompts), batch_size))]
     run_batches(llm, params, prompts[:1], 1)  # warm-up
-    steps, seconds, tokens = run_batches(llm, params, prompts, batch_size)
-    floor = floor_seconds(llm, params, prompts, batch_size, steps)
+    seconds = floor = float("inf")
+    for _ in range(repeats):
+        steps, timed, tokens = run_batches(llm, params, prompts, batch_size)
+        seconds = min(seconds, timed)
+        floor = min(floor, floor_seconds(llm, params, prompts, batch_size, steps))
     count = count_syncs(llm, params, prompts, batch_size)
     return ProfileRecord(method=spec, batch_size=batch_size, steps=steps,
                          step_ms=round(1e3 * seconds / steps, 3), floor_ms=round(1e3 * floor / steps, 3),
@@ -251,17 +256,19 @@ def count_syncs(llm: LLM, params: SamplingParams, prompts: list[list[int]], batc
 
 
 def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
-                defaults: dict | None = None, progress=print) -> list[ProfileRecord]:
+                defaults: dict | None = None, progress=print, repeats: int = 1) -> list[ProfileRecord]:
     """Profile every spec at every batch size (interleaved, as ``dllm bench`` does)."""
     from ..sampling_params import parse_spec
     if not specs or not batch_sizes or any(b < 1 for b in batch_sizes):
         raise ValueError(f"give at least one method spec and batch sizes >= 1, got {specs} / {batch_sizes}")
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
     params = {spec: parse_spec(spec, **(defaults or {})) for spec in specs}  # validate all first
     prompts = [llm.apply_chat_template(chat_prompt(e)) for e in examples]
     records = []
     for bs in batch_sizes:
         for spec in specs:
-            records.append(profile_one(llm, spec, params[spec], prompts, bs))
+            records.append(profile_one(llm, spec, params[spec], prompts, bs, repeats))
             progress(format_row(records[-1]))
     return records
 
