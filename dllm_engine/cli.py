@@ -189,6 +189,9 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed and floor passes, alternating; each keeps its fastest (a shared machine)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall time, or the engine thread's CPU time (barely disturbed by other "
+                        "processes; tok/s then counts CPU seconds; use with --threads 1)")
     add_model_args(p)
 
 
@@ -200,9 +203,10 @@ def run_profile(args: argparse.Namespace) -> None:
     examples = load_split("copy", limit=args.limit)
     defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
     print(f"model: {args.model}  prompts: {len(examples)}  device: {args.device}  "
-          f"compile: {'on' if args.compile else 'off'}  repeats: {args.repeats}")
+          f"compile: {'on' if args.compile else 'off'}  repeats: {args.repeats}  clock: {args.clock}")
     print(HEADER)
-    records = profile(llm, args.methods, args.batch_sizes, examples, defaults, repeats=args.repeats)
+    records = profile(llm, args.methods, args.batch_sizes, examples, defaults, repeats=args.repeats,
+                      clock=args.clock)
     print()
     print(table(records))
 

@@ -160,3 +160,9 @@ def test_profile_repeats_keep_the_fastest_pass(llada):
     three = profile_one(llada, "dual-cache", params, PROMPTS, 2, repeats=3)
     assert three.steps == one.steps and three.syncs_per_step == one.syncs_per_step
     assert 0 < three.floor_ms and three.overhead == pytest.approx(1 - three.floor_ms / three.step_ms, abs=0.01)
+
+
+def test_profile_on_the_cpu_clock(llada):
+    params = parse_spec("dual-cache:threshold=0.9", max_new_tokens=16, block_length=8)
+    r = profile_one(llada, "dual-cache", params, PROMPTS, 2, clock="cpu")
+    assert r.steps > 0 and 0 < r.floor_ms and r.throughput > 0

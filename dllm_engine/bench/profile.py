@@ -36,6 +36,9 @@ from ..sampling_params import SamplingParams
 from ..tasks import Example
 
 aten = torch.ops.aten
+# wall: what a user waits; cpu: this thread's CPU time, which other processes on a shared
+# machine barely disturb (the engine steps on one thread: torch and OMP threads set to 1)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 # ops that read a device value on the host, or size their output from data
 SYNC_OPS = frozenset({aten._local_scalar_dense, aten.item, aten.is_nonzero, aten.nonzero, aten.masked_select, aten.equal,
                       aten.repeat_interleave, aten.bincount, aten._unique2, aten.unique_dim,
@@ -140,8 +143,9 @@ def ready(snap, num_keys: int) -> None:
 class FloorRecorder:
     """Records each module call of the forward (pre-hooks), then replays them timed."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, clock=time.perf_counter) -> None:
         self.model = model
+        self.clock = clock
         self.calls: list[tuple] = []
         self.recording = True
         self.seconds = 0.0  # replayed so far
@@ -164,10 +168,10 @@ class FloorRecorder:
                 h, snap = args
                 ready(snap, snap.num_keys() if snap.cache is not None else h.shape[1])
         self.recording = False
-        start = time.perf_counter()
+        start = self.clock()
         for module, args in calls:
             module(*args)
-        self.seconds += time.perf_counter() - start
+        self.seconds += self.clock() - start
         self.recording = True
 
     def remove(self) -> None:
@@ -190,16 +194,16 @@ class ProfileRecord:
 
 
 def run_batches(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
-                after_step=None) -> tuple[int, float, int]:
+                after_step=None, clock=time.perf_counter) -> tuple[int, float, int]:
     """Generate ``prompts`` in batches; returns (steps, seconds in steps, output tokens)."""
     engine, steps, seconds, tokens = llm.engine, 0, 0.0, 0
     for i in range(0, len(prompts), batch_size):
         for ids in prompts[i: i + batch_size]:
             engine.add(llm.make_sequence(ids, params))
         while engine.has_work():
-            start = time.perf_counter()
+            start = clock()
             done = engine.step()
-            seconds += time.perf_counter() - start
+            seconds += clock() - start
             steps += 1
             tokens += sum(s.stats.output_tokens for s in done)
             if after_step is not None:
@@ -208,17 +212,19 @@ def run_batches(llm: LLM, params: SamplingParams, prompts: list[list[int]], batc
 
 
 def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[int]],
-                batch_size: int, repeats: int = 1) -> ProfileRecord:
+                batch_size: int, repeats: int = 1, clock: str = "wall") -> ProfileRecord:
     """Profile one spec at one batch size; prompts repeat to fill a batch larger than them.
     ``repeats``: timed and floor passes alternate that many times and each keeps its fastest
-    (on a shared machine the minimum is the least disturbed)."""
+    (on a shared machine the minimum is the least disturbed). ``clock``: ``wall`` or ``cpu``
+    (``CLOCKS``)."""
+    tick = CLOCKS[clock]
     prompts = [prompts[i % len(prompts)] for i in range(max(len(prompts), batch_size))]
     run_batches(llm, params, prompts[:1], 1)  # warm-up
     seconds = floor = float("inf")
     for _ in range(repeats):
-        steps, timed, tokens = run_batches(llm, params, prompts, batch_size)
+        steps, timed, tokens = run_batches(llm, params, prompts, batch_size, clock=tick)
         seconds = min(seconds, timed)
-        floor = min(floor, floor_seconds(llm, params, prompts, batch_size, steps))
+        floor = min(floor, floor_seconds(llm, params, prompts, batch_size, steps, tick))
     count = count_syncs(llm, params, prompts, batch_size)
     return ProfileRecord(method=spec, batch_size=batch_size, steps=steps,
                          step_ms=round(1e3 * seconds / steps, 3), floor_ms=round(1e3 * floor / steps, 3),
@@ -229,13 +235,13 @@ def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[
 
 
 def floor_seconds(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
-                  steps: int) -> float:
+                  steps: int, clock=time.perf_counter) -> float:
     """The floor of the same ``steps`` (greedy steps repeat), in a pass of its own: recording
     a module call (a pre-hook, a shallow copy of its context) costs a few percent of a tiny
     model's step, so the timed pass runs without the recorder."""
-    recorder = FloorRecorder(llm.model)
+    recorder = FloorRecorder(llm.model, clock)
     try:
-        again = run_batches(llm, params, prompts, batch_size, recorder.replay)[0]
+        again = run_batches(llm, params, prompts, batch_size, recorder.replay, clock)[0]
     finally:
         recorder.remove()
     if again != steps:
@@ -256,19 +262,22 @@ def count_syncs(llm: LLM, params: SamplingParams, prompts: list[list[int]], batc
 
 
 def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
-                defaults: dict | None = None, progress=print, repeats: int = 1) -> list[ProfileRecord]:
+                defaults: dict | None = None, progress=print, repeats: int = 1,
+                clock: str = "wall") -> list[ProfileRecord]:
     """Profile every spec at every batch size (interleaved, as ``dllm bench`` does)."""
     from ..sampling_params import parse_spec
     if not specs or not batch_sizes or any(b < 1 for b in batch_sizes):
         raise ValueError(f"give at least one method spec and batch sizes >= 1, got {specs} / {batch_sizes}")
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if clock not in CLOCKS:
+        raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     params = {spec: parse_spec(spec, **(defaults or {})) for spec in specs}  # validate all first
     prompts = [llm.apply_chat_template(chat_prompt(e)) for e in examples]
     records = []
     for bs in batch_sizes:
         for spec in specs:
-            records.append(profile_one(llm, spec, params[spec], prompts, bs, repeats))
+            records.append(profile_one(llm, spec, params[spec], prompts, bs, repeats, clock))
             progress(format_row(records[-1]))
     return records
 
