@@ -135,12 +135,18 @@ class Engine:
                 positions, logits = guided_logits(seq, positions, logits)
             ready.append((seq, *pipeline.after_forward(seq, positions, logits)))
         mask_id = seqs[0].ids.mask_id
-        if pipeline.owner is None and all(batched_rule(seq) and seq.ids.mask_id == mask_id for seq, *_ in ready):
-            commits = self.commit_rows(pipeline, ready)
-        else:
-            rule = partial(self.commit, pipeline=pipeline)
-            commits = [pipeline.commit(seq, positions, logits, rule) for seq, positions, logits in ready]
-        for seq, committed in zip(seqs, commits):
+        batched = pipeline.owner is None and all(batched_rule(s) and s.ids.mask_id == mask_id for s, *_ in ready)
+        decided = self.decide_rows(pipeline, ready) if batched else None
+        rule = partial(self.commit, pipeline=pipeline)
+        # per sequence, in row order as before: a commit that raises leaves the rows before it
+        # advanced and the rest untouched (the server replays those alone)
+        for k, (seq, positions, logits) in enumerate(ready):
+            if decided is None:
+                committed = pipeline.commit(seq, positions, logits, rule)
+            else:
+                committed, tokens, rows = decided[k]
+                if positions.numel():
+                    seq.commit(committed, tokens, rows)
             pipeline.after_commit(seq, committed)
             seq.advance()
 
@@ -161,14 +167,17 @@ class Engine:
         seq.commit(positions[chosen], x0[chosen], logits[chosen])
         return positions[chosen]
 
-    def commit_rows(self, pipeline: Pipeline, ready: list[tuple[Sequence, Tensor, Tensor]]) -> list[Tensor]:
-        """``commit`` for a whole group whose rules allow it (``batched_rule``) in one pass:
-        argmax, softmax confidence and selection over every sequence's candidates at once, the
-        same tokens each sequence would commit alone (every op here is row-wise)."""
+    def decide_rows(self, pipeline: Pipeline, ready: list[tuple[Sequence, Tensor, Tensor]]
+                    ) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """What ``commit`` would commit for each sequence of a group whose rules allow it
+        (``batched_rule``), decided in one pass: argmax, softmax confidence and selection over
+        every sequence's candidates at once (every op here is row-wise, so each sequence gets
+        the tokens it would get alone). Per sequence (positions, tokens, their logits rows);
+        nothing is written."""
         live = [(i, seq, pos, lg) for i, (seq, pos, lg) in enumerate(ready) if pos.numel()]
-        commits = [pos for _, pos, _ in ready]  # rows without candidates commit nothing
+        decided = [(pos, pos.new_zeros(0), lg[:0]) for _, pos, lg in ready]  # no candidates: nothing
         if not live:
-            return commits
+            return decided
         counts = [pos.numel() for _, _, pos, _ in live]
         logits = torch.cat([lg for *_, lg in live])  # [sum N, V]
         logits[:, live[0][1].ids.mask_id] = -float("inf")  # never commit the mask
@@ -183,11 +192,10 @@ class Engine:
         where = torch.nonzero_static(chosen, size=sum(per_row))  # [K, 2] (row, column), row-major
         offsets = torch.tensor([0, *itertools.accumulate(counts)][:-1], device=conf.device)
         picked = offsets[where[:, 0]] + where[:, 1]  # into the concatenated candidates
-        for (i, seq, _, _), pos, tok, lg in zip(live, positions[picked].split(per_row),
-                                                x0[picked].split(per_row), logits[picked].split(per_row)):
-            seq.commit(pos, tok, lg)
-            commits[i] = pos
-        return commits
+        for (i, *_), pos, tok, lg in zip(live, positions[picked].split(per_row),
+                                         x0[picked].split(per_row), logits[picked].split(per_row)):
+            decided[i] = (pos, tok, lg)
+        return decided
 
     def release(self, keep: list[int]) -> None:
         self.arrange([self.running[i] for i in keep])
