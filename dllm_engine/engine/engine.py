@@ -167,6 +167,16 @@ class Engine:
         seq.commit(positions[chosen], x0[chosen], logits[chosen])
         return positions[chosen]
 
+    @staticmethod
+    def decide(pipeline: Pipeline, seq: Sequence, positions: Tensor, logits: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor]:
+        """``commit``'s decision for one greedy sequence (``batched_rule``), nothing written."""
+        logits[:, seq.ids.mask_id] = -float("inf")
+        x0 = logits.argmax(-1)
+        conf = pipeline.confidence(seq, positions, x0, confidence(logits, x0, "low_confidence", None))
+        chosen = select(seq, conf)
+        return positions[chosen], x0[chosen], logits[chosen]
+
     def decide_rows(self, pipeline: Pipeline, ready: list[tuple[Sequence, Tensor, Tensor]]
                     ) -> list[tuple[Tensor, Tensor, Tensor]]:
         """What ``commit`` would commit for each sequence of a group whose rules allow it
@@ -176,6 +186,10 @@ class Engine:
         nothing is written."""
         live = [(i, seq, pos, lg) for i, (seq, pos, lg) in enumerate(ready) if pos.numel()]
         decided = [(pos, pos.new_zeros(0), lg[:0]) for _, pos, lg in ready]  # no candidates: nothing
+        if len(live) == 1:  # one sequence: its own rule is fewer ops than the padded one
+            i, seq, pos, lg = live[0]
+            decided[i] = self.decide(pipeline, seq, pos, lg)
+            return decided
         if not live:
             return decided
         counts = [pos.numel() for _, _, pos, _ in live]
