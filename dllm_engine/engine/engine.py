@@ -174,8 +174,8 @@ class Engine:
         logits[:, seq.ids.mask_id] = -float("inf")
         x0 = logits.argmax(-1)
         conf = pipeline.confidence(seq, positions, x0, confidence(logits, x0, "low_confidence", None))
-        chosen = select(seq, conf)
-        return positions[chosen], x0[chosen], logits[chosen]
+        picked = select(seq, conf).nonzero()[:, 0]  # one host read, not one per bool index
+        return positions[picked], x0[picked], logits[picked]
 
     def decide_rows(self, pipeline: Pipeline, ready: list[tuple[Sequence, Tensor, Tensor]]
                     ) -> list[tuple[Tensor, Tensor, Tensor]]:

@@ -43,7 +43,9 @@ def kernel(name: str):
     """The compiled function ``name`` (compiled once per process, lazily: the first call traces)."""
     if name not in _kernels:
         fn = {"rms_norm": rms_norm, "swiglu": swiglu}[name]
-        _kernels[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+        # not fullgraph: under a TorchDispatchMode (dllm profile counting syncs) dynamo skips
+        # the frame, and the call must then run eager rather than raise
+        _kernels[name] = torch.compile(fn, dynamic=True)
     return _kernels[name]
 
 
