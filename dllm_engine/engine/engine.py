@@ -32,7 +32,7 @@ def length_class(positions: int) -> int:
 
 
 def batched_rule(seq: Sequence) -> bool:
-    """Whether ``Engine.commit_rows`` gives ``seq`` its own rule: greedy, confidence = the
+    """Whether ``Engine.decide_rows`` gives ``seq`` its own rule: greedy, confidence = the
     probability of the argmax, a threshold or top-k rule (not factor), one mask id."""
     p = seq.params
     return (p.temperature == 0 and p.remasking in ("low_confidence", "maskgit_plus")
