@@ -24,10 +24,15 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the model over N processes, one per device (spawned here, or the "
                         "ranks of torchrun); each process uses --threads CPU threads")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the layers' norms and MLPs (dynamic shapes; not bit-exact: "
+                        "last bits of the logits; off by default; dllm bench --compile runs each "
+                        "spec eager and compiled)")
 
 
 def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     from . import LLM
+    kw.setdefault("compile", getattr(args, "compile", False))
     return LLM(model or args.model, dtype=args.dtype, device=args.device,
                keep_freed_memory=args.keep_freed_memory,
                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), **kw)
@@ -187,14 +192,18 @@ def run_bench(args: argparse.Namespace) -> None:
     defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
                                   ("block_length", args.block_length)) if v is not None}
     resolved = check_specs(args.model, args.methods, defaults)  # before the weights load
-    llm = load_llm(args)
+    if args.compile and args.tensor_parallel_size > 1:
+        raise ValueError("--compile is for one process (the compiled MLP would skip the "
+                         "tensor-parallel all-reduce); drop it or --tensor-parallel-size")
+    llm = load_llm(args, compile=False)  # --compile: each spec runs eager, then compiled
     for spec, params in resolved.items():
         print(f"method: {spec} = {params.describe()}")
     from .engine.host_memory import is_kept
     print(f"model: {args.model}  prompts: {len(examples)}  tasks: {','.join(args.tasks)}  device: {args.device}  "
           f"keep_freed_memory: {'on' if is_kept() else 'off'}")
     print(HEADER)
-    records = bench(llm, args.methods, args.batch_sizes, examples, args.out, defaults)
+    records = bench(llm, args.methods, args.batch_sizes, examples, args.out, defaults,
+                    compare_compiled=args.compile)
     print()
     print(table(records))
     print(f"\nwrote {args.out}/results.json and {args.out}/throughput.png")
@@ -207,6 +216,11 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", type=split_ints, default=[1, 64])
     p.add_argument("--limit", type=int, default=2, help="prompts per task of the copy suite")
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed and floor passes, alternating; each keeps its fastest (a shared machine)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall time, or the engine thread's CPU time (barely disturbed by other "
+                        "processes; tok/s then counts CPU seconds; use with --threads 1)")
     add_model_args(p)
 
 
@@ -216,12 +230,15 @@ def run_profile(args: argparse.Namespace) -> None:
     if args.tensor_parallel_size != 1:  # its floor pass calls modules whose collectives need every rank
         raise ValueError("dllm profile replays the model's modules in this process; run it with "
                          "--tensor-parallel-size 1")
+    set_threads(args.threads)
     llm = load_llm(args)  # as dllm bench: freed host memory kept unless --no-keep-freed-memory
     examples = load_split("copy", limit=args.limit)
     defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
-    print(f"model: {args.model}  prompts: {len(examples)}  device: {args.device}")
+    print(f"model: {args.model}  prompts: {len(examples)}  device: {args.device}  "
+          f"compile: {'on' if args.compile else 'off'}  repeats: {args.repeats}  clock: {args.clock}")
     print(HEADER)
-    records = profile(llm, args.methods, args.batch_sizes, examples, defaults)
+    records = profile(llm, args.methods, args.batch_sizes, examples, defaults, repeats=args.repeats,
+                      clock=args.clock)
     print()
     print(table(records))
 

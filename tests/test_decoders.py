@@ -1,4 +1,6 @@
 """Baseline decoders: equal to plain re-implementations of the reference samplers."""
+import math
+
 import pytest
 import torch
 
@@ -172,6 +174,22 @@ def test_commit_rules_on_hand_computed_examples():
     assert factor_select(torch.tensor([0.3, 0.2]), 0.5).tolist() == [True, False]
     assert topk_select(conf, 2).tolist() == [True, False, True, False, False]
     assert num_transfer_tokens(10, 4) == [3, 3, 2, 2]
+
+def test_batched_selection_equals_each_rule_alone():
+    """``select_rows`` (the engine's one-pass commit) picks, per row, exactly what the rule picks
+    for that sequence alone: ties to the lower index, thresholds hit exactly, k past the row."""
+    from dllm_engine.decoding.decoders import select_rows
+    torch.manual_seed(0)
+    counts = [5, 1, 8, 3, 8, 4, 6]
+    conf = torch.randint(0, 5, (sum(counts),)).float() / 4  # many ties
+    conf[:3] = torch.tensor([0.9, 0.9, 0.5])  # exactly at a float32 threshold
+    rules = [(0.9, 1), (0.5, 1), (math.inf, 3), (0.95, 2), (0.3, 8), (math.inf, 0), (0.75, 10)]
+    chosen = select_rows(conf, counts, rules)
+    assert chosen.shape == (len(counts), max(counts))
+    for b, (c, (threshold, k)) in enumerate(zip(conf.split(counts), rules)):
+        want = topk_select(c, k) if threshold == math.inf else threshold_select(c, threshold, min_k=k)
+        assert torch.equal(chosen[b, : counts[b]], want) and not chosen[b, counts[b]:].any()
+
 
 
 @pytest.mark.parametrize("method,stops", [("reference", False), ("prefix-cache", False),

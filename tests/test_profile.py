@@ -122,7 +122,47 @@ def test_runner_sends_no_mask_when_every_query_sees_every_key(llada):
     runner = llada.engine.runner
     limit = torch.nn.utils.rnn.pad_sequence([p.key_limit for p in plans], batch_first=True, padding_value=1)
     valid = torch.arange(limit.shape[1])[None] < torch.tensor([len(p) for p in plans])[:, None]
-    assert runner.attention_keys(plans[:1], limit[:1], valid[:1]) == (len(plans[0]), None)
-    num_keys, mask = runner.attention_keys(plans, limit, valid)
-    assert num_keys == 13 and mask.shape == (2, 1, 13, 13)
+    assert runner.attention_keys(plans[:1], limit[:1], valid[:1]) == (len(plans[0]), None, None)
+    num_keys, mask, span = runner.attention_keys(plans, limit, valid)
+    assert num_keys == 13 and mask.shape == (2, 1, 13, 13) and span is None
     assert mask[1, 0, :11].sum(1).tolist() == [11] * 11  # the short row sees its own 11 keys
+
+
+def test_runner_writes_a_contiguous_slot_range_as_one_slice(llada):
+    """Rows that all write slots [lo, hi) in order, none padded, get ``span``; anything else
+    (a gap, rows starting apart) goes through the indexed write; both store the same K/V."""
+    from dllm_engine.engine.kv_cache import KVCache
+    from types import SimpleNamespace
+    runner = llada.engine.runner
+    plans = [SimpleNamespace(key_mask=None)] * 2
+    limit = torch.full((2, 4), 9)
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    slots = torch.arange(3, 7).expand(2, 4)
+    assert runner.attention_keys(plans, limit, valid, slots)[2] == (3, 7)
+    assert runner.attention_keys(plans, limit, valid, slots + torch.tensor([[0], [1]]))[2] is None
+    assert runner.attention_keys(plans, limit, valid, torch.tensor([[3, 4, 6, 7]] * 2))[2] is None
+    k, v = torch.randn(2, 2, 2, 4, 5), torch.randn(2, 2, 2, 4, 5)  # two writes of [B, Hkv, T, D]
+    caches = [KVCache(1, 2, 5, torch.float32, "cpu") for _ in range(2)]
+    for cache in caches:
+        cache.arrange([0, 1], 8)
+    caches[0].write(0, k[0], v[0], slots, valid, span=(3, 7))
+    caches[1].write(0, k[0], v[0], slots, valid)
+    assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v[0], caches[1].v[0])
+    ragged = valid.clone()
+    ragged[1, 3] = False  # padding goes to the sink column, never into a real slot
+    caches[1].write(0, k[1], v[1], slots, ragged)
+    assert torch.equal(caches[1].k[0][1, :, 6], k[0][1, :, 3]) and torch.equal(caches[1].k[0][0, :, 3:7], k[1][0])
+
+
+def test_profile_repeats_keep_the_fastest_pass(llada):
+    params = parse_spec("dual-cache:threshold=0.9", max_new_tokens=16, block_length=8)
+    one = profile_one(llada, "dual-cache", params, PROMPTS, 2)
+    three = profile_one(llada, "dual-cache", params, PROMPTS, 2, repeats=3)
+    assert three.steps == one.steps and three.syncs_per_step == one.syncs_per_step
+    assert 0 < three.floor_ms and three.overhead == pytest.approx(1 - three.floor_ms / three.step_ms, abs=0.01)
+
+
+def test_profile_on_the_cpu_clock(llada):
+    params = parse_spec("dual-cache:threshold=0.9", max_new_tokens=16, block_length=8)
+    r = profile_one(llada, "dual-cache", params, PROMPTS, 2, clock="cpu")
+    assert r.steps > 0 and 0 < r.floor_ms and r.throughput > 0

@@ -474,15 +474,17 @@ def test_a_streaming_client_that_disconnects_is_cancelled(small, offline):
 
 
 def test_an_exception_in_one_request_fails_only_that_request(live, offline, monkeypatch):
+    from dllm_engine.engine.sequence import Sequence
     engine = live[1].state.server.llm.engine
-    commit = engine.commit
+    commit = Sequence.commit  # every commit path writes through it (the engine decides greedy
+    # threshold commits for the whole batch at once, then writes each sequence's)
 
     def faulty(seq, *args, **kwargs):
         if seq.params.seed == 666:
             raise RuntimeError("boom")
         return commit(seq, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "commit", faulty)
+    monkeypatch.setattr(Sequence, "commit", faulty)
 
     async def scenario():
         c = openai.AsyncOpenAI(base_url=live[0] + "/v1", api_key="test", max_retries=0, timeout=60)

@@ -19,6 +19,7 @@ import torch
 from ..engine.llm import LLM
 from ..engine.sequence import stop_share
 from ..eval import evaluate
+from ..models.compiled import compile_model, uncompile_model
 from ..models.loader import read_config, read_generation_config
 from ..sampling_params import SamplingParams, parse_spec, resolve_params
 from ..tasks import Example
@@ -103,9 +104,15 @@ def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Exampl
                        peak_memory_mb_per_rank=per_rank)
 
 
+COMPILED = " [compiled]"  # suffix of a spec's record run with ``--compile``
+
+
 def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
-              out_dir: str | Path, defaults: dict | None = None, progress=print) -> list[BenchRecord]:
-    """Run every spec at every batch size (interleaved), write results.json and throughput.png."""
+              out_dir: str | Path, defaults: dict | None = None, progress=print,
+              compare_compiled: bool = False) -> list[BenchRecord]:
+    """Run every spec at every batch size (interleaved), write results.json and throughput.png.
+    ``compare_compiled``: each spec runs eager, then with ``models/compiled.py`` (a record
+    named ``SPEC [compiled]``), so the two share the machine's state."""
     if not specs:
         raise ValueError("give at least one method spec")
     if any(b < 1 for b in batch_sizes) or not batch_sizes:
@@ -117,6 +124,13 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
         for spec in specs:
             records.append(bench_one(llm, spec, params[spec], examples, bs))
             progress(format_row(records[-1]))
+            if compare_compiled:
+                compile_model(llm.model)
+                try:
+                    records.append(bench_one(llm, spec + COMPILED, params[spec], examples, bs))
+                finally:
+                    uncompile_model(llm.model)
+                progress(format_row(records[-1]))
     (out / "results.json").write_text(json.dumps([dataclasses.asdict(r) for r in records], indent=2) + "\n")
     plot(records, out / "throughput.png")
     return records
@@ -165,12 +179,16 @@ def per_rank_memory(r: BenchRecord) -> str:
 
 
 def table(records: list[BenchRecord]) -> str:
-    """Markdown table with each method's speed-up over the first spec at the same batch size."""
+    """Markdown table with each method's speed-up over the first spec at the same batch size
+    (a ``[compiled]`` row: over the same spec eager)."""
     base = {r.batch_size: r for r in records if r.method == records[0].method}
+    eager = {(r.method, r.batch_size): r for r in records}
     lines = ["| method | batch | accuracy | throughput (tok/s) | speed-up | nfe | tokens/step | redundancy | stop share | prefill tokens | peak MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         ref = base.get(r.batch_size)
+        if r.method.endswith(COMPILED):  # a compiled row: its speed-up over the same spec eager
+            ref = eager.get((r.method[: -len(COMPILED)], r.batch_size), ref)
         speedup = r.throughput / ref.throughput if ref and ref.throughput else float("nan")
         lines.append(f"| `{r.method}` | {r.batch_size} | {r.accuracy:.1%} | {r.throughput:.1f} | "
                      f"{speedup:.2f}× | {r.nfe} | {r.decoded_tokens / max(1, r.nfe):.2f} | "

@@ -1,17 +1,18 @@
 """``dllm profile``: where a step's time goes, and how often it waits for the device.
 
-For each method spec and batch size the same prompts run twice; greedy outputs are
-deterministic, so both passes make the same steps:
+For each method spec and batch size the same prompts run three times; greedy outputs are
+deterministic, so every pass makes the same steps:
 
-1. timed: the wall time of every ``Engine.step`` (tokens/s as ``dllm bench`` counts them) and,
-   right after each step, its floor: every module of the model's forward (embedding, each
-   layer, final norm, LM head) replayed on the tensors it was given, its context frozen and
-   made ready beforehand (masks, key lengths, packing indices and row groups computed, no
-   hooks, no cache writes, no stats). The floor is the model's forward on the step's tensors
-   alone; everything else (planning, building the step's tensors, masks, packing, hooks, K/V
-   writes, logits selection, commit, bookkeeping) is the overhead. Recording a call costs a
-   shallow copy of its context (microseconds against milliseconds per layer);
-2. syncs: a ``TorchDispatchMode`` counts host synchronisations (ops whose result the host
+1. timed: the wall time of every ``Engine.step`` (tokens/s as ``dllm bench`` counts them);
+2. floor: the same steps again and, right after each, every module of the model's forward
+   (embedding, each layer, final norm, LM head) replayed on the tensors it was given, its
+   context frozen and made ready beforehand (masks, key lengths, packing indices and row
+   groups computed, no hooks, no cache writes, no stats). The floor is the model's forward on
+   the step's tensors alone; everything else (planning, building the step's tensors, masks,
+   packing, hooks, K/V writes, logits selection, commit, bookkeeping) is the overhead.
+   Recording a call costs a pre-hook and a shallow copy of its context (~50 us a layer, a few
+   percent of a tiny model's step), which is why the timed pass runs without it;
+3. syncs: a ``TorchDispatchMode`` counts host synchronisations (ops whose result the host
    reads, or whose output shape depends on data: ``aten._local_scalar_dense`` / ``aten.item`` /
    ``aten.is_nonzero`` behind ``.item()``, ``int()``, ``bool()``, ``nonzero``, boolean indexing, ``equal``, ...), a
    ``TorchFunctionMode`` adds ``.tolist()``; the ones inside the layer loop (between the
@@ -35,6 +36,9 @@ from ..sampling_params import SamplingParams
 from ..tasks import Example
 
 aten = torch.ops.aten
+# wall: what a user waits; cpu: this thread's CPU time, which other processes on a shared
+# machine barely disturb (the engine steps on one thread: torch and OMP threads set to 1)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 # ops that read a device value on the host, or size their output from data
 SYNC_OPS = frozenset({aten._local_scalar_dense, aten.item, aten.is_nonzero, aten.nonzero, aten.masked_select, aten.equal,
                       aten.repeat_interleave, aten.bincount, aten._unique2, aten.unique_dim,
@@ -113,7 +117,7 @@ class ReadOnlyCache:
     def __init__(self, cache, layer: int) -> None:
         self.k, self.v = cache.read(layer, self.ALL)
 
-    def write(self, *args) -> None:
+    def write(self, *args, **kwargs) -> None:
         pass
 
     def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
@@ -139,8 +143,9 @@ def ready(snap, num_keys: int) -> None:
 class FloorRecorder:
     """Records each module call of the forward (pre-hooks), then replays them timed."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, clock=time.perf_counter) -> None:
         self.model = model
+        self.clock = clock
         self.calls: list[tuple] = []
         self.recording = True
         self.seconds = 0.0  # replayed so far
@@ -163,10 +168,10 @@ class FloorRecorder:
                 h, snap = args
                 ready(snap, snap.num_keys() if snap.cache is not None else h.shape[1])
         self.recording = False
-        start = time.perf_counter()
+        start = self.clock()
         for module, args in calls:
             module(*args)
-        self.seconds += time.perf_counter() - start
+        self.seconds += self.clock() - start
         self.recording = True
 
     def remove(self) -> None:
@@ -189,16 +194,16 @@ class ProfileRecord:
 
 
 def run_batches(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
-                after_step=None) -> tuple[int, float, int]:
+                after_step=None, clock=time.perf_counter) -> tuple[int, float, int]:
     """Generate ``prompts`` in batches; returns (steps, seconds in steps, output tokens)."""
     engine, steps, seconds, tokens = llm.engine, 0, 0.0, 0
     for i in range(0, len(prompts), batch_size):
         for ids in prompts[i: i + batch_size]:
             engine.add(llm.make_sequence(ids, params))
         while engine.has_work():
-            start = time.perf_counter()
+            start = clock()
             done = engine.step()
-            seconds += time.perf_counter() - start
+            seconds += clock() - start
             steps += 1
             tokens += sum(s.stats.output_tokens for s in done)
             if after_step is not None:
@@ -207,16 +212,19 @@ def run_batches(llm: LLM, params: SamplingParams, prompts: list[list[int]], batc
 
 
 def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[int]],
-                batch_size: int) -> ProfileRecord:
-    """Profile one spec at one batch size; prompts repeat to fill a batch larger than them."""
+                batch_size: int, repeats: int = 1, clock: str = "wall") -> ProfileRecord:
+    """Profile one spec at one batch size; prompts repeat to fill a batch larger than them.
+    ``repeats``: timed and floor passes alternate that many times and each keeps its fastest
+    (on a shared machine the minimum is the least disturbed). ``clock``: ``wall`` or ``cpu``
+    (``CLOCKS``)."""
+    tick = CLOCKS[clock]
     prompts = [prompts[i % len(prompts)] for i in range(max(len(prompts), batch_size))]
     run_batches(llm, params, prompts[:1], 1)  # warm-up
-    recorder = FloorRecorder(llm.model)
-    try:
-        steps, seconds, tokens = run_batches(llm, params, prompts, batch_size, recorder.replay)
-    finally:
-        recorder.remove()
-    floor = recorder.seconds
+    seconds = floor = float("inf")
+    for _ in range(repeats):
+        steps, timed, tokens = run_batches(llm, params, prompts, batch_size, clock=tick)
+        seconds = min(seconds, timed)
+        floor = min(floor, floor_seconds(llm, params, prompts, batch_size, steps, tick))
     count = count_syncs(llm, params, prompts, batch_size)
     return ProfileRecord(method=spec, batch_size=batch_size, steps=steps,
                          step_ms=round(1e3 * seconds / steps, 3), floor_ms=round(1e3 * floor / steps, 3),
@@ -224,6 +232,22 @@ def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[
                          syncs_per_step=round(count.total / steps, 2),
                          layer_syncs_per_step=round(count.in_layers / steps, 2),
                          throughput=round(tokens / seconds, 2))
+
+
+def floor_seconds(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
+                  steps: int, clock=time.perf_counter) -> float:
+    """The floor of the same ``steps`` (greedy steps repeat), in a pass of its own: recording
+    a module call (a pre-hook, a shallow copy of its context) costs a few percent of a tiny
+    model's step, so the timed pass runs without the recorder."""
+    recorder = FloorRecorder(llm.model, clock)
+    try:
+        again = run_batches(llm, params, prompts, batch_size, recorder.replay, clock)[0]
+    finally:
+        recorder.remove()
+    if again != steps:
+        raise RuntimeError(f"{params.method}: the floor pass made {again} steps, the timed pass "
+                           f"{steps}: the passes must make the same steps (a fixed seed)")
+    return recorder.seconds
 
 
 def count_syncs(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int) -> SyncCount:
@@ -238,17 +262,22 @@ def count_syncs(llm: LLM, params: SamplingParams, prompts: list[list[int]], batc
 
 
 def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
-                defaults: dict | None = None, progress=print) -> list[ProfileRecord]:
+                defaults: dict | None = None, progress=print, repeats: int = 1,
+                clock: str = "wall") -> list[ProfileRecord]:
     """Profile every spec at every batch size (interleaved, as ``dllm bench`` does)."""
     from ..sampling_params import parse_spec
     if not specs or not batch_sizes or any(b < 1 for b in batch_sizes):
         raise ValueError(f"give at least one method spec and batch sizes >= 1, got {specs} / {batch_sizes}")
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if clock not in CLOCKS:
+        raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     params = {spec: parse_spec(spec, **(defaults or {})) for spec in specs}  # validate all first
     prompts = [llm.apply_chat_template(chat_prompt(e)) for e in examples]
     records = []
     for bs in batch_sizes:
         for spec in specs:
-            records.append(profile_one(llm, spec, params[spec], prompts, bs))
+            records.append(profile_one(llm, spec, params[spec], prompts, bs, repeats, clock))
             progress(format_row(records[-1]))
     return records
 

@@ -10,6 +10,7 @@ masked positions it commits (the commit rule).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -100,13 +101,49 @@ def cache_len(seq: Sequence) -> int:
 def select(seq: Sequence, conf: Tensor) -> Tensor:
     """bool [N] over the candidate positions: which to commit this step."""
     p = seq.params
+    if p.base_method != "block" and p.threshold is not None:
+        return threshold_select(conf, p.threshold, min_k=1)  # the fixed-k share is not needed
     k = seq.tokens_this_step()
     if p.base_method == "block":
         if p.unmasking == "low_confidence_static":
             return topk_select(conf, max(k, 1))
         return threshold_select(conf, p.threshold, min_k=max(k, 1))
-    if p.threshold is not None:
-        return threshold_select(conf, p.threshold, min_k=1)
     if p.factor is not None:
         return factor_select(conf, p.factor)
     return topk_select(conf, k)
+
+
+def threshold_rule(seq: Sequence) -> tuple[float, int] | None:
+    """``select``'s rule for ``seq`` as (threshold, min_k): every candidate with confidence >=
+    threshold, or the top min_k when fewer pass (a top-k rule is threshold inf); None for the
+    factor rule."""
+    p = seq.params
+    if p.base_method == "block":
+        k = max(seq.tokens_this_step(), 1)
+        return (math.inf, k) if p.unmasking == "low_confidence_static" else (p.threshold, k)
+    if p.threshold is not None:
+        return p.threshold, 1
+    if p.factor is not None:
+        return None
+    return math.inf, seq.tokens_this_step()
+
+
+def select_rows(conf: Tensor, counts: list[int], rules: list[tuple[float, int]]) -> Tensor:
+    """bool [B, M]: ``select`` for B sequences at once. ``conf`` holds their candidates'
+    confidences one after another (``counts`` each, all > 0; M = the largest); ``rules`` their
+    ``threshold_rule``. Row b's first counts[b] entries are exactly what ``threshold_select`` /
+    ``topk_select`` give that sequence alone (ties to the lower index, thresholds compared in
+    conf's dtype); the rest is False."""
+    dev = conf.device
+    rows = torch.nn.utils.rnn.pad_sequence(conf.split(counts), batch_first=True,
+                                           padding_value=-math.inf)  # [B, M]
+    n = torch.tensor(counts, device=dev)
+    valid = torch.arange(rows.shape[1], device=dev)[None] < n[:, None]
+    threshold = torch.tensor([r[0] for r in rules], dtype=conf.dtype, device=dev)
+    k = torch.tensor([r[1] for r in rules], device=dev)
+    passed = (rows >= threshold[:, None]) & valid
+    order = torch.sort(rows, dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(rows.shape[1], device=dev).expand_as(order))
+    top = (rank < k[:, None]) & valid
+    enough = passed.sum(1) >= torch.minimum(k, n)
+    return torch.where(enough[:, None], passed, top)

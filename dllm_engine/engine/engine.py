@@ -7,6 +7,7 @@ order (``KVCache.arrange``), so a group's forward reads its pool without a copy 
 request widens only the rows of its class."""
 from __future__ import annotations
 
+import itertools
 from functools import partial
 import time
 from collections import deque
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..decoding import confidence, sample_tokens
-from ..decoding.decoders import cache_len, guided_logits, plan_step, select
+from ..decoding.decoders import cache_len, guided_logits, plan_step, select, select_rows, threshold_rule
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
 from .kv_cache import KVCache
@@ -28,6 +29,14 @@ GroupKey = tuple[str, int]  # (method, length class)
 def length_class(positions: int) -> int:
     """The power of two at or above ``positions``: sequences of one class share a pool."""
     return 1 << max(positions - 1, 0).bit_length()
+
+
+def batched_rule(seq: Sequence) -> bool:
+    """Whether ``Engine.decide_rows`` gives ``seq`` its own rule: greedy, confidence = the
+    probability of the argmax, a threshold or top-k rule (not factor), one mask id."""
+    p = seq.params
+    return (p.temperature == 0 and p.remasking in ("low_confidence", "maskgit_plus")
+            and not (p.base_method != "block" and p.threshold is None and p.factor is not None))
 
 
 class Engine:
@@ -117,13 +126,26 @@ class Engine:
         plans = [pipeline.plan(s, plan_step(s, self.runner.shift)) for s in seqs]
         hooks = pipeline.layer_hooks(seqs, plans)
         outputs = self.runner.forward(seqs, plans, cache, hooks)
+        ready = []
         for seq, (positions, logits) in zip(seqs, outputs):
             if seq.params.base_method == "block":  # this forward made everything before the block final
                 seq.committed_len = seq.block[0]
             if seq.params.cfg_scale > 0:
                 positions, logits = guided_logits(seq, positions, logits)
-            positions, logits = pipeline.after_forward(seq, positions, logits)
-            committed = pipeline.commit(seq, positions, logits, partial(self.commit, pipeline=pipeline))
+            ready.append((seq, *pipeline.after_forward(seq, positions, logits)))
+        mask_id = seqs[0].ids.mask_id
+        batched = pipeline.owner is None and all(batched_rule(s) and s.ids.mask_id == mask_id for s, *_ in ready)
+        decided = self.decide_rows(pipeline, ready) if batched else None
+        rule = partial(self.commit, pipeline=pipeline)
+        # per sequence, in row order as before: a commit that raises leaves the rows before it
+        # advanced and the rest untouched (the server replays those alone)
+        for k, (seq, positions, logits) in enumerate(ready):
+            if decided is None:
+                committed = pipeline.commit(seq, positions, logits, rule)
+            else:
+                committed, tokens, rows = decided[k]
+                if positions.numel():
+                    seq.commit(committed, tokens, rows)
             pipeline.after_commit(seq, committed)
             seq.advance()
 
@@ -143,6 +165,50 @@ class Engine:
         chosen = select(seq, conf)
         seq.commit(positions[chosen], x0[chosen], logits[chosen])
         return positions[chosen]
+
+    @staticmethod
+    def decide(pipeline: Pipeline, seq: Sequence, positions: Tensor, logits: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor]:
+        """``commit``'s decision for one greedy sequence (``batched_rule``), nothing written."""
+        logits[:, seq.ids.mask_id] = -float("inf")
+        x0 = logits.argmax(-1)
+        conf = pipeline.confidence(seq, positions, x0, confidence(logits, x0, "low_confidence", None))
+        picked = select(seq, conf).nonzero()[:, 0]  # one host read, not one per bool index
+        return positions[picked], x0[picked], logits[picked]
+
+    def decide_rows(self, pipeline: Pipeline, ready: list[tuple[Sequence, Tensor, Tensor]]
+                    ) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """What ``commit`` would commit for each sequence of a group whose rules allow it
+        (``batched_rule``), decided in one pass: argmax, softmax confidence and selection over
+        every sequence's candidates at once (every op here is row-wise, so each sequence gets
+        the tokens it would get alone). Per sequence (positions, tokens, their logits rows);
+        nothing is written."""
+        live = [(i, seq, pos, lg) for i, (seq, pos, lg) in enumerate(ready) if pos.numel()]
+        decided = [(pos, pos.new_zeros(0), lg[:0]) for _, pos, lg in ready]  # no candidates: nothing
+        if len(live) == 1:  # one sequence: its own rule is fewer ops than the padded one
+            i, seq, pos, lg = live[0]
+            decided[i] = self.decide(pipeline, seq, pos, lg)
+            return decided
+        if not live:
+            return decided
+        counts = [pos.numel() for _, _, pos, _ in live]
+        logits = torch.cat([lg for *_, lg in live])  # [sum N, V]
+        logits[:, live[0][1].ids.mask_id] = -float("inf")  # never commit the mask
+        x0 = logits.argmax(-1)
+        conf = confidence(logits, x0, "low_confidence", None)
+        positions = torch.cat([pos for _, _, pos, _ in live])
+        if pipeline.adjusts_confidence:
+            conf = torch.cat([pipeline.confidence(seq, pos, tok, c) for (_, seq, pos, _), tok, c
+                              in zip(live, x0.split(counts), conf.split(counts))])
+        chosen = select_rows(conf, counts, [threshold_rule(seq) for _, seq, _, _ in live])  # [B, M]
+        per_row = chosen.sum(1).tolist()  # the step's one host read of the commit
+        where = torch.nonzero_static(chosen, size=sum(per_row))  # [K, 2] (row, column), row-major
+        offsets = torch.tensor([0, *itertools.accumulate(counts)][:-1], device=conf.device)
+        picked = offsets[where[:, 0]] + where[:, 1]  # into the concatenated candidates
+        for (i, *_), pos, tok, lg in zip(live, positions[picked].split(per_row),
+                                         x0[picked].split(per_row), logits[picked].split(per_row)):
+            decided[i] = (pos, tok, lg)
+        return decided
 
     def release(self, keep: list[int]) -> None:
         self.arrange([self.running[i] for i in keep])

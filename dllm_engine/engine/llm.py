@@ -11,6 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..models import load_model
+from ..models.compiled import compile_model
 from ..models.loader import parse_device, read_generation_config
 from ..sampling_params import SamplingParams, check_prompt, resolve_params
 from .engine import Engine
@@ -63,19 +64,25 @@ def quiet_transformers():
 class LLM:
     def __init__(self, model: str | Path, dtype: str = "float32", device: str = "cpu",
                  max_num_seqs: int = 256, keep_freed_memory: bool = False,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, compile: bool = False) -> None:
         """``keep_freed_memory``: on CPU, tune this process's glibc allocator to reuse freed
         activations (faster, keeps the peak heap; process-wide: see ``engine/host_memory.py``).
 
         ``tensor_parallel_size`` N > 1: the model is split over N processes, one per device
         (``engine/parallel.py``); this process is rank 0. Under torchrun, ranks other than 0
-        serve inside this call and exit when rank 0 calls ``close()`` (or exits)."""
+        serve inside this call and exit when rank 0 calls ``close()`` (or exits).
+
+        ``compile``: torch.compile the layers' norms and MLPs (``models/compiled.py``; not
+        bit-exact, off by default; one process only)."""
         self.path = Path(model)
         self.device = parse_device(device)
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
+        if compile and tensor_parallel_size > 1:
+            raise ValueError("compile=True is for one process: the compiled MLP calls its weights "
+                             "directly and would skip the tensor-parallel all-reduce")
         self.parallel = None
         if tensor_parallel_size > 1 and self.device.type != "meta":
             from .parallel import TensorParallel
@@ -85,6 +92,8 @@ class LLM:
             self.model = self.parallel.model
         else:
             self.model = load_model(self.path, dtype=dtype, device=self.device)
+        if compile:
+            compile_model(self.model)
         self.tokenizer = self.load_tokenizer()
         self.generation_config = read_generation_config(self.path)
         self.token_ids = self.resolve_ids()

@@ -31,6 +31,7 @@ class StepInputs:
     slots: Tensor  # [B, T] cache slot of each token
     lengths: list[int]  # live tokens per row
     logit_slots: Tensor  # [B, N] cache slots whose logits the step wants
+    slot_span: tuple[int, int] | None = None  # every row writes slots [lo, hi) in order, no padding
 
 
 class Runner:
@@ -62,16 +63,17 @@ class Runner:
         positions = pad_stack([p.positions for p in plans], 0)
         dev = positions.device
         valid = torch.arange(positions.shape[1], device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
-        num_keys, mask = self.attention_keys(plans, pad_stack([p.key_limit for p in plans], 1), valid)
+        slots = pad_stack([p.slots for p in plans], 0)
+        num_keys, mask, span = self.attention_keys(plans, pad_stack([p.key_limit for p in plans], 1), valid,
+                                                   slots if min(lengths) == slots.shape[1] else None)
         return StepInputs(pad_stack([p.token_ids for p in plans], 0), positions, valid, mask, num_keys,
-                          pad_stack([p.slots for p in plans], 0), lengths,
-                          pad_stack([p.logit_slots for p in plans], num_keys))
+                          slots, lengths, pad_stack([p.logit_slots for p in plans], num_keys), span)
 
     def context(self, step: StepInputs, cache, hooks: LayerHooks | None) -> ForwardContext:
         return ForwardContext(positions=step.positions, token_valid=step.valid, attn_mask=step.mask,
                               key_length=step.num_keys, cache=cache, hooks=hooks,
                               processed=[0.0] * len(step.lengths), row_lengths=step.lengths,
-                              slots=step.slots, shard=self.model.shard)
+                              slots=step.slots, slot_span=step.slot_span, shard=self.model.shard)
 
     def run(self, step: StepInputs, ctx: ForwardContext) -> tuple[Tensor, list[int], Tensor]:
         """The forward and the LM head over the wanted live tokens: (flat index of each logits
@@ -80,25 +82,33 @@ class Runner:
         return self.logits(step.logit_slots, hidden, ctx)
 
     @staticmethod
-    def attention_keys(plans: list[StepPlan], limit: Tensor, valid: Tensor) -> tuple[int, Tensor | None]:
-        """(S, mask [B, 1, T, S] or None): how many cache positions the step reads and which of
-        them each query sees; None when every live query sees all S (SDPA runs maskless). An
-        explicit key mask of a plan (copies isolated from each other) wins over its limits.
-        One host read per step."""
+    def attention_keys(plans: list[StepPlan], limit: Tensor, valid: Tensor, slots: Tensor | None = None
+                       ) -> tuple[int, Tensor | None, tuple[int, int] | None]:
+        """(S, mask [B, 1, T, S] or None, span): how many cache positions the step reads and
+        which of them each query sees; None when every live query sees all S (SDPA runs
+        maskless). An explicit key mask of a plan (copies isolated from each other) wins over
+        its limits. ``slots`` (given when no row is padded): span = (lo, lo + T) when every row
+        writes the cache slots [lo, lo + T) in order (``KVCache.write`` copies a slice), else
+        None. One host read per step."""
         explicit = torch.tensor([p.key_mask is not None for p in plans], device=limit.device)
         limit = limit.masked_fill(explicit[:, None], 0)
         top = limit.max()
-        hi, lo = torch.stack([top, torch.where(valid, limit, top).min()]).tolist()
+        facts = [top, torch.where(valid, limit, top).min()]
+        if slots is not None:  # rows all start at slots[0, 0] and count up by one
+            steps = torch.arange(slots.shape[1], device=slots.device)
+            facts += [(slots == slots[:1, :1] + steps).all().long(), slots[0, 0]]
+        hi, lo, *span = torch.stack(facts).tolist()
+        span = (span[1], span[1] + slots.shape[1]) if span and span[0] else None
         widths = [p.key_mask.shape[1] for p in plans if p.key_mask is not None]
         num_keys = max([hi, *widths])
         if not widths and lo >= hi:
-            return num_keys, None
+            return num_keys, None, span
         keys = torch.arange(num_keys, device=limit.device)
         mask = keys[None, None, :] < limit[:, :, None]  # [B, T, S]
         for i, p in enumerate(plans):
             if p.key_mask is not None:
                 mask[i, : len(p), : p.key_mask.shape[1]] = p.key_mask
-        return num_keys, mask[:, None]
+        return num_keys, mask[:, None], span
 
     def account(self, seqs: list[Sequence], ctx: ForwardContext) -> None:
         """nfe, processed_tokens (layer-averaged), and the prompt's first pass as prefill."""

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..decoding import num_transfer_tokens
 from ..sampling_params import SamplingParams
 
 
@@ -124,7 +123,13 @@ class Sequence:
         first; the block's own schedule while every step commits its share). A step past the
         block's ``steps`` (a strategy let fewer tokens commit) takes every mask left."""
         steps_left = max(self.params.steps - self.step, 1)
-        return num_transfer_tokens(len(self.masked_positions()), steps_left)[0]
+        base, rem = divmod(self.num_masked(), steps_left)  # num_transfer_tokens(...)[0]
+        return base + (1 if rem else 0)
+
+    def num_masked(self) -> int:
+        """Masks left in the current block."""
+        start, end = self.block
+        return int((self.canvas[start:end] == self.ids.mask_id).sum())
 
     # -- progress ----------------------------------------------------------------------------
     def commit(self, positions: Tensor, tokens: Tensor, logits: Tensor | None = None) -> None:
@@ -156,7 +161,7 @@ class Sequence:
         self.stats.step_commits[self.stats.decoded_tokens - self.decoded_before_step] += 1
         self.decoded_before_step = self.stats.decoded_tokens
         self.step += 1
-        if len(self.masked_positions()):
+        if bool((self.canvas[slice(*self.block)] == self.ids.mask_id).any()):
             return
         start, end = self.block
         generated = self.canvas[max(start, self.prompt_len):end]

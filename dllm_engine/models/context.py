@@ -78,6 +78,7 @@ class ForwardContext:
     sin: Tensor | None = None
     key_length: int | None = None  # S, the cache positions attention reads (default max key_limit)
     row_lengths: list[int] | None = None  # live tokens per row, left-packed (None: unknown layout)
+    slot_span: tuple[int, int] | None = None  # every row writes slots [lo, hi) in order, no padding
     derived: dict = field(default_factory=dict, repr=False)  # facts of the live set; shrink clears it
     shard: object | None = None  # parallel.Shard of a tensor-parallel model; None in one process
 
@@ -185,6 +186,7 @@ class ForwardContext:
         """Continue with tokens ``keep_index`` [B, K] only (FOCUS eviction, ES-dLLM skipping);
         ``lengths``: kept tokens per row when the caller knows them (``Kept``)."""
         self.derived.clear()
+        self.slot_span = None
         self.positions = self.gather(self.positions, keep_index)
         self.token_valid = self.gather(self.token_valid, keep_index) & keep_valid
         self.token_index = self.gather(self.token_index, keep_index)

@@ -131,7 +131,7 @@ class Attention(nn.Module):
         q, k, v = self.project(x, ctx)
         if ctx.cache is not None:
             # K/V of every token are written before any eviction (FOCUS step 6)
-            ctx.cache.write(self.layer_idx, k, v, ctx.slots, ctx.token_valid)
+            ctx.cache.write(self.layer_idx, k, v, ctx.slots, ctx.token_valid, span=ctx.slot_span)
         keep = ctx.hooks.after_qk(self.layer_idx, q, k, ctx) if ctx.hooks is not None else None
         if keep is not None:
             q = torch.gather(q, 2, keep.index[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))

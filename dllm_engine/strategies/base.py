@@ -127,6 +127,8 @@ class Pipeline:
         strategies = [strategy_class(n)(model) for n in names]
         self.strategies = sorted(strategies, key=lambda s: s.stage)
         self.owner = next((s for s in self.strategies if s.owns_commit), None)
+        # some strategy reweighs the commit rule's confidences (``confidence``)
+        self.adjusts_confidence = any(type(s).confidence is not Strategy.confidence for s in self.strategies)
 
     def setup(self, seq: Sequence) -> None:
         for s in self.strategies:

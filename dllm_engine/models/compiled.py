@@ -1,0 +1,89 @@
+"""``LLM(..., compile=True)`` / ``--compile``: torch.compile of the layer stack's per-token blocks.
+
+Applied to a finished model from outside (no model file changes): every RMSNorm and every dense
+SwiGLU MLP of the stack gets a forward that calls one shared compiled function with the
+module's weights as arguments. One compilation, with dynamic shapes, serves every layer and
+every token count, so a step's changing shapes (a block, a canvas, a shrunk set) do not
+recompile it. Attention (SDPA with its masks and row groups), the K/V cache, strategy hooks
+and MoE layers stay eager: they read the forward context, which changes every step.
+
+NOT bit-exact: inductor fuses the norm's reduction and the SwiGLU's activation into its own
+kernels, whose results differ from the eager ones in the last bits (~1e-6); greedy tokens are
+the same unless two candidates are that close. ``tests/test_compile.py`` checks the tokens
+against eager on the test fixtures. Off by default: measure before turning it on
+(``dllm bench --compile`` runs each spec eager and compiled side by side).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .layers import MLP, DiffusionLM, RMSNorm
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm.forward as a function of its weight (fp32 normalisation, cast back, scale)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """MLP.forward as a function of its weights: down(silu(gate x) * up x)."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+_kernels: dict[str, object] = {}
+
+
+def kernel(name: str):
+    """The compiled function ``name`` (compiled once per process, lazily: the first call traces)."""
+    if name not in _kernels:
+        fn = {"rms_norm": rms_norm, "swiglu": swiglu}[name]
+        # not fullgraph: under a TorchDispatchMode (dllm profile counting syncs) dynamo skips
+        # the frame, and the call must then run eager rather than raise
+        _kernels[name] = torch.compile(fn, dynamic=True)
+    return _kernels[name]
+
+
+def on_rows(fn, x: Tensor, *args, **kwargs) -> Tensor:
+    """``fn`` over ``x`` seen as [N, d]: one compiled graph for every input rank, and only
+    the token count N varies (dynamic shapes specialise a dimension of size 1, which a
+    batch of one would otherwise be)."""
+    return fn(x.reshape(-1, x.shape[-1]), *args, **kwargs).view(*x.shape[:-1], -1)
+
+
+def compiled_forward(module: nn.Module):
+    """A forward for ``module`` that calls the shared compiled function, or None to keep eager."""
+    if isinstance(module, RMSNorm):
+        return partial(on_rows, kernel("rms_norm"), weight=module.weight, eps=module.eps)
+    if isinstance(module, MLP):
+        return lambda x: on_rows(kernel("swiglu"), x, module.gate_proj.weight, module.up_proj.weight,
+                                 module.down_proj.weight)
+    return None
+
+
+def compile_model(model: DiffusionLM) -> None:
+    """Give the per-token blocks of ``model``'s layers (and its final norm) compiled forwards
+    (see the module docstring)."""
+    for layer in model.layers:
+        for module in layer.modules():
+            if isinstance(module, MLP) and module is not layer.mlp:
+                continue  # an expert or shared expert: MoE layers stay eager
+            forward = compiled_forward(module)
+            if forward is not None:
+                module.forward = forward
+    model.norm.forward = compiled_forward(model.norm)
+
+
+def uncompile_model(model: DiffusionLM) -> None:
+    """Back to the eager forwards (``compile_model`` only set instance attributes)."""
+    for module in model.modules():
+        module.__dict__.pop("forward", None)
+
+
+def is_compiled(model: DiffusionLM) -> bool:
+    return any("forward" in m.__dict__ for m in model.modules())
