@@ -185,6 +185,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> None:
     from .bench.offline import HEADER, check_specs, run_bench as bench, table
+    from .models.compiled import check_compile
     from .tasks import load_split
     set_threads(args.threads)
     examples = load_split(args.tasks, limit=args.limit)  # a typo fails before the model loads
@@ -192,9 +193,7 @@ def run_bench(args: argparse.Namespace) -> None:
     defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
                                   ("block_length", args.block_length)) if v is not None}
     resolved = check_specs(args.model, args.methods, defaults)  # before the weights load
-    if args.compile and args.tensor_parallel_size > 1:
-        raise ValueError("--compile is for one process (the compiled MLP would skip the "
-                         "tensor-parallel all-reduce); drop it or --tensor-parallel-size")
+    check_compile(args.compile, args.tensor_parallel_size)  # bench compiles after loading
     llm = load_llm(args, compile=False)  # --compile: each spec runs eager, then compiled
     for spec, params in resolved.items():
         print(f"method: {spec} = {params.describe()}")

@@ -79,6 +79,11 @@ def cases(ckpt, tmp_path_factory) -> dict[str, tuple[list[str], str]]:
                                             "num_heads 4 is not divisible by tensor_parallel_size 3"),
         "profile under tensor parallel": (["profile", *model, "--methods", "dual-cache",
                                            "--tensor-parallel-size", "2"], "run it with --tensor-parallel-size 1"),
+        "compile under tensor parallel": (["generate", *model, "--compile", "--tensor-parallel-size", "2"],
+                                          "compile is for one process"),
+        "bench compile under tensor parallel": (["bench", *model, "--methods", "dual-cache", "--compile",
+                                                 "--tensor-parallel-size", "2", "--out", "unused"],
+                                                "compile is for one process"),
         "replicas under tensor parallel": (["serve", str(ckpt), "--replicas", "2", "--tensor-parallel-size", "2"],
                                            "--tensor-parallel-size with --replicas is not supported"),
         # the spec fails before the (broken) weights are read: specs are checked first

@@ -11,7 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..models import load_model
-from ..models.compiled import compile_model
+from ..models.compiled import check_compile, compile_model
 from ..models.loader import parse_device, read_generation_config
 from ..sampling_params import SamplingParams, check_prompt, resolve_params
 from .engine import Engine
@@ -80,9 +80,7 @@ class LLM:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
-        if compile and tensor_parallel_size > 1:
-            raise ValueError("compile=True is for one process: the compiled MLP calls its weights "
-                             "directly and would skip the tensor-parallel all-reduce")
+        check_compile(compile, tensor_parallel_size)
         self.parallel = None
         if tensor_parallel_size > 1 and self.device.type != "meta":
             from .parallel import TensorParallel

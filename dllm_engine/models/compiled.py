@@ -66,6 +66,14 @@ def compiled_forward(module: nn.Module):
     return None
 
 
+def check_compile(compile: bool, tensor_parallel_size: int) -> None:
+    """Refuse compiling a tensor-parallel model, before anything loads: the compiled MLP calls
+    its weights directly and would skip the row-parallel all-reduce."""
+    if compile and tensor_parallel_size > 1:
+        raise ValueError("compile is for one process (the compiled MLP would skip the "
+                         "tensor-parallel all-reduce); drop it or use tensor_parallel_size 1")
+
+
 def compile_model(model: DiffusionLM) -> None:
     """Give the per-token blocks of ``model``'s layers (and its final norm) compiled forwards
     (see the module docstring)."""
