@@ -135,7 +135,8 @@ def test_bad_input_is_one_error_line_and_exit_2(results, argv_cases, name):
 CASES = [*BROKEN, "model is a file", "device tpu", "device cuda on a CPU build", "port out of range",
          "temperature NaN", "factor inf", "serve a default it cannot run", "two models to serve",
          "bench spec before weights", "tensor parallel does not divide", "profile under tensor parallel",
-         "replicas under tensor parallel"]
+         "replicas under tensor parallel", "compile under tensor parallel",
+         "bench compile under tensor parallel"]
 
 
 @pytest.mark.parametrize("name", CASES)
