@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from dllm_engine import LLM
-from dllm_engine.eval.chain_probe import chain_probe, result_positions, right_masked_rows
+from dllm_engine.eval.chain_probe import (chain_probe, copy_masked_rows, result_positions,
+                                          right_masked_rows)
 from dllm_engine.tasks import load_split
 from fixtures import write_checkpoint
 
@@ -23,6 +24,16 @@ def test_right_masked_rows_keep_the_prompt_and_the_answer_before_each_target():
                              [10, 11, 12, 13, 14, 15, 16, 17, -1, -1]]
 
 
+def test_copy_masked_rows_mask_the_result_through_its_copy_only():
+    # 3 + 5 = 8 , 8 + 2 = 0 , 0   ('=' is 9, ',' is 7); results at 4 and 10
+    ids = torch.tensor([3, 1, 5, 9, 8, 7, 8, 1, 2, 9, 0, 7, 0])
+    rows = copy_masked_rows(ids, [4, 10], close_id=7, mask_id=-1)
+    assert rows.tolist() == [[3, 1, 5, 9, -1, -1, -1, 1, 2, 9, 0, 7, 0],
+                             [3, 1, 5, 9, 8, 7, 8, 1, 2, 9, -1, -1, -1]]
+    # a last result with no ',' after it: masked to the end
+    assert copy_masked_rows(ids[:11], [10], 7, -1).tolist() == [ids[:10].tolist() + [-1]]
+
+
 @pytest.mark.parametrize("family", ["llada", "sdar"])
 def test_chain_probe_counts_every_result_token(tmp_path, family):
     llm = LLM(write_checkpoint(tmp_path / family, family, vocab_size=128))  # the worked words too
@@ -35,3 +46,4 @@ def test_chain_probe_counts_every_result_token(tmp_path, family):
         row = rows[task]
         assert row.results == want > 0
         assert 0 <= row.right_masked <= row.results and 0 <= row.causal <= row.results
+        assert 0 <= row.copy_masked <= row.results

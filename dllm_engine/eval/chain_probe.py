@@ -7,8 +7,10 @@ decoder going left to right (blocks of 32, the right masked) then finds nothing 
 separates the two: for every result token (from ``=`` to the next ``,``) it masks the answer from
 that token on and asks the model for it, once with the bidirectional attention the decoders use
 ("right masked") and once under a causal mask, next-token style, as the auxiliary loss of
-``dllm train`` trains it ("causal"). For block-causal families the blocks are counted from the
-first token of the sequence.
+``dllm train`` trains it ("causal"). A third count ("copy masked") masks only the result and the
+answer up to and including its copy (the token after the next ``,``) and leaves the rest of the
+answer in view: a model that computes gets it right, one that only copies does not. For
+block-causal families the blocks are counted from the first token of the sequence.
 """
 from __future__ import annotations
 
@@ -28,11 +30,13 @@ class ChainProbeRow:
     results: int = 0  # result tokens probed
     right_masked: int = 0  # of them predicted with the answer masked from them on
     causal: int = 0  # of them predicted next-token style under a causal mask
+    copy_masked: int = 0  # of them predicted with only the result and its copy masked
 
     def as_dict(self) -> dict:
         n = max(1, self.results)
         return {"task": self.task, "results": self.results,
-                "right_masked": round(self.right_masked / n, 4), "causal": round(self.causal / n, 4)}
+                "right_masked": round(self.right_masked / n, 4),
+                "copy_masked": round(self.copy_masked / n, 4), "causal": round(self.causal / n, 4)}
 
 
 def result_positions(answer: list[int], open_id: int, close_id: int) -> list[int]:
@@ -55,6 +59,26 @@ def right_masked_rows(ids: Tensor, targets: list[int], start: int, mask_id: int)
     cols = torch.arange(ids.shape[0])[None]
     t = torch.tensor(targets)[:, None]
     return torch.where((cols >= t) & (cols >= start), torch.full_like(rows, mask_id), rows)
+
+
+def copy_masked_rows(ids: Tensor, targets: list[int], close_id: int, mask_id: int) -> Tensor:
+    """One row per target position t: ``ids`` with t, the tokens up to the next ``close_id`` and
+    the one after it (the result's copy as the next clause's first operand) masked."""
+    rows = ids.repeat(len(targets), 1)
+    cols = torch.arange(ids.shape[0], device=ids.device)
+    closes = (ids == close_id).nonzero().flatten().tolist()
+    ends = [next((c + 1 for c in closes if c > t), ids.shape[0] - 1) for t in targets]
+    t = torch.tensor(targets, device=ids.device)[:, None]
+    end = torch.tensor(ends, device=ids.device)[:, None]
+    return torch.where((cols[None] >= t) & (cols[None] <= end), torch.full_like(rows, mask_id), rows)
+
+
+def predicted(model, x: Tensor, targets: list[int], want: Tensor) -> int:
+    """How many of ``want`` the model predicts at ``targets`` (row i, column targets[i])."""
+    hidden = model.forward_context(x, model.plain_context(x, None))
+    shift = 1 if model.config.logit_shift else 0  # Dream predicts slot t from position t - 1
+    picked = hidden[torch.arange(len(targets), device=x.device), [t - shift for t in targets]]
+    return int((model.logits(picked).argmax(-1) == want).sum())
 
 
 @torch.no_grad()
@@ -80,11 +104,11 @@ def chain_probe(llm: LLM, examples: list[Example], open_word: str = "=",
             continue
         ids = torch.tensor(prompt + answer, device=device)
         want = ids[targets]
-        x = right_masked_rows(ids, targets, len(prompt), llm.token_ids.mask_id)
-        hidden = model.forward_context(x, model.plain_context(x, None))
-        shift = 1 if model.config.logit_shift else 0  # Dream predicts slot t from position t - 1
-        picked = hidden[torch.arange(len(targets), device=device), [t - shift for t in targets]]
-        row.right_masked += int((model.logits(picked).argmax(-1) == want).sum())
+        mask_id = llm.token_ids.mask_id
+        row.right_masked += predicted(model, right_masked_rows(ids, targets, len(prompt), mask_id),
+                                      targets, want)
+        row.copy_masked += predicted(model, copy_masked_rows(ids, targets, close_id, mask_id),
+                                     targets, want)
         n = ids.shape[0]
         causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]
         hidden = model.forward_context(ids[None], model.plain_context(ids[None], causal))[0]
@@ -94,8 +118,9 @@ def chain_probe(llm: LLM, examples: list[Example], open_word: str = "=",
 
 
 def probe_table(rows: dict[str, ChainProbeRow]) -> str:
-    lines = [f"{'task':10} {'results':>8} {'right masked':>13} {'causal':>8}"]
+    lines = [f"{'task':10} {'results':>8} {'right masked':>13} {'copy masked':>12} {'causal':>8}"]
     for r in rows.values():
         d = r.as_dict()
-        lines.append(f"{r.task:10} {r.results:>8} {d['right_masked']:>13.1%} {d['causal']:>8.1%}")
+        lines.append(f"{r.task:10} {r.results:>8} {d['right_masked']:>13.1%} "
+                     f"{d['copy_masked']:>12.1%} {d['causal']:>8.1%}")
     return "\n".join(lines)
