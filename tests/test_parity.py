@@ -147,3 +147,16 @@ def test_ragged_attention_runs_narrow_rows_apart_with_the_same_result():
     assert [(rows.tolist(), width) for rows, width in groups] == [([1, 2], 4), ([0, 3], 16)]
     got = ragged_attention(q, k, v, mask, groups)
     assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)
+
+
+def test_rotary_table_equals_computing_cos_sin():
+    """The cached RoPE table gives each position exactly what ``rope_cos_sin`` computes, grows
+    when a step reaches past it, and reads the largest position itself when given no bound."""
+    from dllm_engine.models.layers import RotaryTable, rope_cos_sin
+    table = RotaryTable(16, 10000.0)
+    for shape, bound in (((1, 7), 8), ((3, 33), 100), ((4, 5), None), ((2, 9), 300)):
+        positions = torch.randint(0, bound or 50, shape)
+        cos, sin = table.lookup(positions, bound)
+        want_cos, want_sin = rope_cos_sin(positions, 16, 10000.0)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert table.tables[torch.device("cpu")][0].shape == (512, 16)  # 300 -> the next power of two

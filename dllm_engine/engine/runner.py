@@ -73,7 +73,8 @@ class Runner:
         return ForwardContext(positions=step.positions, token_valid=step.valid, attn_mask=step.mask,
                               key_length=step.num_keys, cache=cache, hooks=hooks,
                               processed=[0.0] * len(step.lengths), row_lengths=step.lengths,
-                              slots=step.slots, slot_span=step.slot_span, shard=self.model.shard)
+                              slots=step.slots, slot_span=step.slot_span, shard=self.model.shard,
+                              position_bound=step.num_keys)  # a query sees its own key: position < S
 
     def run(self, step: StepInputs, ctx: ForwardContext) -> tuple[Tensor, list[int], Tensor]:
         """The forward and the LM head over the wanted live tokens: (flat index of each logits

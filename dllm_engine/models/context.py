@@ -81,6 +81,7 @@ class ForwardContext:
     slot_span: tuple[int, int] | None = None  # every row writes slots [lo, hi) in order, no padding
     derived: dict = field(default_factory=dict, repr=False)  # facts of the live set; shrink clears it
     shard: object | None = None  # parallel.Shard of a tensor-parallel model; None in one process
+    position_bound: int | None = None  # every position is below it (host); None: read once (RoPE)
 
     def __post_init__(self) -> None:
         if self.token_index is None:

@@ -38,6 +38,33 @@ def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float) -> tuple[Tens
     return emb.cos(), emb.sin()
 
 
+class RotaryTable:
+    """RoPE's cos/sin per position, computed once per device and grown on demand: a step looks
+    its positions up instead of recomputing cos/sin (same values: ``rope_cos_sin`` of each
+    position, element for element). fp32 whatever the model's dtype, as ``rope_cos_sin``."""
+
+    def __init__(self, rotary_dim: int, theta: float) -> None:
+        self.rotary_dim, self.theta = rotary_dim, theta
+        self.tables: dict[torch.device, tuple[Tensor, Tensor]] = {}  # device -> cos, sin [N, D]
+
+    def lookup(self, positions: Tensor, bound: int | None = None) -> tuple[Tensor, Tensor]:
+        """cos/sin [B, T, rotary_dim] of ``positions`` [B, T]; ``bound``: every position is
+        below it (host int); None reads the largest position from the device."""
+        if bound is None:
+            bound = int(positions.max()) + 1 if positions.numel() else 1
+        cos, sin = self.table(positions.device, bound)
+        return cos[positions], sin[positions]
+
+    def table(self, device: torch.device, size: int) -> tuple[Tensor, Tensor]:
+        """The tables of ``device``, at least ``size`` positions long (grown to a power of two)."""
+        cos, sin = self.tables.get(device, (None, None))
+        if cos is None or cos.shape[0] < size:
+            n = 1 << max(size - 1, 0).bit_length()
+            cos, sin = rope_cos_sin(torch.arange(n, device=device)[None], self.rotary_dim, self.theta)
+            cos, sin = self.tables[device] = cos[0], sin[0]
+        return cos, sin
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x [B, H, T, D] in fp32 (as LLaDA does), return in x's dtype. Partial RoPE
     (GPT-NeoX style, LLaDA2.0): only the first cos.shape[-1] dims of each head rotate."""
@@ -315,11 +342,12 @@ class DiffusionLM(nn.Module):
             self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, shard)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryTable(cfg.rotary_dim, cfg.rope_theta)
 
     def forward_context(self, input_ids: Tensor, ctx: ForwardContext) -> Tensor:
         """Final normed hidden states [B, T', d] of the tokens still live at the end
         (``ctx.token_index`` says which); call ``logits`` on what you need."""
-        ctx.cos, ctx.sin = rope_cos_sin(ctx.positions, self.config.rotary_dim, self.config.rope_theta)
+        ctx.cos, ctx.sin = self.rotary.lookup(ctx.positions, ctx.position_bound)
         ctx.prepare()
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
@@ -346,7 +374,7 @@ class DiffusionLM(nn.Module):
         and is never attended to), or a 4-D bool [B, 1, T, T] mask used as given."""
         ctx = self.plain_context(input_ids, attention_mask)
         if position_ids is not None:
-            ctx.positions = position_ids.expand_as(input_ids)
+            ctx.positions, ctx.position_bound = position_ids.expand_as(input_ids), None
         logits = self.logits(self.forward_context(input_ids, ctx))
         if self.config.logit_shift:
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
@@ -365,7 +393,8 @@ class DiffusionLM(nn.Module):
             mask = attention_mask.bool()
         else:
             mask = self.pattern_mask(positions, valid, padded=attention_mask is not None)
-        return ForwardContext(positions=positions, token_valid=valid, attn_mask=mask, shard=self.shard)
+        return ForwardContext(positions=positions, token_valid=valid, attn_mask=mask, shard=self.shard,
+                              position_bound=t)
 
     def pattern_mask(self, positions: Tensor, valid: Tensor, padded: bool = True) -> Tensor | None:
         """[B, 1, T, T] bool: the family's attention pattern over one padded canvas; None for
