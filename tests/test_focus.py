@@ -12,7 +12,7 @@ from dllm_engine.models.context import ForwardContext
 from dllm_engine.strategies.base import Pipeline
 from dllm_engine.strategies.focus import (DelayedCache, EvictionHooks, PredictorCounts, PredictorProbe,
                                           TokenEviction, apply_structure_rules, block_state, delayed_cache_ready, eviction_budget, keep_all_if_empty,
-                                          keep_left_neighbours, keep_placeholders, masked_importance,
+                                          keep_left_neighbours, keep_placeholders, masked_importance, masked_view,
                                           select_candidates, select_kept)
 from fixtures import write_checkpoint
 
@@ -92,10 +92,8 @@ def test_importance_matches_plain_reference_with_gqa_and_ragged_rows():
     masked[1, :] = True  # all masked
     masked[2, 5] = True  # a single token: importance = number of heads
     # row 3: nothing masked
-    hooks = EvictionHooks(masked, masked, torch.ones(b, dtype=torch.long), [], masked.sum(1).tolist(), True)
-    ctx = ForwardContext(positions=torch.arange(t).expand(b, t), token_valid=torch.ones(b, t, dtype=torch.bool))
-    index, valid, _ = hooks.masked_view(ctx)
-    got = hooks.importance(q, k, index, valid)
+    index, valid = masked_view(masked, int(masked.sum(1).max()))
+    got = EvictionHooks.importance(q, k, index, valid)
     want = plain_importance(q, k, masked)
     for row in range(b):
         n = int(masked[row].sum())
@@ -340,13 +338,19 @@ class RecordingEviction(TokenEviction):
     def __init__(self, model):
         super().__init__(model)
         self.evicted_steps = 0
+        self.planned = {}  # sequence -> tokens its plan computes this step
+
+    def plan(self, seq, plan):
+        plan = super().plan(seq, plan)
+        self.planned[id(seq)] = len(plan)
+        return plan
 
     def after_commit(self, seq, committed):
         state = seq.strategy_state["focus"]
         kept = state.kept_positions()
         if kept is not None:
             assert torch.isin(committed, kept).all()
-            self.evicted_steps += int(len(kept) < len(state.planned))
+            self.evicted_steps += int(len(kept) < self.planned[id(seq)])
         super().after_commit(seq, committed)
 
 
@@ -456,3 +460,43 @@ def test_focus_rejects_other_bases_and_small_alpha(llms):
         SamplingParams(method="block+focus", focus_alpha=0.5)
     with pytest.raises(ValueError, match="strategy 'focus' runs on block, dual-cache, not on 'prefix-cache'"):
         llms["llada"].generate([PROMPTS[0]], SamplingParams(method="prefix-cache+focus"))
+
+
+def test_block_rows_equal_the_per_sequence_rule_row_by_row():
+    """``block_rows`` (one step's blocks, batched) gives each sequence what the per-sequence rule
+    gives it alone: candidates = planned masked block positions, never-processed candidates, the
+    block positions computed, and ``delayed_cache_ready`` of its own block."""
+    from types import SimpleNamespace
+    from dllm_engine.decoding.decoders import StepPlan
+    from dllm_engine.strategies.focus import FocusState, block_rows
+    torch.manual_seed(0)
+    mask_id = 99
+    seqs, plans, states = [], [], []
+    for start, size, lo in ((8, 8, 0), (16, 4, 16), (4, 8, 4), (8, 8, 9)):  # ragged blocks and plans
+        canvas = torch.randint(0, 50, (start + size + 6,))
+        canvas[start: start + size][torch.rand(size) < 0.6] = mask_id
+        seqs.append(SimpleNamespace(canvas=canvas, block=(start, start + size),
+                                    ids=SimpleNamespace(mask_id=mask_id)))
+        positions = torch.arange(lo, start + size + 3)  # a prefix, the block, part of the suffix
+        plans.append(StepPlan(positions, torch.full_like(positions, canvas.numel()), positions))
+        processed = torch.rand(size) < 0.5
+        states.append(FocusState(0, start, processed, torch.zeros(size, dtype=torch.bool)))
+    rows = block_rows(seqs, plans, states)
+    for i, (seq, plan, state) in enumerate(zip(seqs, plans, states)):
+        start, end = seq.block
+        pos, t = plan.positions, len(plan)
+        in_block = (pos >= start) & (pos < end)
+        cand = in_block & (seq.canvas[pos] == mask_id)
+        never = cand & ~state.processed[(pos - start).clamp(0, end - start - 1)]
+        done = torch.zeros(end - start, dtype=torch.bool)
+        done[pos[in_block] - start] = True
+        assert torch.equal(rows.candidate[i, :t], cand) and not rows.candidate[i, t:].any()
+        assert torch.equal(rows.never[i, :t], never) and not rows.never[i, t:].any()
+        assert torch.equal(rows.done[i, : end - start], done) and not rows.done[i, end - start:].any()
+        ready = delayed_cache_ready(seq.canvas[start:end] != mask_id)
+        assert torch.equal(rows.frozen[i, : end - start], ready)
+        evicted = cand & (torch.rand(t) < 0.5)
+    rows.evicted(torch.nn.utils.rnn.pad_sequence([torch.zeros(len(p), dtype=torch.bool) for p in plans[:-1]]
+                                                 + [evicted], batch_first=True))
+    assert torch.equal(rows.done[-1, : end - start], done & ~torch.zeros(end - start, dtype=torch.bool)
+                       .index_fill(0, pos[evicted] - start, True))

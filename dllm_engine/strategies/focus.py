@@ -127,11 +127,20 @@ def select_kept(delta: Tensor, positions: Tensor, valid: Tensor, never_processed
 
 
 def delayed_cache_ready(is_committed: Tensor) -> Tensor:
-    """bool [L] over a block: committed positions whose right neighbour is committed too (the
-    block's last position counts its right neighbour as committed); their K/V may freeze."""
+    """bool [..., L] over a block (rows of blocks): committed positions whose right neighbour is
+    committed too (the block's last position counts its right neighbour as committed); their
+    K/V may freeze."""
     right = torch.ones_like(is_committed)
-    right[:-1] = is_committed[1:]
+    right[..., :-1] = is_committed[..., 1:]
     return is_committed & right
+
+
+def masked_view(candidate: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """(index [B, M] of each row's candidate tokens, in order, among its T tokens; valid [B, M])
+    for ``candidate`` [B, T] bool; ``width`` = M, the most candidates of a row (host)."""
+    order = torch.sort((~candidate).to(torch.int8), dim=1, stable=True).indices
+    valid = torch.arange(width, device=candidate.device)[None] < candidate.sum(1, keepdim=True)
+    return order[:, :width], valid
 
 
 # -- per-sequence state ----------------------------------------------------------------------
@@ -144,7 +153,7 @@ class FocusState:
     frozen: Tensor  # [L] bool: K/V final, no longer recomputed (delayed cache)
     committed: int = 0  # tokens committed in this block ...
     steps: int = 0  # ... over this many steps that committed something
-    planned: Tensor | None = None  # canvas positions of the block computed this step
+    step_rows: tuple["BlockRows", int] | None = None  # this step's group rows and this sequence's row
     kept: tuple[Tensor, Tensor] | None = None  # (positions, kept) of the step's live tokens, if it evicted
     would_keep: tuple[Tensor, Tensor] | None = None  # probe: (masked positions, bool kept)
 
@@ -178,56 +187,93 @@ def drop_tokens(plan: StepPlan, keep: Tensor) -> StepPlan:
     return dataclasses.replace(plan, **pick)
 
 
+# -- one step's blocks, batched over the forward group ------------------------------------------
+@dataclass
+class BlockRows:
+    """Every sequence's current block in one step, one row per sequence of the forward group:
+    tokens padded to the widest plan (T), blocks to the longest block (L) plus a sink column L
+    for tokens outside the block; built once per step in ``TokenEviction.layer_hooks``, read by
+    the hooks and by ``after_forward``."""
+    column: Tensor  # [B, T] block-local index of each planned token (L: outside the block)
+    candidate: Tensor  # [B, T] a masked block position: FOCUS may evict it
+    never: Tensor  # [B, T] a candidate never processed through every layer in this block
+    done: Tensor  # [B, L + 1] block positions computed through every layer this step
+    frozen: Tensor  # [B, L + 1] positions whose K/V are final after this step (delayed cache)
+
+    def evicted(self, evicted: Tensor) -> None:
+        """Tokens ``evicted`` [B, T] stop after layer 1: not computed through every layer."""
+        sink = self.done.shape[1] - 1
+        self.done.scatter_(1, torch.where(evicted, self.column, sink), False)
+
+
+def block_rows(seqs: list[Sequence], plans: list[StepPlan], states: list[FocusState]) -> BlockRows:
+    """``BlockRows`` of one step, in batched ops over the padded plans and blocks (the tokens
+    fed at block positions are the canvas's: no plan of FOCUS's bases feeds others there)."""
+    pad = torch.nn.utils.rnn.pad_sequence
+    positions = pad([p.positions for p in plans], batch_first=True, padding_value=-1)  # [B, T]
+    dev = positions.device
+    blocks = pad([s.canvas[slice(*s.block)] for s in seqs], batch_first=True, padding_value=-1)
+    blocks = F.pad(blocks, (0, 1), value=-1)  # [B, L + 1]; padding and sink count as committed
+    processed = F.pad(pad([st.processed for st in states], batch_first=True), (0, 1))  # [B, L + 1]
+    start = torch.tensor([st.start for st in states], device=dev)[:, None]
+    size = torch.tensor([st.processed.numel() for st in states], device=dev)[:, None]
+    local = positions - start
+    column = torch.where((local >= 0) & (local < size), local, blocks.shape[1] - 1)
+    is_masked = blocks == torch.tensor([s.ids.mask_id for s in seqs], device=dev)[:, None]
+    candidate = is_masked.gather(1, column)  # the sink is never masked
+    done = torch.zeros_like(is_masked).scatter_(1, column, True)
+    done[:, -1] = False
+    # the canvas still holds this step's inputs: positions committed before this step are
+    # computed with their real token, so their K/V are final once the neighbour is too
+    return BlockRows(column, candidate, candidate & ~processed.gather(1, column), done,
+                     delayed_cache_ready(~is_masked))
+
+
 # -- the hooks inside the layer stack ---------------------------------------------------------
 class EvictionHooks:
-    """Layer 0: importance of the masked tokens. Layer 1: delta, selection, eviction."""
+    """Layer 0: importance of the masked tokens. Layer 1: delta, selection, eviction.
 
-    def __init__(self, candidate: Tensor, never_processed: Tensor, budget: Tensor,
-                 states: list[FocusState], num_masked: list[int], any_never: bool) -> None:
-        self.candidate = candidate  # [B, T] masked block tokens of the processing set
-        self.never_processed = never_processed  # [B, T]
+    Everything a layer needs (the masked tokens' index, positions and history, the budgets) is
+    computed before the layer loop; layer 1 reads the device once, for the kept width."""
+
+    def __init__(self, rows: BlockRows, width: int, budget: Tensor, evicting: list[bool],
+                 any_never: bool, states: list[FocusState], positions: Tensor) -> None:
+        self.rows = rows
+        self.index, self.valid = masked_view(rows.candidate, width)  # [B, M]: the masked tokens
+        self.positions = torch.gather(positions, 1, self.index)  # [B, M] their canvas positions
+        self.never = torch.gather(rows.never, 1, self.index)  # [B, M]
         self.budget = budget  # [B]
-        self.states = states
-        self.width = max(num_masked, default=0)  # masked tokens of the widest row (host)
+        self.evicting = evicting  # per row: more masked tokens than its budget (host)
         self.any_never = any_never  # some candidate was never processed in its block (host)
+        self.states = states
         self.base: Tensor | None = None  # layer-0 importance [B, M]
         self.dry_run = False  # select but evict nothing (``PredictorProbe``)
 
-    def masked_view(self, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
-        """(index [B, M] of the masked tokens among the live ones, valid [B, M], is_masked [B, T])."""
-        cand = ctx.gather(self.candidate, ctx.token_index) & ctx.token_valid
-        num = cand.sum(1)
-        order = torch.sort((~cand).to(torch.int8), dim=1, stable=True).indices
-        valid = torch.arange(self.width, device=cand.device)[None] < num[:, None]
-        return order[:, :self.width], valid, cand
-
-    def importance(self, q: Tensor, k: Tensor, index: Tensor, valid: Tensor) -> Tensor:
+    @staticmethod
+    def importance(q: Tensor, k: Tensor, index: Tensor, valid: Tensor) -> Tensor:
         qi = index[:, None, :, None]
         q_m = torch.gather(q, 2, qi.expand(-1, q.shape[1], -1, q.shape[3]))  # [B, H, M, D]
         k_m = torch.gather(k, 2, qi.expand(-1, k.shape[1], -1, k.shape[3]))  # [B, Hkv, M, D]
         return masked_importance(q_m, k_m, valid)
 
     def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: ForwardContext) -> Kept | None:
+        # layers 0 and 1 see the step's own token set: nothing shrinks it before layer 1
         if layer_idx > 1:
             return None
-        index, valid, cand = self.masked_view(ctx)
-        scores = ctx.all_reduce(self.importance(q, k, index, valid))  # this rank's heads -> all heads
+        scores = ctx.all_reduce(self.importance(q, k, self.index, self.valid))  # this rank's heads -> all
         if layer_idx == 0:
             self.base = scores
             return None
-        never = torch.gather(ctx.gather(self.never_processed, ctx.token_index), 1, index)
-        masked_pos = torch.gather(ctx.positions, 1, index)
-        kept_m = select_kept(scores - self.base, masked_pos, valid, never, self.budget)
+        kept_m = select_kept(scores - self.base, self.positions, self.valid, self.never, self.budget)
         if self.dry_run:
-            evicting = valid.sum(1) > self.budget
-            for i, state in enumerate(self.states):
-                if evicting[i]:
-                    state.would_keep = (masked_pos[i][valid[i]], kept_m[i][valid[i]])
+            self.record_probe(kept_m)
             return None
-        kept_cand = torch.zeros_like(cand).scatter_(1, index, kept_m)
-        keep = ctx.token_valid & (~cand | kept_cand)
+        cand = self.rows.candidate
+        evicted = cand & ~torch.zeros_like(cand).scatter_(1, self.index, kept_m)
         if self.any_never:
-            self.hide_unprocessed(ctx, cand & ~kept_cand & ctx.gather(self.never_processed, ctx.token_index))
+            self.hide_unprocessed(ctx, evicted & self.rows.never)
+        self.rows.evicted(evicted)
+        keep = ctx.token_valid & ~evicted
         self.record(ctx, keep)
         return compact(keep)
 
@@ -247,6 +293,12 @@ class EvictionHooks:
         for i, state in enumerate(self.states):  # views only: read after the forward
             state.kept = (ctx.positions[i], keep[i])
 
+    def record_probe(self, kept: Tensor) -> None:
+        for i, state in enumerate(self.states):  # the rows that would evict (views)
+            if self.evicting[i]:
+                valid = self.valid[i]
+                state.would_keep = (self.positions[i][valid], kept[i][valid])
+
 
 # -- the strategy -----------------------------------------------------------------------------
 class TokenEviction(Strategy):
@@ -261,7 +313,7 @@ class TokenEviction(Strategy):
     evict = True
 
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
-        """Drop frozen block positions; remember which block positions this step computes."""
+        """Drop frozen block positions."""
         state = block_state(seq)
         pos = plan.positions
         end = state.start + state.frozen.numel()
@@ -269,49 +321,43 @@ class TokenEviction(Strategy):
         frozen = in_block & state.frozen[state.local(pos).clamp(0, state.frozen.numel() - 1)]
         if frozen.any():
             plan = drop_tokens(plan, ~frozen)
-        state.planned = pos[in_block & ~frozen]
-        state.kept = state.would_keep = None
+        state.kept = state.would_keep = state.step_rows = None
         return plan
 
     def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> EvictionHooks | None:
+        """The step's ``BlockRows`` (always: ``after_forward`` reads them) and, when some row
+        has more masked tokens than its budget, the eviction hooks. One host read: the masked
+        and never-processed counts per row."""
+        states = [block_state(s) for s in seqs]
+        rows = block_rows(seqs, plans, states)
+        for i, state in enumerate(states):
+            state.step_rows = (rows, i)
         if not self.evict or self.model.config.num_layers < 2:
             return None
-        states = [block_state(s) for s in seqs]
-        cand = [self.candidates(s, p) for s, p in zip(seqs, plans)]
-        num_masked = torch.tensor([int(c.sum()) for c in cand])
+        num_masked, num_never = torch.stack([rows.candidate.sum(1), rows.never.sum(1)]).tolist()
         avg = torch.tensor([st.avg_decoded for st in states], dtype=torch.float64)
         alpha = torch.tensor([s.params.focus_alpha for s in seqs], dtype=torch.float64)
-        budget = eviction_budget(avg, num_masked, alpha)
-        if not bool((num_masked > budget).any()):
+        budget = eviction_budget(avg, torch.tensor(num_masked), alpha)  # on the host
+        evicting = [n > k for n, k in zip(num_masked, budget.tolist())]
+        if not any(evicting):
             return None
-        never = [c & ~st.processed[st.local(p.positions).clamp(0, st.processed.numel() - 1)]
-                 for c, st, p in zip(cand, states, plans)]
-        pad = torch.nn.utils.rnn.pad_sequence
-        device = plans[0].positions.device
-        never = pad(never, batch_first=True)
-        return EvictionHooks(pad(cand, batch_first=True), never, budget.to(device), states,
-                             num_masked.tolist(), bool(never.any()))
-
-    @staticmethod
-    def candidates(seq: Sequence, plan: StepPlan) -> Tensor:
-        """bool [T]: the plan's masked tokens inside the current block (never the prompt, the
-        previous block or the suffix: those are computed in full)."""
-        start, end = seq.block
-        tokens = plan.token_ids if plan.token_ids is not None else seq.canvas[plan.positions]
-        return (plan.positions >= start) & (plan.positions < end) & (tokens == seq.ids.mask_id)
+        positions = torch.nn.utils.rnn.pad_sequence([p.positions for p in plans], batch_first=True)
+        return EvictionHooks(rows, max(num_masked), budget.to(positions.device), evicting, any(num_never),
+                             states, positions)
 
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
                       ) -> tuple[Tensor, Tensor]:
-        """Mark what was computed in full, freeze stable K/V, and let only kept tokens commit."""
+        """Mark what was computed through every layer, freeze stable K/V, and let only kept
+        tokens commit."""
         state = block_state(seq)
-        kept = state.kept_positions()
-        done = state.planned if kept is None else kept
-        done = done[(done >= state.start) & (done < state.start + state.processed.numel())]
-        state.processed[state.local(done)] = True
-        start, end = seq.block
-        # the canvas still holds this step's inputs: positions committed before this step were
-        # just computed with their real token, so their K/V are final once the neighbour is too
-        state.frozen |= delayed_cache_ready(seq.canvas[start:end] != seq.ids.mask_id)
+        if state.step_rows is not None:
+            rows, i = state.step_rows
+            n = state.processed.numel()
+            state.processed |= rows.done[i, :n]
+            state.frozen |= rows.frozen[i, :n]
+        # the runner returns logits of the tokens live at the last layer only; Dream reads
+        # position p's at p - 1, which may have stayed while p was evicted
+        kept = state.kept_positions() if self.model.config.logit_shift else None
         if kept is not None:
             ok = torch.isin(positions, kept)
             positions, logits = positions[ok], logits[ok]
