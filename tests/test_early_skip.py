@@ -7,7 +7,7 @@ import torch
 
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.sampling_params import resolve_params
-from dllm_engine.decoding.decoders import plan_step
+from dllm_engine.decoding.decoders import StepPlan, plan_step
 from dllm_engine.strategies import early_skip
 from dllm_engine.models.context import compact
 from dllm_engine.strategies.early_skip import (SkipHooks, hidden_delta, importance,
@@ -380,13 +380,45 @@ def test_per_token_inputs_follow_the_predicted_position(llms, model_type, alpha)
     st.last_committed = torch.tensor([start + 1])
     plan = strategy.plan(seq, plan_step(seq, shift))
     assert st.skip
-    got = strategy.row_values(seq, plan, len(plan) + 2)
+    longer = StepPlan(torch.arange(start - shift, end + 2), torch.full((end + 2 - start + shift,), 99),
+                      plan.logit_positions)
+    got = {k: v[0] for k, v in strategy.row_values([seq, seq], [plan, longer]).items()}  # padded row
     pos = plan.positions.tolist()
     assert pos == list(range(start - shift, end))
     assert got["candidate"].tolist() == [start <= p < end for p in pos] + [False, False]
     assert got["conf"].tolist() == pytest.approx([float(st.conf[p + shift]) for p in pos] + [0, 0])
     bonus = [5.0 * (p + shift == start + 2) + 3.0 * (p == start + 1 and alpha < 1) for p in pos]
     assert got["bonus"].tolist() == bonus + [0, 0]
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_row_values_of_a_group_equal_each_sequence_alone(llms, model_type):
+    """The batched per-token inputs of a mixed group (other blocks, steps, alphas, commits; some
+    rows not skipping) equal, row by row, what each sequence gets alone."""
+    llm = llms[model_type]
+    shift = llm.model.config.logit_shift
+    strategy = llm.engine.pipeline(ES).strategies[0]
+    seqs, plans = [], []
+    for i, (prompt, block, alpha) in enumerate([(PROMPTS[0], 8, 0.5), (PROMPTS[1], 4, 1.0),
+                                                (PROMPTS[2], 8, 0.2), (PROMPTS[1], 8, 0.5)]):
+        seq = llm.make_sequence(prompt, SamplingParams(method=ES, max_new_tokens=16, block_length=block,
+                                                       skip_alpha=alpha))
+        strategy.setup(seq)
+        start, end = seq.block
+        seq.canvas[start: start + i] = 7  # the first i block positions committed
+        seq.step = 0 if i == 3 else 1  # the last one is at a block start: no skipping
+        st = early_skip.state(seq)
+        st.conf[:] = torch.rand(seq.canvas_len)
+        st.last_committed = torch.tensor([start + i - 1] if i else [], dtype=torch.long)
+        seqs.append(seq)
+        plans.append(strategy.plan(seq, plan_step(seq, shift)))
+    together = strategy.row_values(seqs, plans)
+    for i, (seq, plan) in enumerate(zip(seqs, plans)):
+        alone = strategy.row_values([seq], [plan])
+        t = len(plan)
+        for key in ("candidate", "conf", "bonus"):
+            assert torch.equal(together[key][i, :t], alone[key][0])
+            assert not together[key][i, t:].any()
 
 
 # -- the official defaults (issue 21 item 10) --------------------------------------------------

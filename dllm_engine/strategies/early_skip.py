@@ -273,9 +273,7 @@ class EarlySkip(Strategy):
         for seq in seqs:
             self.ensure_window(seq, layers)
             state(seq).pending = {}
-        width = max(len(p) for p in plans)
-        values = [self.row_values(s, p, width) for s, p in zip(seqs, plans)]
-        rows = {k: torch.stack([v[k] for v in values]) for k in ("candidate", "conf", "bonus")}
+        rows = self.row_values(seqs, plans)
         rows["alpha"] = torch.tensor([s.params.skip_alpha for s in seqs], device=rows["conf"].device)
         counts = {i: self.layer_counts(seqs, fractions, i) for i in layers}
         window = torch.tensor([[state(s).window_lo, s.params.block_length + self.shift] for s in seqs],
@@ -297,24 +295,32 @@ class EarlySkip(Strategy):
                 st.hidden[i] = torch.zeros(width, self.hidden_size, dtype=self.dtype,
                                            device=seq.canvas.device)
 
-    def row_values(self, seq: Sequence, plan: StepPlan, width: int) -> dict[str, Tensor]:
-        """candidate / conf / bonus of each planned token, padded to ``width``."""
-        st, (start, end) = state(seq), seq.block
-        pos = plan.positions
-        candidate = (pos >= start) & (pos < end) & st.skip
+    def row_values(self, seqs: list[Sequence], plans: list[StepPlan]) -> dict[str, Tensor]:
+        """candidate / conf / bonus [B, T] of every planned token of the group, in batched ops
+        (padding: False / 0 / 0)."""
+        pad = torch.nn.utils.rnn.pad_sequence
+        states = [state(s) for s in seqs]
+        pos = pad([p.positions for p in plans], batch_first=True, padding_value=-1)  # [B, T]
+        dev = pos.device
+
+        def per_row(values: list) -> Tensor:  # [B, 1]
+            return torch.tensor(values, device=dev)[:, None]
+
+        valid = pos >= 0
+        start, end = per_row([s.block[0] for s in seqs]), per_row([s.block[1] for s in seqs])
+        candidate = (pos >= start) & (pos < end) & per_row([st.skip for st in states])
         target = pos + self.shift  # the position each token's output predicts
-        conf = torch.where(target < st.conf.numel(), st.conf[target.clamp(max=st.conf.numel() - 1)],
-                           torch.zeros_like(st.conf[:1]))
-        bonus = torch.zeros_like(conf)
-        masked = seq.masked_positions()
-        if masked.numel():
-            bonus = bonus + LEFTMOST_BONUS * (target == masked.min())
-        if seq.params.skip_alpha < 1:
-            bonus = bonus + COMMITTED_BONUS * torch.isin(pos, st.last_committed)
-        pad = width - pos.numel()
-        return {"candidate": torch.nn.functional.pad(candidate, (0, pad), value=False),
-                "conf": torch.nn.functional.pad(conf, (0, pad)),
-                "bonus": torch.nn.functional.pad(bonus, (0, pad))}
+        confs = pad([st.conf for st in states], batch_first=True)  # [B, canvas]
+        has_conf = valid & (target < per_row([st.conf.numel() for st in states]))
+        conf = confs.gather(1, torch.where(has_conf, target, 0)).masked_fill(~has_conf, 0.0)
+        blocks = pad([s.canvas[slice(*s.block)] for s in seqs], batch_first=True, padding_value=-1)
+        is_masked = blocks == per_row([s.ids.mask_id for s in seqs])  # [B, L]
+        leftmost = start + is_masked.to(torch.int8).argmax(1, keepdim=True)  # first masked position
+        bonus = LEFTMOST_BONUS * (valid & (target == leftmost) & is_masked.any(1, keepdim=True))
+        last = pad([st.last_committed for st in states], batch_first=True, padding_value=-2)  # [B, K]
+        refreshed = (pos[:, :, None] == last[:, None, :]).any(-1) & per_row([s.params.skip_alpha < 1 for s in seqs])
+        bonus = (bonus + COMMITTED_BONUS * refreshed).to(conf.dtype)
+        return {"candidate": candidate, "conf": conf, "bonus": bonus}
 
     def layer_counts(self, seqs: list[Sequence], fractions: list[list[float]], layer: int) -> list[int]:
         counts = []
@@ -353,9 +359,10 @@ class EarlySkip(Strategy):
 def delayed_eos(seq: Sequence, positions: Tensor, tokens: Tensor) -> Tensor:
     """bool [N]: ES-dLLM's ``delay_eos_generation``: an EOS predicted while its left neighbour in
     the current block is still masked and no EOS has been committed yet."""
-    if not seq.params.delay_eos or bool((seq.canvas[seq.prompt_len:] == seq.ids.eos_id).any()):
+    if not seq.params.delay_eos:
         return torch.zeros_like(positions, dtype=torch.bool)
     start, end = seq.block
     left = positions - 1
     left_masked = (left >= start) & (left < end) & (seq.canvas[left.clamp(min=0)] == seq.ids.mask_id)
-    return (tokens == seq.ids.eos_id) & left_masked
+    no_eos_yet = ~(seq.canvas[seq.prompt_len:] == seq.ids.eos_id).any()  # on the device: no host read
+    return (tokens == seq.ids.eos_id) & left_masked & no_eos_yet
