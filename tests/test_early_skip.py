@@ -443,6 +443,27 @@ def test_delay_eos_follows_the_official_rule():
     assert not early_skip.delayed_eos(seq, positions, eos).any()
 
 
+def test_delay_eos_of_a_group_equals_each_sequence_alone():
+    """``delayed_eos_rows`` over a mixed group (prompts, blocks, an EOS committed, the option off,
+    ragged candidates) gives each sequence what ``delayed_eos`` gives it alone."""
+    from dllm_engine.engine.sequence import Sequence, TokenIds
+    ids = TokenIds(mask_id=4, eos_id=3, stop_ids=frozenset({3}))
+    p = resolve_params(SamplingParams(method=ES, max_new_tokens=16, block_length=8), ("dual-cache",))
+    seqs = [Sequence(i, prompt, p, ids) for i, prompt in enumerate([[10, 11, 12], [10] * 6, [10, 11], [10] * 5])]
+    seqs[0].canvas[5] = 20
+    seqs[1].canvas[12] = 3  # an EOS committed
+    seqs[2].params = seqs[2].params.replace(delay_eos=False)
+    seqs[3].block_idx = 1  # the second block
+    positions = [torch.tensor([3, 4, 6, 7, 8]), torch.tensor([6, 7, 8]), torch.tensor([2, 3, 4, 5]),
+                 torch.tensor([13, 14, 15, 16, 17, 18, 19, 20])]
+    tokens = [torch.tensor([3, 3, 3, 9, 3]), torch.full((3,), 3), torch.full((4,), 3), torch.full((8,), 3)]
+    together = early_skip.delayed_eos_rows(seqs, positions, tokens)
+    for seq, pos, tok, got in zip(seqs, positions, tokens, together):
+        assert torch.equal(got, early_skip.delayed_eos(seq, pos, tok))
+    assert together[0].tolist() == [False, True, False, False, True]
+    assert not together[1].any() and not together[2].any() and together[3].any()
+
+
 @pytest.mark.parametrize("model_type", ["llada", "Dream"])
 def test_block_starts_recompute_the_prefix_by_default(llms, model_type, monkeypatch):
     """The official schedule: every block start recomputes [0, block end) without skipping."""

@@ -126,13 +126,12 @@ class Engine:
         plans = [pipeline.plan(s, plan_step(s, self.runner.shift)) for s in seqs]
         hooks = pipeline.layer_hooks(seqs, plans)
         outputs = self.runner.forward(seqs, plans, cache, hooks)
-        ready = []
-        for seq, (positions, logits) in zip(seqs, outputs):
+        for k, seq in enumerate(seqs):
             if seq.params.base_method == "block":  # this forward made everything before the block final
                 seq.committed_len = seq.block[0]
             if seq.params.cfg_scale > 0:
-                positions, logits = guided_logits(seq, positions, logits)
-            ready.append((seq, *pipeline.after_forward(seq, positions, logits)))
+                outputs[k] = guided_logits(seq, *outputs[k])
+        ready = [(seq, *out) for seq, out in zip(seqs, pipeline.after_forward_rows(seqs, outputs))]
         mask_id = seqs[0].ids.mask_id
         batched = pipeline.owner is None and all(batched_rule(s) and s.ids.mask_id == mask_id for s, *_ in ready)
         decided = self.decide_rows(pipeline, ready) if batched else None
@@ -198,8 +197,8 @@ class Engine:
         conf = confidence(logits, x0, "low_confidence", None)
         positions = torch.cat([pos for _, _, pos, _ in live])
         if pipeline.adjusts_confidence:
-            conf = torch.cat([pipeline.confidence(seq, pos, tok, c) for (_, seq, pos, _), tok, c
-                              in zip(live, x0.split(counts), conf.split(counts))])
+            conf = torch.cat(pipeline.confidence_rows([seq for _, seq, _, _ in live], [pos for _, _, pos, _ in live],
+                                                      list(x0.split(counts)), list(conf.split(counts))))
         chosen = select_rows(conf, counts, [threshold_rule(seq) for _, seq, _, _ in live])  # [B, M]
         per_row = chosen.sum(1).tolist()  # the step's one host read of the commit
         where = torch.nonzero_static(chosen, size=sum(per_row))  # [K, 2] (row, column), row-major

@@ -8,6 +8,8 @@ A strategy never edits a model file or a base decoder. It may:
 - ``layer_hooks``: shrink the active token set inside the layer stack (``ForwardContext.shrink``);
 - ``after_forward``: look at the logits before the commit rule;
 - ``confidence``: reweigh the commit rule's candidates;
+  (``after_forward_rows`` / ``confidence_rows``: the same for a whole forward group at once; by
+  default one call per sequence, a strategy may override them with batched ops)
 - ``commit``: replace the base commit rule (at most one strategy per method does);
 - ``after_commit``: update its per-sequence state from what was committed.
 
@@ -62,9 +64,19 @@ class Strategy:
         """The (positions, logits) the commit rule should see."""
         return positions, logits
 
+    def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
+                           ) -> list[tuple[Tensor, Tensor]]:
+        """``after_forward`` of every sequence of a forward group, (positions, logits) in row order."""
+        return [self.after_forward(seq, *out) for seq, out in zip(seqs, outputs)]
+
     def confidence(self, seq: Sequence, positions: Tensor, tokens: Tensor, conf: Tensor) -> Tensor:
         """The commit rule's confidence [N] in ``tokens`` at ``positions`` (reweighed or not)."""
         return conf
+
+    def confidence_rows(self, seqs: list[Sequence], positions: list[Tensor], tokens: list[Tensor],
+                        conf: list[Tensor]) -> list[Tensor]:
+        """``confidence`` of every sequence of a forward group (lists in row order)."""
+        return [self.confidence(*args) for args in zip(seqs, positions, tokens, conf)]
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, base: CommitRule) -> Tensor:
         """Only where ``owns_commit``: commit and return the committed positions (``base`` is
@@ -150,9 +162,21 @@ class Pipeline:
             positions, logits = s.after_forward(seq, positions, logits)
         return positions, logits
 
+    def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
+                           ) -> list[tuple[Tensor, Tensor]]:
+        for s in self.strategies:
+            outputs = s.after_forward_rows(seqs, outputs)
+        return outputs
+
     def confidence(self, seq: Sequence, positions: Tensor, tokens: Tensor, conf: Tensor) -> Tensor:
         for s in self.strategies:
             conf = s.confidence(seq, positions, tokens, conf)
+        return conf
+
+    def confidence_rows(self, seqs: list[Sequence], positions: list[Tensor], tokens: list[Tensor],
+                        conf: list[Tensor]) -> list[Tensor]:
+        for s in self.strategies:
+            conf = s.confidence_rows(seqs, positions, tokens, conf)
         return conf
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, base: CommitRule) -> Tensor:

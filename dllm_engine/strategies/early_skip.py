@@ -332,20 +332,37 @@ class EarlySkip(Strategy):
 
     # -- after the forward ---------------------------------------------------------------------
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+        return self.after_forward_rows([seq], [(positions, logits)])[0]
+
+    def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
+                           ) -> list[tuple[Tensor, Tensor]]:
         """Record each predicted position's confidence (softmax probability of the argmax, the
         mask id excluded, as the commit rule sees it; 0 for a delayed EOS) for the next step's
-        scores."""
-        if positions.numel():
-            mask_col = torch.tensor([seq.ids.mask_id], device=logits.device)
-            scores = logits.float().index_fill(1, mask_col, -float("inf"))
-            top, tokens = scores.max(-1)
-            conf = (top - torch.logsumexp(scores, -1)).exp()
-            conf = conf.masked_fill(delayed_eos(seq, positions, tokens), 0.0)
-            state(seq).conf[positions] = conf.to(state(seq).conf.dtype)
-        return positions, logits
+        scores, over the whole group's logits at once (row-wise ops: each sequence gets what it
+        would get alone)."""
+        live = [(seq, pos, lg) for seq, (pos, lg) in zip(seqs, outputs) if pos.numel()]
+        if not live:
+            return outputs
+        if len({seq.ids.mask_id for seq, _, _ in live}) > 1:  # one masked column per pass
+            return [self.after_forward_rows([seq], [out])[0] for seq, out in zip(seqs, outputs)]
+        group, positions, logits = zip(*live)
+        counts = [pos.numel() for pos in positions]
+        scores = torch.cat(logits).float()  # [sum N, V], a copy
+        scores[:, group[0].ids.mask_id] = -float("inf")
+        top, tokens = scores.max(-1)
+        conf = (top - torch.logsumexp(scores, -1)).exp()
+        delayed = delayed_eos_rows(list(group), list(positions), list(tokens.split(counts)))
+        for seq, pos, c, late in zip(group, positions, conf.split(counts), delayed):
+            state(seq).conf[pos] = c.masked_fill(late, 0.0).to(state(seq).conf.dtype)
+        return outputs
 
     def confidence(self, seq: Sequence, positions: Tensor, tokens: Tensor, conf: Tensor) -> Tensor:
-        return conf.masked_fill(delayed_eos(seq, positions, tokens), 0.0)
+        return self.confidence_rows([seq], [positions], [tokens], [conf])[0]
+
+    def confidence_rows(self, seqs: list[Sequence], positions: list[Tensor], tokens: list[Tensor],
+                        conf: list[Tensor]) -> list[Tensor]:
+        delayed = delayed_eos_rows(seqs, positions, tokens)
+        return [c.masked_fill(late, 0.0) for c, late in zip(conf, delayed)]
 
     def after_commit(self, seq: Sequence, committed: Tensor) -> None:
         st = state(seq)
@@ -356,13 +373,29 @@ class EarlySkip(Strategy):
         st.pending = {}
 
 
+def delayed_eos_rows(seqs: list[Sequence], positions: list[Tensor], tokens: list[Tensor]) -> list[Tensor]:
+    """Per sequence, bool [N]: ES-dLLM's ``delay_eos_generation``: an EOS predicted (``tokens``
+    at ``positions``) while its left neighbour in the current block is still masked and no EOS
+    has been committed yet. Batched over the group (padded rows), no host read."""
+    pad = torch.nn.utils.rnn.pad_sequence
+    pos = pad(positions, batch_first=True)  # [B, N]
+    dev = pos.device
+
+    def per_row(values: list) -> Tensor:  # [B, 1]
+        return torch.tensor(values, device=dev)[:, None]
+
+    canvas = pad([s.canvas for s in seqs], batch_first=True, padding_value=-1)  # [B, L]
+    mask_id, eos_id = per_row([s.ids.mask_id for s in seqs]), per_row([s.ids.eos_id for s in seqs])
+    start, end = per_row([s.block[0] for s in seqs]), per_row([s.block[1] for s in seqs])
+    left = pos - 1
+    left_masked = (left >= start) & (left < end) & (canvas.gather(1, left.clamp(min=0)) == mask_id)
+    generated = torch.arange(canvas.shape[1], device=dev)[None] >= per_row([s.prompt_len for s in seqs])
+    no_eos_yet = ~((canvas == eos_id) & generated).any(1, keepdim=True)
+    on = per_row([s.params.delay_eos for s in seqs])
+    late = (pad(tokens, batch_first=True) == eos_id) & left_masked & no_eos_yet & on
+    return [row[: p.numel()] for row, p in zip(late, positions)]
+
+
 def delayed_eos(seq: Sequence, positions: Tensor, tokens: Tensor) -> Tensor:
-    """bool [N]: ES-dLLM's ``delay_eos_generation``: an EOS predicted while its left neighbour in
-    the current block is still masked and no EOS has been committed yet."""
-    if not seq.params.delay_eos:
-        return torch.zeros_like(positions, dtype=torch.bool)
-    start, end = seq.block
-    left = positions - 1
-    left_masked = (left >= start) & (left < end) & (seq.canvas[left.clamp(min=0)] == seq.ids.mask_id)
-    no_eos_yet = ~(seq.canvas[seq.prompt_len:] == seq.ids.eos_id).any()  # on the device: no host read
-    return (tokens == seq.ids.eos_id) & left_masked & no_eos_yet
+    """``delayed_eos_rows`` of one sequence."""
+    return delayed_eos_rows([seq], [positions], [tokens])[0]
