@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable, ClassVar
 
+import torch
 from torch import Tensor
 
 from ..decoding.decoders import StepPlan
@@ -94,6 +95,12 @@ class Strategy:
         """Additive records (each with ``+`` and ``summary()``) a diagnostic strategy gathered
         on ``seq``; ``dllm eval`` sums and prints them."""
         return {}
+
+
+def per_row(rows: list[tuple], device: torch.device) -> tuple[Tensor, ...]:
+    """Host facts of B sequences (one tuple of ints / bools each) as one [B, 1] tensor per
+    field: one transfer instead of one per field."""
+    return tuple(torch.tensor(rows, device=device).T[..., None])
 
 
 def strategy_class(name: str) -> type[Strategy]:

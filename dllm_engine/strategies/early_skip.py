@@ -51,7 +51,7 @@ from ..decoding.decoders import StepPlan
 from ..engine.sequence import Sequence
 from ..models.context import ForwardContext, Kept, compact
 from ..models.layers import DiffusionLM
-from .base import Strategy
+from .base import Strategy, per_row
 
 KEY = "early-skip"
 TOP_CONF_BONUS, LEFTMOST_BONUS, COMMITTED_BONUS = 2.0, 5.0, 3.0
@@ -301,24 +301,21 @@ class EarlySkip(Strategy):
         pad = torch.nn.utils.rnn.pad_sequence
         states = [state(s) for s in seqs]
         pos = pad([p.positions for p in plans], batch_first=True, padding_value=-1)  # [B, T]
-        dev = pos.device
-
-        def per_row(values: list) -> Tensor:  # [B, 1]
-            return torch.tensor(values, device=dev)[:, None]
-
+        start, end, skip, num_conf, mask_id, refresh = per_row(
+            [(*s.block, st.skip, st.conf.numel(), s.ids.mask_id, s.params.skip_alpha < 1)
+             for s, st in zip(seqs, states)], pos.device)
         valid = pos >= 0
-        start, end = per_row([s.block[0] for s in seqs]), per_row([s.block[1] for s in seqs])
-        candidate = (pos >= start) & (pos < end) & per_row([st.skip for st in states])
+        candidate = (pos >= start) & (pos < end) & skip.bool()
         target = pos + self.shift  # the position each token's output predicts
         confs = pad([st.conf for st in states], batch_first=True)  # [B, canvas]
-        has_conf = valid & (target < per_row([st.conf.numel() for st in states]))
+        has_conf = valid & (target < num_conf)
         conf = confs.gather(1, torch.where(has_conf, target, 0)).masked_fill(~has_conf, 0.0)
         blocks = pad([s.canvas[slice(*s.block)] for s in seqs], batch_first=True, padding_value=-1)
-        is_masked = blocks == per_row([s.ids.mask_id for s in seqs])  # [B, L]
+        is_masked = blocks == mask_id  # [B, L]
         leftmost = start + is_masked.to(torch.int8).argmax(1, keepdim=True)  # first masked position
         bonus = LEFTMOST_BONUS * (valid & (target == leftmost) & is_masked.any(1, keepdim=True))
         last = pad([st.last_committed for st in states], batch_first=True, padding_value=-2)  # [B, K]
-        refreshed = (pos[:, :, None] == last[:, None, :]).any(-1) & per_row([s.params.skip_alpha < 1 for s in seqs])
+        refreshed = (pos[:, :, None] == last[:, None, :]).any(-1) & refresh.bool()
         bonus = (bonus + COMMITTED_BONUS * refreshed).to(conf.dtype)
         return {"candidate": candidate, "conf": conf, "bonus": bonus}
 
@@ -381,18 +378,14 @@ def delayed_eos_rows(seqs: list[Sequence], positions: list[Tensor], tokens: list
     pos = pad(positions, batch_first=True)  # [B, N]
     dev = pos.device
 
-    def per_row(values: list) -> Tensor:  # [B, 1]
-        return torch.tensor(values, device=dev)[:, None]
-
     canvas = pad([s.canvas for s in seqs], batch_first=True, padding_value=-1)  # [B, L]
-    mask_id, eos_id = per_row([s.ids.mask_id for s in seqs]), per_row([s.ids.eos_id for s in seqs])
-    start, end = per_row([s.block[0] for s in seqs]), per_row([s.block[1] for s in seqs])
+    mask_id, eos_id, start, end, prompt_len, on = per_row(
+        [(s.ids.mask_id, s.ids.eos_id, *s.block, s.prompt_len, s.params.delay_eos) for s in seqs], dev)
     left = pos - 1
     left_masked = (left >= start) & (left < end) & (canvas.gather(1, left.clamp(min=0)) == mask_id)
-    generated = torch.arange(canvas.shape[1], device=dev)[None] >= per_row([s.prompt_len for s in seqs])
+    generated = torch.arange(canvas.shape[1], device=dev)[None] >= prompt_len
     no_eos_yet = ~((canvas == eos_id) & generated).any(1, keepdim=True)
-    on = per_row([s.params.delay_eos for s in seqs])
-    late = (pad(tokens, batch_first=True) == eos_id) & left_masked & no_eos_yet & on
+    late = (pad(tokens, batch_first=True) == eos_id) & left_masked & no_eos_yet & on.bool()
     return [row[: p.numel()] for row, p in zip(late, positions)]
 
 

@@ -41,7 +41,7 @@ from ..decoding.decoders import StepPlan
 from ..decoding.rules import confidence
 from ..engine.sequence import Sequence
 from ..models.context import ForwardContext, Kept, compact
-from .base import Strategy
+from .base import Strategy, per_row
 
 STATE_KEY = "focus"
 
@@ -215,11 +215,11 @@ def block_rows(seqs: list[Sequence], plans: list[StepPlan], states: list[FocusSt
     blocks = pad([s.canvas[slice(*s.block)] for s in seqs], batch_first=True, padding_value=-1)
     blocks = F.pad(blocks, (0, 1), value=-1)  # [B, L + 1]; padding and sink count as committed
     processed = F.pad(pad([st.processed for st in states], batch_first=True), (0, 1))  # [B, L + 1]
-    start = torch.tensor([st.start for st in states], device=dev)[:, None]
-    size = torch.tensor([st.processed.numel() for st in states], device=dev)[:, None]
+    start, size, mask_id = per_row([(st.start, st.processed.numel(), s.ids.mask_id)
+                                    for s, st in zip(seqs, states)], dev)
     local = positions - start
     column = torch.where((local >= 0) & (local < size), local, blocks.shape[1] - 1)
-    is_masked = blocks == torch.tensor([s.ids.mask_id for s in seqs], device=dev)[:, None]
+    is_masked = blocks == mask_id
     candidate = is_masked.gather(1, column)  # the sink is never masked
     done = torch.zeros_like(is_masked).scatter_(1, column, True)
     done[:, -1] = False
