@@ -49,8 +49,9 @@ def test_copy_key_mask_isolates_copies():
 
 
 def make_seq(block=4, max_new=8, **options):
+    options = {"threshold": 0.5, **options}
     params = SamplingParams(method="dual-cache+jump-share", max_new_tokens=max_new, block_length=block,
-                            steps=block, threshold=0.5, **options)
+                            steps=block, **options)
     return Sequence(0, [10, 11, 12], resolve_params(params, FULL_ATTENTION_METHODS), IDS)
 
 
@@ -253,3 +254,48 @@ def test_drafts_may_cover_every_masked_position(llms):
     positions = torch.cat([layout.masked[~layout.drafted[c]] for c in range(4)])
     committed = js.commit(seq, positions, logits, lambda *a: None)
     assert sorted(committed.tolist()) == [4, 6] and seq.canvas[3:7].tolist() == [20, 62, 21, 61]
+
+
+def plain_copy_predictions(seq, layout, logits):
+    """The per-copy rule, one copy at a time: sample, confidence, ``select`` on its own positions."""
+    from dllm_engine.decoding import confidence, sample_tokens
+    from dllm_engine.decoding.decoders import select
+    p = seq.params
+    c, n = layout.drafted.shape
+    x0 = torch.full((c, n), -1, dtype=torch.long)
+    conf = torch.full((c, n), -float("inf"))
+    commit = torch.zeros(c, n, dtype=torch.bool)
+    logits = logits.clone()
+    logits[:, seq.ids.mask_id] = -float("inf")
+    for i, rows in enumerate(logits.split(layout.counts())):
+        own = ~layout.drafted[i]
+        if rows.shape[0]:
+            x0[i, own] = sample_tokens(rows, p.temperature, seq.generator, p.top_k, p.top_p)
+            conf[i, own] = confidence(rows, x0[i, own], p.remasking, seq.generator).float()
+            commit[i, own] = select(seq, conf[i, own])
+    return x0, conf, commit
+
+
+@pytest.mark.parametrize("options", [dict(), dict(threshold=None), dict(threshold=None, factor=1.0),
+                                     dict(temperature=0.7, remasking="random"),
+                                     dict(remasking="topk_margin"), dict(remasking="entropy"),
+                                     dict(threshold=0.05)])
+def test_copy_predictions_of_all_copies_equal_the_per_copy_rule(options):
+    """Copy predictions made in one pass over every copy's logits (greedy, row-wise rules) or in
+    order through the generator equal the per-copy rule, copy by copy (threshold, top-k and
+    factor rules; a copy that predicts nothing itself)."""
+    torch.manual_seed(0)
+    for committed in ([4, 7], [3, 4, 5, 6, 7, 8]):  # 6 masks left; 2 masks, both drafted
+        seq = make_seq(block=8, max_new=8, max_copies=8, **options)
+        seq.step = 2
+        seq.canvas[committed] = torch.arange(20, 20 + len(committed))
+        drafts = (torch.tensor([9, 5, 3, 10, 6, 8]), torch.tensor([50, 51, 52, 53, 54, 55]), torch.rand(6))
+        layout = make_layout(seq, seq.masked_positions(), drafts)
+        logits = torch.randn(sum(layout.counts()), 96) * 3
+        alone = make_seq(block=8, max_new=8, max_copies=8, **options)  # the same generator state
+        alone.canvas, alone.step = seq.canvas.clone(), seq.step
+        want = plain_copy_predictions(alone, layout, logits)
+        got = JumpShare.copy_predictions(seq, layout, logits.clone())
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    assert layout.counts()[-1] == 0  # the last copy holds both drafts and predicts nothing

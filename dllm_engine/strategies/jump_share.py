@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from ..decoding import confidence, sample_tokens
-from ..decoding.decoders import StepPlan, select
+from ..decoding.decoders import StepPlan, select, select_rows, threshold_rule
 from ..engine.sequence import Sequence
 from .base import CommitRule, Strategy
 
@@ -72,8 +72,14 @@ class CopyLayout:
         return len(self.sets)
 
     def counts(self) -> list[int]:
-        """Logit rows per copy: its masked positions that are not drafted."""
-        return (~self.drafted).sum(1).tolist()
+        """Logit rows per copy: its masked positions that are not drafted (host arithmetic)."""
+        return [self.masked.numel() - len(s) for s in self.sets]
+
+    def own_index(self, first: int = 0) -> Tensor:
+        """Flat index into [C - first, n] of the positions copies ``first``.. predict themselves,
+        copy after copy (the order of their logits rows); no host read."""
+        own = ~self.drafted[first:]
+        return torch.nonzero_static(own.flatten(), size=sum(self.counts()[first:]))[:, 0]
 
 
 class JumpShare(Strategy):
@@ -124,19 +130,23 @@ class JumpShare(Strategy):
         commit rule would commit it ([C, n] each; drafted positions get -1 / -inf / False)."""
         p = seq.params
         c, n = layout.drafted.shape
-        x0 = torch.full((c, n), -1, dtype=torch.long, device=logits.device)
-        conf = torch.full((c, n), -float("inf"), device=logits.device)
-        commit = torch.zeros(c, n, dtype=torch.bool, device=logits.device)
+        counts = layout.counts()
         logits[:, seq.ids.mask_id] = -float("inf")  # as the base commit rule
-        for i, rows in enumerate(logits.split(layout.counts())):
-            own = ~layout.drafted[i]
-            if not rows.shape[0]:
-                continue
-            tokens = sample_tokens(rows, p.temperature, seq.generator, p.top_k, p.top_p)
-            x0[i, own] = tokens
-            conf[i, own] = confidence(rows, tokens, p.remasking, seq.generator).float()
-            commit[i, own] = select(seq, conf[i, own])
-        return x0, conf, commit
+        if p.temperature == 0 and p.remasking != "random":  # row-wise rules: every copy at once
+            tokens = logits.argmax(-1)
+            own_conf = confidence(logits, tokens, p.remasking, None).float()
+        else:  # the generator draws copy after copy, as each copy's step alone would
+            drawn, confs = [], []
+            for rows in (rows for rows in logits.split(counts) if rows.shape[0]):
+                drawn.append(sample_tokens(rows, p.temperature, seq.generator, p.top_k, p.top_p))
+                confs.append(confidence(rows, drawn[-1], p.remasking, seq.generator).float())
+            tokens, own_conf = torch.cat(drawn), torch.cat(confs)
+        own = layout.own_index()
+        x0 = torch.full((c * n,), -1, dtype=torch.long, device=logits.device).index_copy_(0, own, tokens)
+        conf = torch.full((c * n,), -float("inf"), device=logits.device).index_copy_(0, own, own_conf)
+        commit = torch.zeros(c * n, dtype=torch.bool, device=logits.device)
+        commit[own] = select_copies(seq, own_conf, counts)
+        return x0.view(c, n), conf.view(c, n), commit.view(c, n)
 
     @staticmethod
     def apply(seq: Sequence, layout: CopyLayout, best: int, x0: Tensor, conf: Tensor,
@@ -147,10 +157,27 @@ class JumpShare(Strategy):
         tokens = x0.clone()
         tokens[layout.draft_idx[mine]] = layout.draft_tokens[mine]
         done = layout.drafted[best] | commit
+        num_done = int(done.sum())  # one host read
+        order = torch.sort((~done).to(torch.int8), stable=True).indices  # done first, each part ascending
+        done, rest = order[:num_done], order[num_done:]
         seq.commit(layout.masked[done], tokens[done])
-        rest = ~done
         seq.strategy_state[KEY]["drafts"] = ranked(layout.masked[rest], x0[rest], conf[rest])
         return layout.masked[done]
+
+
+def select_copies(seq: Sequence, conf: Tensor, counts: list[int]) -> Tensor:
+    """bool [sum counts]: ``select`` of each copy's own candidates (``conf``: copy after copy,
+    ``counts`` each), in one pass when the rule is a threshold or top-k (``select_rows`` gives
+    each row what ``select`` gives it alone)."""
+    rule = threshold_rule(seq)
+    live = [k for k in counts if k]
+    if not live:
+        return torch.zeros(0, dtype=torch.bool, device=conf.device)
+    if rule is None:  # the factor rule: copy by copy
+        return torch.cat([select(seq, part) for part in conf.split(counts) if part.numel()])
+    chosen = select_rows(conf, live, [rule] * len(live))  # [C', M], padded
+    valid = torch.arange(chosen.shape[1], device=conf.device)[None] < torch.tensor(live, device=conf.device)[:, None]
+    return chosen.flatten()[torch.nonzero_static(valid.flatten(), size=sum(live))[:, 0]]
 
 
 # -- layout ------------------------------------------------------------------------------------
@@ -203,9 +230,10 @@ def make_layout(seq: Sequence, masked: Tensor, drafts: tuple[Tensor, Tensor, Ten
         idx = torch.searchsorted(masked, pos[live][:k])
         tokens = tok[live][:k]
     sets = draft_sets(idx.numel())
+    holds = torch.tensor([[j in s for j in range(idx.numel())] for s in sets], dtype=torch.bool,
+                         device=masked.device)  # [C, k]: which drafts each copy holds
     drafted = torch.zeros(len(sets), n, dtype=torch.bool, device=masked.device)
-    for c, s in enumerate(sets):
-        drafted[c, idx[list(s)]] = True
+    drafted[:, idx] = holds  # the drafts sit at distinct positions
     return CopyLayout(masked, idx, tokens, sets, drafted)
 
 
@@ -215,18 +243,18 @@ def share_plan(seq: Sequence, plan: StepPlan, layout: CopyLayout) -> StepPlan:
     masked, n, extra = layout.masked, layout.masked.numel(), layout.num_copies - 1
     base_slots = plan.slots if plan.slots is not None else plan.positions
     base_tokens = plan.token_ids if plan.token_ids is not None else seq.canvas[plan.positions]
-    copy_tokens = seq.canvas[masked].repeat(extra, 1)  # [C-1, n]
-    for c, s in enumerate(layout.sets[1:]):
-        copy_tokens[c, layout.draft_idx[list(s)]] = layout.draft_tokens[list(s)]
-    copy_slots = seq.canvas_len + torch.arange(extra * n, device=masked.device).view(extra, n)
-    own = ~layout.drafted[1:]
+    current = seq.canvas[masked]
+    filled = current.index_copy(0, layout.draft_idx, layout.draft_tokens)  # every draft in place
+    copy_tokens = torch.where(layout.drafted[1:], filled, current)  # [C-1, n]
+    copy_slots = seq.canvas_len + torch.arange(extra * n, device=masked.device)  # [(C-1)·n]
+    own = layout.own_index(first=1)
     return StepPlan(
         positions=torch.cat([plan.positions, masked.repeat(extra)]),
         key_limit=torch.cat([plan.key_limit, torch.full((extra * n,), seq.canvas_len,
                                                         device=masked.device)]),
-        logit_positions=torch.cat([masked, masked.repeat(extra, 1)[own]]),
+        logit_positions=torch.cat([masked, masked.repeat(extra)[own]]),
         logit_slots=torch.cat([masked, copy_slots[own]]),
-        slots=torch.cat([base_slots, copy_slots.flatten()]),
+        slots=torch.cat([base_slots, copy_slots]),
         token_ids=torch.cat([base_tokens, copy_tokens.flatten()]),
         key_mask=copy_key_mask(plan.key_limit, seq.canvas_len, masked, extra))
 
@@ -253,7 +281,11 @@ def accepted_copy(sets: list[tuple[int, ...]], draft_idx: Tensor, draft_tokens: 
     accepted copy D' ⊊ D predicts each draft in D \\ D' with the drafted token and commits it.
     Returns the accepted copy with the most drafts (ties: the earlier copy)."""
     # one host transfer, then plain Python over at most 8 copies and 4 drafts
-    where, want, pred, takes = draft_idx.tolist(), draft_tokens.tolist(), x0.tolist(), commit.tolist()
+    k, (c, n) = draft_idx.numel(), x0.shape
+    flat = torch.cat([draft_idx, draft_tokens, x0.flatten(), commit.flatten().long()]).tolist()
+    where, want = flat[:k], flat[k: 2 * k]
+    pred = [flat[2 * k + i * n: 2 * k + (i + 1) * n] for i in range(c)]
+    takes = [flat[2 * k + (c + i) * n: 2 * k + (c + i + 1) * n] for i in range(c)]
     members = [set(s) for s in sets]
 
     def verifies(b: int, drafts: set[int]) -> bool:
