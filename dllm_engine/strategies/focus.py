@@ -181,7 +181,7 @@ def block_state(seq: Sequence) -> FocusState:
 
 
 def drop_tokens(plan: StepPlan, keep: Tensor) -> StepPlan:
-    """The plan restricted to tokens ``keep`` [T] (bool)."""
+    """The plan restricted to tokens ``keep`` [T] (bool, or their indices)."""
     pick = {name: getattr(plan, name)[keep] for name in ("positions", "key_limit", "slots", "token_ids",
                                                          "key_mask") if getattr(plan, name) is not None}
     return dataclasses.replace(plan, **pick)
@@ -319,8 +319,9 @@ class TokenEviction(Strategy):
         end = state.start + state.frozen.numel()
         in_block = (pos >= state.start) & (pos < end)
         frozen = in_block & state.frozen[state.local(pos).clamp(0, state.frozen.numel() - 1)]
-        if frozen.any():
-            plan = drop_tokens(plan, ~frozen)
+        keep = (~frozen).nonzero()[:, 0]  # one host read, then index without another
+        if keep.numel() < len(plan):
+            plan = drop_tokens(plan, keep)
         state.kept = state.would_keep = state.step_rows = None
         return plan
 
