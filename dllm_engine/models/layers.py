@@ -53,7 +53,7 @@ class RotaryTable:
         if bound is None:
             bound = int(positions.max()) + 1 if positions.numel() else 1
         cos, sin = self.table(positions.device, bound)
-        return cos[positions], sin[positions]
+        return F.embedding(positions, cos), F.embedding(positions, sin)  # row gathers (fastest on CPU)
 
     def table(self, device: torch.device, size: int) -> tuple[Tensor, Tensor]:
         """The tables of ``device``, at least ``size`` positions long (grown to a power of two)."""
