@@ -166,3 +166,23 @@ def test_profile_on_the_cpu_clock(llada):
     params = parse_spec("dual-cache:threshold=0.9", max_new_tokens=16, block_length=8)
     r = profile_one(llada, "dual-cache", params, PROMPTS, 2, clock="cpu")
     assert r.steps > 0 and 0 < r.floor_ms and r.throughput > 0
+
+
+def test_profile_counts_the_distinct_forward_shapes(llada, sdar):
+    """What a captured step would need: one capture per forward signature (per layer: rows,
+    tokens, keys, masked). dual-cache has two (a whole canvas, one block over the same keys);
+    block diffusion one per block end (its keys grow with the canvas); FOCUS shrinks the token
+    set inside the forward, by data."""
+    def signatures(llm, spec, prompts, batch):
+        params = parse_spec(spec, max_new_tokens=32, block_length=8)
+        return count_syncs(llm, params, prompts, batch, shapes=True)[1].signatures
+
+    layers = llada.model.config.num_layers
+    dual = signatures(llada, "dual-cache:threshold=0.9", PROMPTS[:1], 1)
+    canvas = len(PROMPTS[0]) + 32
+    assert dual == {((1, canvas, canvas, False),) * layers, ((1, 8, canvas, False),) * layers}
+    assert len(signatures(llada, "reference:threshold=0.9", PROMPTS[:1], 1)) == 1
+    block = signatures(sdar, "block:threshold=0.9", PROMPTS[:1], 1)
+    assert {sig[0][2] for sig in block if sig[0][1] == 8} == {8, 16, 24, 32, 40}  # every block end
+    focus = signatures(llada, "dual-cache+focus:threshold=0.9", PROMPTS[:1], 1)
+    assert any(len({entry[1] for entry in sig}) > 1 for sig in focus)  # tokens evicted mid-forward

@@ -17,7 +17,10 @@ deterministic, so every pass makes the same steps:
    ``aten.is_nonzero`` behind ``.item()``, ``int()``, ``bool()``, ``nonzero``, boolean indexing, ``equal``, ...), a
    ``TorchFunctionMode`` adds ``.tolist()``; the ones inside the layer loop (between the
    embedding and the final norm) are counted apart. On a GPU each one stalls the stream and
-   stops a CUDA graph from capturing the step.
+   stops a CUDA graph from capturing the step. The same pass counts the **forward shapes**:
+   the distinct signatures of a forward (per layer: rows, tokens, keys, masked or not) over the
+   run. A captured step (a CUDA graph, ``torch.compile`` without dynamic shapes) needs one
+   capture per signature.
 """
 from __future__ import annotations
 
@@ -101,6 +104,30 @@ class LayerLoopFlag:
     @staticmethod
     def set(count: SyncCount, inside: bool) -> None:
         count.inside = inside
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class ShapeLog:
+    """The distinct forward signatures of a run: per layer (rows, tokens, keys, whether a mask
+    is applied), from the hidden state and context each layer is called with. A strategy that
+    shrinks the token set (FOCUS, early skip) changes the signature inside the forward."""
+
+    def __init__(self, model) -> None:
+        self.signatures: set[tuple] = set()
+        self.current: list[tuple] = []
+        self.handles = [model.embed_tokens.register_forward_hook(lambda *a: self.current.clear()),
+                        model.norm.register_forward_pre_hook(lambda *a: self.close())]
+        self.handles += [layer.register_forward_pre_hook(self.record) for layer in model.layers]
+
+    def record(self, module, args) -> None:
+        hidden, ctx = args[0], args[1]
+        self.current.append((*hidden.shape[:2], ctx.key_length, ctx.attn_mask is not None))
+
+    def close(self) -> None:
+        self.signatures.add(tuple(self.current))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -191,6 +218,7 @@ class ProfileRecord:
     syncs_per_step: float
     layer_syncs_per_step: float  # inside the layer loop
     throughput: float  # output tokens / s in the timed pass
+    forward_shapes: int = 0  # distinct forward signatures (ShapeLog) over the run
 
 
 def run_batches(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
@@ -225,13 +253,13 @@ def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[
         steps, timed, tokens = run_batches(llm, params, prompts, batch_size, clock=tick)
         seconds = min(seconds, timed)
         floor = min(floor, floor_seconds(llm, params, prompts, batch_size, steps, tick))
-    count = count_syncs(llm, params, prompts, batch_size)
+    count, shapes = count_syncs(llm, params, prompts, batch_size, shapes=True)
     return ProfileRecord(method=spec, batch_size=batch_size, steps=steps,
                          step_ms=round(1e3 * seconds / steps, 3), floor_ms=round(1e3 * floor / steps, 3),
                          overhead=round(1 - floor / seconds, 4),
                          syncs_per_step=round(count.total / steps, 2),
                          layer_syncs_per_step=round(count.in_layers / steps, 2),
-                         throughput=round(tokens / seconds, 2))
+                         throughput=round(tokens / seconds, 2), forward_shapes=len(shapes.signatures))
 
 
 def floor_seconds(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
@@ -250,15 +278,20 @@ def floor_seconds(llm: LLM, params: SamplingParams, prompts: list[list[int]], ba
     return recorder.seconds
 
 
-def count_syncs(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int) -> SyncCount:
+def count_syncs(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
+                shapes: bool = False):
+    """The host syncs of a run (``SyncCount``); with ``shapes``, (count, ``ShapeLog``)."""
     count = SyncCount()
     flag = LayerLoopFlag(llm.model, count)
+    log = ShapeLog(llm.model) if shapes else None
     try:
         with ListSyncs(count), DispatchSyncs(count):
             run_batches(llm, params, prompts, batch_size)
     finally:
         flag.remove()
-    return count
+        if log is not None:
+            log.remove()
+    return (count, log) if shapes else count
 
 
 def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
@@ -283,19 +316,20 @@ def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: li
 
 
 HEADER = (f"{'method':<44} {'batch':>5} {'steps':>6} {'step ms':>8} {'floor ms':>8} {'overhead':>8} "
-          f"{'syncs':>7} {'in layers':>9} {'tok/s':>8}")
+          f"{'syncs':>7} {'in layers':>9} {'tok/s':>8} {'shapes':>6}")
 
 
 def format_row(r: ProfileRecord) -> str:
     return (f"{r.method:<44} {r.batch_size:>5} {r.steps:>6} {r.step_ms:>8.2f} {r.floor_ms:>8.2f} "
-            f"{r.overhead:>8.1%} {r.syncs_per_step:>7.1f} {r.layer_syncs_per_step:>9.1f} {r.throughput:>8.1f}")
+            f"{r.overhead:>8.1%} {r.syncs_per_step:>7.1f} {r.layer_syncs_per_step:>9.1f} {r.throughput:>8.1f} "
+            f"{r.forward_shapes:>6}")
 
 
 def table(records: list[ProfileRecord]) -> str:
-    lines = ["| method | batch | steps | step ms | floor ms | overhead | host syncs / step | in the layer loop | tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | batch | steps | step ms | floor ms | overhead | host syncs / step | in the layer loop | tok/s | forward shapes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         lines.append(f"| `{r.method}` | {r.batch_size} | {r.steps} | {r.step_ms:.2f} | {r.floor_ms:.2f} | "
                      f"{r.overhead:.1%} | {r.syncs_per_step:.1f} | {r.layer_syncs_per_step:.1f} | "
-                     f"{r.throughput:.1f} |")
+                     f"{r.throughput:.1f} | {r.forward_shapes} |")
     return "\n".join(lines)
