@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from dllm_engine import LLM
-from dllm_engine.bench.profile import (DispatchSyncs, FloorRecorder, ListSyncs, SyncCount,
+from dllm_engine.bench.profile import (DispatchSyncs, FloorRecorder, ListSyncs, ShapeLog, SyncCount,
                                        count_syncs, profile_one)
 from dllm_engine.cli import main
 from dllm_engine.sampling_params import parse_spec
@@ -175,7 +175,9 @@ def test_profile_counts_the_distinct_forward_shapes(llada, sdar):
     set inside the forward, by data."""
     def signatures(llm, spec, prompts, batch):
         params = parse_spec(spec, max_new_tokens=32, block_length=8)
-        return count_syncs(llm, params, prompts, batch, shapes=True)[1].signatures
+        with ShapeLog(llm.model) as log:
+            count_syncs(llm, params, prompts, batch)
+        return log.signatures
 
     layers = llada.model.config.num_layers
     dual = signatures(llada, "dual-cache:threshold=0.9", PROMPTS[:1], 1)

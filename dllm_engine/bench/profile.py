@@ -113,7 +113,8 @@ class LayerLoopFlag:
 class ShapeLog:
     """The distinct forward signatures of a run: per layer (rows, tokens, keys, whether a mask
     is applied), from the hidden state and context each layer is called with. A strategy that
-    shrinks the token set (FOCUS, early skip) changes the signature inside the forward."""
+    shrinks the token set (FOCUS, early skip) changes the signature inside the forward. A
+    context manager: the hooks come off on exit."""
 
     def __init__(self, model) -> None:
         self.signatures: set[tuple] = set()
@@ -129,7 +130,10 @@ class ShapeLog:
     def close(self) -> None:
         self.signatures.add(tuple(self.current))
 
-    def remove(self) -> None:
+    def __enter__(self) -> "ShapeLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
         for h in self.handles:
             h.remove()
 
@@ -253,7 +257,8 @@ def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[
         steps, timed, tokens = run_batches(llm, params, prompts, batch_size, clock=tick)
         seconds = min(seconds, timed)
         floor = min(floor, floor_seconds(llm, params, prompts, batch_size, steps, tick))
-    count, shapes = count_syncs(llm, params, prompts, batch_size, shapes=True)
+    with ShapeLog(llm.model) as shapes:
+        count = count_syncs(llm, params, prompts, batch_size)
     return ProfileRecord(method=spec, batch_size=batch_size, steps=steps,
                          step_ms=round(1e3 * seconds / steps, 3), floor_ms=round(1e3 * floor / steps, 3),
                          overhead=round(1 - floor / seconds, 4),
@@ -278,20 +283,15 @@ def floor_seconds(llm: LLM, params: SamplingParams, prompts: list[list[int]], ba
     return recorder.seconds
 
 
-def count_syncs(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
-                shapes: bool = False):
-    """The host syncs of a run (``SyncCount``); with ``shapes``, (count, ``ShapeLog``)."""
+def count_syncs(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int) -> SyncCount:
     count = SyncCount()
     flag = LayerLoopFlag(llm.model, count)
-    log = ShapeLog(llm.model) if shapes else None
     try:
         with ListSyncs(count), DispatchSyncs(count):
             run_batches(llm, params, prompts, batch_size)
     finally:
         flag.remove()
-        if log is not None:
-            log.remove()
-    return (count, log) if shapes else count
+    return count
 
 
 def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
