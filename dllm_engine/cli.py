@@ -28,11 +28,21 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                    help="torch.compile the layers' norms and MLPs (dynamic shapes; not bit-exact: "
                         "last bits of the logits; off by default; dllm bench --compile runs each "
                         "spec eager and compiled)")
+    p.add_argument("--fixed-shapes", action="store_true",
+                   help="round every step's rows, tokens and keys up to buckets (at most a quarter "
+                        "more), with a mask and indexed K/V writes: the shapes a CUDA graph can capture "
+                        "(same tokens; off by default: the padding costs compute on a CPU)")
+    p.add_argument("--compile-step", action="store_true",
+                   help="--fixed-shapes, and each step's whole layer stack torch.compiled without "
+                        "dynamic shapes: one graph per shape bucket (CUDA graphs on CUDA); not "
+                        "bit-exact; off by default")
 
 
 def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     from . import LLM
     kw.setdefault("compile", getattr(args, "compile", False))
+    kw.setdefault("fixed_shapes", getattr(args, "fixed_shapes", False))
+    kw.setdefault("compile_step", getattr(args, "compile_step", False))
     return LLM(model or args.model, dtype=args.dtype, device=args.device,
                keep_freed_memory=args.keep_freed_memory,
                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), **kw)
@@ -193,8 +203,10 @@ def run_bench(args: argparse.Namespace) -> None:
     defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
                                   ("block_length", args.block_length)) if v is not None}
     resolved = check_specs(args.model, args.methods, defaults)  # before the weights load
-    check_compile(args.compile, args.tensor_parallel_size)  # bench compiles after loading
-    llm = load_llm(args, compile=False)  # --compile: each spec runs eager, then compiled
+    check_compile(args.compile, args.tensor_parallel_size, args.compile_step)  # bench compiles after loading
+    # --compile, --fixed-shapes, --compile-step: each spec runs as usual, then under each
+    llm = load_llm(args, compile=False, fixed_shapes=False, compile_step=False)
+    variants = [name for name, on in (("fixed shapes", args.fixed_shapes), ("compiled step", args.compile_step)) if on]
     for spec, params in resolved.items():
         print(f"method: {spec} = {params.describe()}")
     from .engine.host_memory import is_kept
@@ -202,7 +214,7 @@ def run_bench(args: argparse.Namespace) -> None:
           f"keep_freed_memory: {'on' if is_kept() else 'off'}")
     print(HEADER)
     records = bench(llm, args.methods, args.batch_sizes, examples, args.out, defaults,
-                    compare_compiled=args.compile)
+                    compare_compiled=args.compile, variants=variants)
     print()
     print(table(records))
     print(f"\nwrote {args.out}/results.json and {args.out}/throughput.png")
@@ -229,12 +241,16 @@ def run_profile(args: argparse.Namespace) -> None:
     if args.tensor_parallel_size != 1:  # its floor pass calls modules whose collectives need every rank
         raise ValueError("dllm profile replays the model's modules in this process; run it with "
                          "--tensor-parallel-size 1")
+    if args.compile_step:  # its floor would time the eager modules, not the compiled graph
+        raise ValueError("dllm profile replays each module eagerly, so it cannot time a compiled "
+                         "step; use --fixed-shapes here, and dllm bench --compile-step for its speed")
     set_threads(args.threads)
     llm = load_llm(args)  # as dllm bench: freed host memory kept unless --no-keep-freed-memory
     examples = load_split("copy", limit=args.limit)
     defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
     print(f"model: {args.model}  prompts: {len(examples)}  device: {args.device}  "
-          f"compile: {'on' if args.compile else 'off'}  repeats: {args.repeats}  clock: {args.clock}")
+          f"compile: {'on' if args.compile else 'off'}  fixed shapes: {'on' if args.fixed_shapes else 'off'}  "
+          f"repeats: {args.repeats}  clock: {args.clock}")
     print(HEADER)
     records = profile(llm, args.methods, args.batch_sizes, examples, defaults, repeats=args.repeats,
                       clock=args.clock)

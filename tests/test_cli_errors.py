@@ -84,6 +84,10 @@ def cases(ckpt, tmp_path_factory) -> dict[str, tuple[list[str], str]]:
         "bench compile under tensor parallel": (["bench", *model, "--methods", "dual-cache", "--compile",
                                                  "--tensor-parallel-size", "2", "--out", "unused"],
                                                 "compile is for one process"),
+        "compile step under tensor parallel": (["generate", *model, "--compile-step", "--tensor-parallel-size", "2"],
+                                               "compile_step is for one process"),
+        "profile a compiled step": (["profile", *model, "--methods", "dual-cache", "--compile-step"],
+                                    "use --fixed-shapes here, and dllm bench --compile-step for its speed"),
         "replicas under tensor parallel": (["serve", str(ckpt), "--replicas", "2", "--tensor-parallel-size", "2"],
                                            "--tensor-parallel-size with --replicas is not supported"),
         # the spec fails before the (broken) weights are read: specs are checked first
@@ -136,7 +140,7 @@ CASES = [*BROKEN, "model is a file", "device tpu", "device cuda on a CPU build",
          "temperature NaN", "factor inf", "serve a default it cannot run", "two models to serve",
          "bench spec before weights", "tensor parallel does not divide", "profile under tensor parallel",
          "replicas under tensor parallel", "compile under tensor parallel",
-         "bench compile under tensor parallel"]
+         "bench compile under tensor parallel", "compile step under tensor parallel", "profile a compiled step"]
 
 
 @pytest.mark.parametrize("name", CASES)

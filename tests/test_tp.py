@@ -94,6 +94,20 @@ def test_rows_joining_and_leaving_move_on_every_rank(pair):
     assert [o.token_ids for o in b] == [o.token_ids for o in a]
 
 
+def test_fixed_shapes_on_two_ranks(pair):
+    """Fixed-shape steps (rows 3 -> 4, tokens and keys bucketed): every rank pads its pools and
+    steps the same way, and the tokens are one process's."""
+    family, one, two = pair
+    method = "block" if family in ("sdar", "llada2_moe") else "dual-cache"  # no hooks: fixed throughout
+    params = SamplingParams(method=method, max_new_tokens=16, block_length=8)
+    expected = [o.token_ids for o in one.generate(PROMPTS, params)]
+    two.engine.runner.set_step_shapes(True)
+    try:
+        assert [o.token_ids for o in two.generate(PROMPTS, params)] == expected
+    finally:
+        two.engine.runner.set_step_shapes(False)
+
+
 def test_each_rank_reads_only_its_slices(pair):
     _, one, two = pair
     full = sum(p.numel() * p.element_size() for p in one.model.parameters())

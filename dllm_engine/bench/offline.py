@@ -85,8 +85,11 @@ class BenchRecord:
 
 
 def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Example],
-              batch_size: int) -> BenchRecord:
-    evaluate(llm, params, examples=examples[:1], batch_size=1, use_tqdm=False)  # warm-up
+              batch_size: int, warm_all: bool = False) -> BenchRecord:
+    """``warm_all``: the warm-up is the whole run, not one prompt (a compiled step compiles
+    each shape it meets on first use: the timed run then measures the steady state)."""
+    warm = (examples, batch_size) if warm_all else (examples[:1], 1)
+    evaluate(llm, params, examples=warm[0], batch_size=warm[1], use_tqdm=False)  # warm-up
     if llm.parallel is not None:
         llm.parallel.reset_peak()
     with PeakMemory(llm.device) as mem:
@@ -104,19 +107,42 @@ def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Exampl
                        peak_memory_mb_per_rank=per_rank)
 
 
-COMPILED = " [compiled]"  # suffix of a spec's record run with ``--compile``
+def set_step_shapes(fixed: bool, compiled: bool = False):
+    return lambda llm: llm.engine.runner.set_step_shapes(fixed, compiled)
+
+
+# an engine variant a spec also runs under (``SPEC [name]``, its speed-up over ``SPEC``):
+# name -> (apply, undo, warm_all), apply and undo functions of the LLM; warm_all: see bench_one
+VARIANTS = {
+    "compiled": (lambda llm: compile_model(llm.model), lambda llm: uncompile_model(llm.model), False),
+    "fixed shapes": (set_step_shapes(True), set_step_shapes(False), False),
+    "compiled step": (set_step_shapes(True, True), set_step_shapes(False), True),
+}
+
+
+def variant_of(method: str) -> tuple[str, str | None]:
+    """(spec, variant) of a record's method: ``"dual-cache [compiled]"`` -> ("dual-cache", "compiled")."""
+    for name in VARIANTS:
+        if method.endswith(f" [{name}]"):
+            return method[: -len(name) - 3], name
+    return method, None
 
 
 def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
               out_dir: str | Path, defaults: dict | None = None, progress=print,
-              compare_compiled: bool = False) -> list[BenchRecord]:
+              compare_compiled: bool = False, variants: list[str] | None = None) -> list[BenchRecord]:
     """Run every spec at every batch size (interleaved), write results.json and throughput.png.
-    ``compare_compiled``: each spec runs eager, then with ``models/compiled.py`` (a record
-    named ``SPEC [compiled]``), so the two share the machine's state."""
+    ``variants`` (names of ``VARIANTS``; ``compare_compiled`` adds "compiled"): each spec runs
+    as loaded, then under each variant (a record named ``SPEC [variant]``), so they share the
+    machine's state."""
     if not specs:
         raise ValueError("give at least one method spec")
     if any(b < 1 for b in batch_sizes) or not batch_sizes:
         raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
+    variants = (["compiled"] if compare_compiled else []) + list(variants or [])
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown bench variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     out = prepare_out_dir(out_dir)
     params = {spec: llm.resolve(parse_spec(spec, **(defaults or {}))) for spec in specs}  # validate all first
     records = []
@@ -124,12 +150,13 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
         for spec in specs:
             records.append(bench_one(llm, spec, params[spec], examples, bs))
             progress(format_row(records[-1]))
-            if compare_compiled:
-                compile_model(llm.model)
+            for name in variants:
+                apply, undo, warm_all = VARIANTS[name]
+                apply(llm)
                 try:
-                    records.append(bench_one(llm, spec + COMPILED, params[spec], examples, bs))
+                    records.append(bench_one(llm, f"{spec} [{name}]", params[spec], examples, bs, warm_all))
                 finally:
-                    uncompile_model(llm.model)
+                    undo(llm)
                 progress(format_row(records[-1]))
     (out / "results.json").write_text(json.dumps([dataclasses.asdict(r) for r in records], indent=2) + "\n")
     plot(records, out / "throughput.png")
@@ -180,15 +207,16 @@ def per_rank_memory(r: BenchRecord) -> str:
 
 def table(records: list[BenchRecord]) -> str:
     """Markdown table with each method's speed-up over the first spec at the same batch size
-    (a ``[compiled]`` row: over the same spec eager)."""
+    (a variant's row, ``SPEC [compiled]``: over ``SPEC`` as loaded)."""
     base = {r.batch_size: r for r in records if r.method == records[0].method}
     eager = {(r.method, r.batch_size): r for r in records}
     lines = ["| method | batch | accuracy | throughput (tok/s) | speed-up | nfe | tokens/step | redundancy | stop share | prefill tokens | peak MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         ref = base.get(r.batch_size)
-        if r.method.endswith(COMPILED):  # a compiled row: its speed-up over the same spec eager
-            ref = eager.get((r.method[: -len(COMPILED)], r.batch_size), ref)
+        spec, variant = variant_of(r.method)
+        if variant is not None:  # a variant's row: its speed-up over the same spec as loaded
+            ref = eager.get((spec, r.batch_size), ref)
         speedup = r.throughput / ref.throughput if ref and ref.throughput else float("nan")
         lines.append(f"| `{r.method}` | {r.batch_size} | {r.accuracy:.1%} | {r.throughput:.1f} | "
                      f"{speedup:.2f}× | {r.nfe} | {r.decoded_tokens / max(1, r.nfe):.2f} | "

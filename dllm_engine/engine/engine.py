@@ -40,13 +40,16 @@ def batched_rule(seq: Sequence) -> bool:
 
 
 class Engine:
-    def __init__(self, model: DiffusionLM, max_num_seqs: int = 256, runner: Runner | None = None) -> None:
+    def __init__(self, model: DiffusionLM, max_num_seqs: int = 256, runner: Runner | None = None,
+                 fixed_shapes: bool = False, compile_step: bool = False) -> None:
         """``runner``: how a step's forward runs (default: in this process; a tensor-parallel
-        runner also drives the other ranks)."""
+        runner also drives the other ranks). ``fixed_shapes``: bucketed step shapes
+        (``engine/shapes.py``); ``compile_step``: and their layer stack compiled."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.model = model
         self.runner = runner if runner is not None else Runner(model)
+        self.runner.set_step_shapes(fixed_shapes, compile_step)
         self.new_cache = self.runner.new_cache
         self.caches: dict[GroupKey, KVCache] = {}
         self.groups: dict[GroupKey, list[Sequence]] = {}  # running sequences, in row order
@@ -104,7 +107,8 @@ class Engine:
     def place(self, cache: KVCache, seqs: list[Sequence]) -> list[Sequence]:
         """Rows for ``seqs`` in ``cache``; returns them in row order."""
         by_id = {s.seq_id: s for s in seqs}
-        order = cache.arrange(list(by_id), max(self.cache_len(s) for s in seqs))
+        length = self.runner.pool_length(max(self.cache_len(s) for s in seqs))
+        order = cache.arrange(list(by_id), length, self.runner.batch_rows(len(seqs)))
         return [by_id[i] for i in order]
 
     @torch.inference_mode()

@@ -49,15 +49,16 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     @torch.inference_mode(False)  # normal tensors: writable in and out of inference mode
-    def arrange(self, ids: list[int], length: int) -> list[int]:
+    def arrange(self, ids: list[int], length: int, rows: int = 0) -> list[int]:
         """Give every sequence id a row in [0, len(ids)), each row at least ``length`` positions
-        long; ids not listed give their rows up. Returns the ids in row order."""
+        long, the pool at least ``rows`` rows (spare rows for a fixed-shape step's padding);
+        ids not listed give their rows up. Returns the ids in row order."""
         n = len(ids)
         stay = {i: self.rows[i] for i in ids if self.rows.get(i, n) < n}
         free = iter(sorted(set(range(n)) - set(stay.values())))
         target = {**stay, **{i: next(free) for i in ids if i not in stay}}
-        if self.must_resize(n, length):
-            self.reallocate(target, n, length)
+        if self.must_resize(max(n, rows), length):
+            self.reallocate(target, max(n, rows), length)
         else:
             self.move(target)
         self.rows = target
@@ -128,6 +129,14 @@ class KVCacheView:
 
     def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
         return self.cache.read(layer, length, self.rows)
+
+    def widen(self, rows: int) -> "KVCacheView":
+        """The view ``rows`` rows long from the same start (a fixed-shape step's padding rows:
+        spare rows of the pool, ``KVCache.arrange(..., rows)``)."""
+        if self.rows.start + rows > self.cache.num_rows:
+            raise ValueError(f"the KV pool has {self.cache.num_rows} rows, a view from row "
+                             f"{self.rows.start} needs {rows}: arrange it with rows={rows}")
+        return KVCacheView(self.cache, self.rows.start, self.rows.start + rows)
 
     def k(self, layer: int) -> Tensor:
         return self.cache.k[layer][self.rows]

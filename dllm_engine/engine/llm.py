@@ -64,7 +64,8 @@ def quiet_transformers():
 class LLM:
     def __init__(self, model: str | Path, dtype: str = "float32", device: str = "cpu",
                  max_num_seqs: int = 256, keep_freed_memory: bool = False,
-                 tensor_parallel_size: int = 1, compile: bool = False) -> None:
+                 tensor_parallel_size: int = 1, compile: bool = False, fixed_shapes: bool = False,
+                 compile_step: bool = False) -> None:
         """``keep_freed_memory``: on CPU, tune this process's glibc allocator to reuse freed
         activations (faster, keeps the peak heap; process-wide: see ``engine/host_memory.py``).
 
@@ -73,14 +74,21 @@ class LLM:
         serve inside this call and exit when rank 0 calls ``close()`` (or exits).
 
         ``compile``: torch.compile the layers' norms and MLPs (``models/compiled.py``; not
-        bit-exact, off by default; one process only)."""
+        bit-exact, off by default; one process only).
+
+        ``fixed_shapes``: every step's rows, tokens and keys rounded up to a bucket (at most a
+        quarter more), with a mask and indexed K/V writes, so a CUDA graph or a static compile
+        can capture one step per shape (``engine/shapes.py``; same tokens; off by default: padding costs compute).
+        ``compile_step``: fixed shapes, and the layer stack of every step without layer hooks
+        compiled, one graph per shape (``models/compiled.compile_step``; CUDA graphs on CUDA;
+        not bit-exact; one process only)."""
         self.path = Path(model)
         self.device = parse_device(device)
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
-        check_compile(compile, tensor_parallel_size)
+        check_compile(compile, tensor_parallel_size, compile_step)
         self.parallel = None
         if tensor_parallel_size > 1 and self.device.type != "meta":
             from .parallel import TensorParallel
@@ -96,7 +104,8 @@ class LLM:
         self.generation_config = read_generation_config(self.path)
         self.token_ids = self.resolve_ids()
         runner = self.parallel.runner if self.parallel is not None else None
-        self.engine = Engine(self.model, max_num_seqs=max_num_seqs, runner=runner)
+        self.engine = Engine(self.model, max_num_seqs=max_num_seqs, runner=runner, fixed_shapes=fixed_shapes,
+                             compile_step=compile_step)
         self.counter = itertools.count()
 
     @property

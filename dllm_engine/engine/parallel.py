@@ -80,9 +80,9 @@ class LoggedKVCache(KVCache):
         super().__init__(*args)
         self.log, self.cache_id = log, cache_id
 
-    def arrange(self, ids: list[int], length: int) -> list[int]:
-        self.log.append(("arrange", self.cache_id, list(ids), length))
-        return super().arrange(ids, length)
+    def arrange(self, ids: list[int], length: int, rows: int = 0) -> list[int]:
+        self.log.append(("arrange", self.cache_id, list(ids), length, rows))
+        return super().arrange(ids, length, rows)
 
 
 class ParallelRunner(Runner):

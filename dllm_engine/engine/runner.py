@@ -12,6 +12,7 @@ from ..models.context import ForwardContext, LayerHooks
 from ..models.layers import DiffusionLM
 from .kv_cache import KVCache
 from .sequence import Sequence
+from .shapes import bucket, pad_to
 
 
 def pad_stack(rows: list[Tensor], value: int) -> Tensor:
@@ -32,13 +33,36 @@ class StepInputs:
     lengths: list[int]  # live tokens per row
     logit_slots: Tensor  # [B, N] cache slots whose logits the step wants
     slot_span: tuple[int, int] | None = None  # every row writes slots [lo, hi) in order, no padding
+    fixed_shapes: bool = False  # B, T, S bucketed, mask always, no packing (``engine/shapes.py``)
 
 
 class Runner:
-    def __init__(self, model: DiffusionLM) -> None:
+    def __init__(self, model: DiffusionLM, fixed_shapes: bool = False) -> None:
+        """``fixed_shapes``: bucketed step shapes a captured step can replay (``engine/shapes.py``)."""
         self.model = model
         self.shift = model.config.logit_shift
         self.num_layers = model.config.num_layers
+        self.fixed_shapes = fixed_shapes
+        self.step_forward = None  # the layer stack fixed-shape steps run (None: the model's own)
+        self.compiled_step = None  # made once (``compile_step``): its graphs outlive a toggle
+
+    def set_step_shapes(self, fixed_shapes: bool, compile_step: bool = False) -> None:
+        """Dynamic steps, fixed-shape steps, or fixed-shape steps through the compiled layer
+        stack (``models/compiled.compile_step``). Between generate calls: a pool gets the spare
+        rows of fixed-shape steps when its sequences are admitted."""
+        self.fixed_shapes = fixed_shapes or compile_step
+        if compile_step and self.compiled_step is None:
+            from ..models.compiled import compile_step as compiled
+            self.compiled_step = compiled(self.model)
+        self.step_forward = self.compiled_step if compile_step else None
+
+    def batch_rows(self, num_seqs: int) -> int:
+        """Rows of a forward over ``num_seqs`` sequences (its KV view must have as many)."""
+        return bucket(num_seqs) if self.fixed_shapes else num_seqs
+
+    def pool_length(self, positions: int) -> int:
+        """Positions a KV pool row needs for sequences of ``positions`` cache positions."""
+        return bucket(positions) if self.fixed_shapes else positions
 
     def new_cache(self) -> KVCache:
         """An empty KV pool for this process's KV heads."""
@@ -49,49 +73,76 @@ class Runner:
                 hooks: LayerHooks | None = None) -> list[tuple[Tensor, Tensor]]:
         """One batched forward. Returns per sequence (positions [n], logits [n, V]) for the
         planned logit positions that are still live at the last layer (a strategy may evict).
-        Everything the layer loop needs is derived here, once (see ``ForwardContext``)."""
+        Everything the layer loop needs is derived here, once (see ``ForwardContext``).
+        With ``fixed_shapes`` a forward without layer hooks runs bucketed on ``cache`` widened
+        to its padded rows (the pool keeps them spare); hooks that shrink the token set build
+        their tensors for the step's own shapes, so such a forward stays dynamic."""
         plans = [p.finalize(s, self.shift) for s, p in zip(seqs, plans)]
-        step = self.inputs(plans)
+        fixed = self.fixed_shapes and hooks is None
+        rows = bucket(len(plans)) if fixed else len(plans)
+        if rows > len(plans):
+            cache = cache.widen(rows)
+        step = self.inputs(plans, rows, fixed)
         ctx = self.context(step, cache, hooks)
         flat, counts, logits = self.run(step, ctx)
         self.account(seqs, ctx)
         positions = pad_stack([p.logit_positions for p in plans], 0).reshape(-1)[flat]
-        return list(zip(positions.split(counts), logits.split(counts)))
+        return list(zip(positions.split(counts), logits.split(counts)))[: len(seqs)]  # not padding rows
 
-    def inputs(self, plans: list[StepPlan]) -> StepInputs:
+    def inputs(self, plans: list[StepPlan], rows: int | None = None, fixed: bool = False) -> StepInputs:
+        """The step's tensors: [B, T] from the plans, or ``fixed`` [rows, bucket(T)] (padding
+        rows and tokens: position 0, slot 0, invalid)."""
         lengths = [len(p) for p in plans]
-        positions = pad_stack([p.positions for p in plans], 0)
+        rows = rows or len(plans)
+        width = bucket(max(lengths)) if fixed else max(lengths)
+
+        def stack(parts: list[Tensor], value: int) -> Tensor:
+            x = pad_stack(parts, value)
+            return pad_to(x, rows, width, value) if fixed else x
+
+        positions = stack([p.positions for p in plans], 0)
         dev = positions.device
-        valid = torch.arange(positions.shape[1], device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
-        slots = pad_stack([p.slots for p in plans], 0)
-        num_keys, mask, span = self.attention_keys(plans, pad_stack([p.key_limit for p in plans], 1), valid,
-                                                   slots if min(lengths) == slots.shape[1] else None)
-        return StepInputs(pad_stack([p.token_ids for p in plans], 0), positions, valid, mask, num_keys,
-                          slots, lengths, pad_stack([p.logit_slots for p in plans], num_keys), span)
+        lengths += [0] * (rows - len(plans))
+        valid = torch.arange(width, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
+        slots = stack([p.slots for p in plans], 0)
+        whole = not fixed and min(lengths) == width  # no row padded: the write may be a slice
+        num_keys, mask, span = self.attention_keys(plans, stack([p.key_limit for p in plans], 1), valid,
+                                                   slots if whole else None, fixed)
+        logit_slots = pad_stack([p.logit_slots for p in plans], num_keys)
+        if fixed:
+            logit_slots = pad_to(logit_slots, rows, logit_slots.shape[1], num_keys)
+        return StepInputs(stack([p.token_ids for p in plans], 0), positions, valid, mask, num_keys,
+                          slots, lengths, logit_slots, span, fixed)
 
     def context(self, step: StepInputs, cache, hooks: LayerHooks | None) -> ForwardContext:
+        """Without hooks no layer changes the token set, so ``account`` counts the work from
+        the row lengths and the layer loop keeps no per-layer tally (``processed`` None)."""
         return ForwardContext(positions=step.positions, token_valid=step.valid, attn_mask=step.mask,
                               key_length=step.num_keys, cache=cache, hooks=hooks,
-                              processed=[0.0] * len(step.lengths), row_lengths=step.lengths,
+                              processed=None if hooks is None else [0.0] * len(step.lengths),
+                              row_lengths=step.lengths,
                               slots=step.slots, slot_span=step.slot_span, shard=self.model.shard,
+                              fixed_shapes=step.fixed_shapes,
                               position_bound=step.num_keys)  # a query sees its own key: position < S
 
     def run(self, step: StepInputs, ctx: ForwardContext) -> tuple[Tensor, list[int], Tensor]:
         """The forward and the LM head over the wanted live tokens: (flat index of each logits
         row into [B, N] of ``step.logit_slots``, rows per sequence, logits)."""
-        hidden = self.model.forward_context(step.token_ids, ctx)
+        forward = self.step_forward if step.fixed_shapes and ctx.hooks is None else None
+        hidden = (forward or self.model.forward_context)(step.token_ids, ctx)
         return self.logits(step.logit_slots, hidden, ctx)
 
     @staticmethod
-    def attention_keys(plans: list[StepPlan], limit: Tensor, valid: Tensor, slots: Tensor | None = None
-                       ) -> tuple[int, Tensor | None, tuple[int, int] | None]:
+    def attention_keys(plans: list[StepPlan], limit: Tensor, valid: Tensor, slots: Tensor | None = None,
+                       fixed: bool = False) -> tuple[int, Tensor | None, tuple[int, int] | None]:
         """(S, mask [B, 1, T, S] or None, span): how many cache positions the step reads and
         which of them each query sees; None when every live query sees all S (SDPA runs
         maskless). An explicit key mask of a plan (copies isolated from each other) wins over
         its limits. ``slots`` (given when no row is padded): span = (lo, lo + T) when every row
         writes the cache slots [lo, lo + T) in order (``KVCache.write`` copies a slice), else
-        None. One host read per step."""
-        explicit = torch.tensor([p.key_mask is not None for p in plans], device=limit.device)
+        None. ``fixed``: S rounded up to its ``bucket`` and always a mask. One host read per step."""
+        explicit = torch.tensor([p.key_mask is not None for p in plans] + [False] * (limit.shape[0] - len(plans)),
+                                device=limit.device)
         limit = limit.masked_fill(explicit[:, None], 0)
         top = limit.max()
         facts = [top, torch.where(valid, limit, top).min()]
@@ -102,7 +153,9 @@ class Runner:
         span = (span[1], span[1] + slots.shape[1]) if span and span[0] else None
         widths = [p.key_mask.shape[1] for p in plans if p.key_mask is not None]
         num_keys = max([hi, *widths])
-        if not widths and lo >= hi:
+        if fixed:
+            num_keys = bucket(num_keys)
+        elif not widths and lo >= hi:
             return num_keys, None, span
         keys = torch.arange(num_keys, device=limit.device)
         mask = keys[None, None, :] < limit[:, :, None]  # [B, T, S]
@@ -113,7 +166,8 @@ class Runner:
 
     def account(self, seqs: list[Sequence], ctx: ForwardContext) -> None:
         """nfe, processed_tokens (layer-averaged), and the prompt's first pass as prefill."""
-        for seq, work in zip(seqs, ctx.processed):
+        processed = ctx.processed or [n * self.num_layers for n in ctx.row_lengths]
+        for seq, work in zip(seqs, processed):
             work /= self.num_layers
             seq.stats.nfe += 1
             if not seq.prefilled:

@@ -66,12 +66,31 @@ def compiled_forward(module: nn.Module):
     return None
 
 
-def check_compile(compile: bool, tensor_parallel_size: int) -> None:
+def check_compile(compile: bool, tensor_parallel_size: int, compile_step: bool = False) -> None:
     """Refuse compiling a tensor-parallel model, before anything loads: the compiled MLP calls
-    its weights directly and would skip the row-parallel all-reduce."""
-    if compile and tensor_parallel_size > 1:
-        raise ValueError("compile is for one process (the compiled MLP would skip the "
-                         "tensor-parallel all-reduce); drop it or use tensor_parallel_size 1")
+    its weights directly and would skip the row-parallel all-reduce, and a compiled step would
+    trace the ranks' collectives, which no test covers."""
+    for name, on in (("compile", compile), ("compile_step", compile_step)):
+        if on and tensor_parallel_size > 1:
+            raise ValueError(f"{name} is for one process (a compiled layer would skip or trace the "
+                             "tensor-parallel all-reduce); drop it or use tensor_parallel_size 1")
+
+
+STEP_GRAPHS = 64  # compiled step graphs kept per process: one per (rows, tokens, keys) bucket
+
+
+def compile_step(model: DiffusionLM):
+    """``LLM(..., compile_step=True)`` / ``--compile-step``: the whole layer stack
+    (``forward_context``: embedding, every layer with its attention, K/V writes and reads,
+    final norm) compiled without dynamic shapes, for fixed-shape steps only
+    (``engine/shapes.py``): one graph per shape bucket, each compiled on its first step (tens
+    of seconds on a CPU), then replayed. On CUDA with ``mode="reduce-overhead"``, i.e. captured
+    as a CUDA graph; on a CPU inductor's C++ kernels. Not bit-exact (as ``compile_model``)."""
+    import torch._dynamo
+    # dynamo keeps a bounded number of graphs per function; a run needs one per bucket
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, STEP_GRAPHS)
+    cuda = next(model.parameters()).device.type == "cuda"
+    return torch.compile(model.forward_context, dynamic=False, mode="reduce-overhead" if cuda else None)
 
 
 def compile_model(model: DiffusionLM) -> None:

@@ -82,6 +82,7 @@ class ForwardContext:
     derived: dict = field(default_factory=dict, repr=False)  # facts of the live set; shrink clears it
     shard: object | None = None  # parallel.Shard of a tensor-parallel model; None in one process
     position_bound: int | None = None  # every position is below it (host); None: read once (RoPE)
+    fixed_shapes: bool = False  # never pack or split rows (a fixed-shape step: engine/shapes.py)
 
     def __post_init__(self) -> None:
         if self.token_index is None:
@@ -147,6 +148,8 @@ class ForwardContext:
         """Flat index of the live tokens when row padding is a large share of [B, T] (ragged
         batches: a row at its block's first step beside rows computing one block; tokens evicted
         or skipped in some rows only), else None (dense is cheaper)."""
+        if self.fixed_shapes:
+            return None
         if "live" not in self.derived:
             total = sum(self.live_counts())
             sparse = total < PACK_BELOW * self.token_valid.numel()
@@ -159,7 +162,7 @@ class ForwardContext:
         """``row_groups`` of the live set, computed once per set for every layer's attention
         (only when the live tokens are known to be left-packed)."""
         if "rows" not in self.derived:
-            self.derived["rows"] = None if self.row_lengths is None else row_groups(
+            self.derived["rows"] = None if self.fixed_shapes or self.row_lengths is None else row_groups(
                 self.row_lengths, self.token_valid.shape[1], self.positions.device)
         return self.derived["rows"]
 
