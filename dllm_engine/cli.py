@@ -414,7 +414,8 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // scaling.most)
     replica = ReplicaOptions(model, args.dtype, args.device, args.max_num_seqs, args.max_queue,
-                             threads, args.shutdown_timeout, args.keep_freed_memory)
+                             threads, args.shutdown_timeout, args.keep_freed_memory, args.compile,
+                             args.fixed_shapes, args.compile_step)
     defaults = sampling_params(args)
     LLM(model, dtype=args.dtype, device="meta").resolve(defaults)  # reads no weights; refuses a bad default
     run_replicated(replica, scaling, defaults, args.served_model_name, args.host, args.port, args.ray_address)

@@ -1,5 +1,6 @@
-"""``dllm serve --replicas``: two Ray Serve replicas of tiny-llada (one thread each) behind the
-same HTTP app as the single-process server, on ONE local Ray cluster started for this module.
+"""``dllm serve --replicas``: two Ray Serve replicas of tiny-llada (one thread each, fixed-shape
+steps) behind the same HTTP app as the single-process server, on ONE local Ray cluster started
+for this module.
 
 Every wait is bounded (client timeouts, deadlines on polls)."""
 import asyncio
@@ -44,8 +45,10 @@ def cluster():
         port = s.getsockname()[1]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
+        # the replicas run fixed-shape steps (``--fixed-shapes`` reaches them); the offline
+        # engine they are compared with runs dynamic ones: the tokens must still be the same
         replica = ReplicaOptions(str(MODEL), max_num_seqs=MAX_NUM_SEQS, max_queue=MAX_QUEUE, threads=1,
-                                 shutdown_timeout=5)
+                                 shutdown_timeout=5, fixed_shapes=True)
         board = deploy(replica, Scaling(replicas=2), DEFAULTS, port=port)
         yield f"http://127.0.0.1:{port}", board
     finally:

@@ -65,6 +65,9 @@ class ReplicaOptions:
     threads: int = 1  # torch CPU threads per replica
     shutdown_timeout: float = 30.0
     keep_freed_memory: bool = True  # CPU allocator tuning of the replica process (--no-keep-freed-memory)
+    compile: bool = False  # --compile, --fixed-shapes, --compile-step: as LLM's options
+    fixed_shapes: bool = False
+    compile_step: bool = False
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -145,7 +148,9 @@ class EngineReplica:
             torch.set_num_threads(options.threads)
         self.board = board
         self.llm = LLM(options.model, dtype=options.dtype, device=options.device,
-                       max_num_seqs=options.max_num_seqs, keep_freed_memory=options.keep_freed_memory)
+                       max_num_seqs=options.max_num_seqs, keep_freed_memory=options.keep_freed_memory,
+                       compile=options.compile, fixed_shapes=options.fixed_shapes,
+                       compile_step=options.compile_step)
         self.metrics = Metrics()
         self.engine = InProcessEngine(self.llm, options.max_queue, self.metrics)
         self.engine.start()
