@@ -12,7 +12,7 @@ from dllm_engine.bench.profile import ShapeLog
 from dllm_engine.engine.kv_cache import KVCache
 from dllm_engine.engine.shapes import bucket, pad_to
 from dllm_engine.models.compiled import check_compile
-from fixtures import write_checkpoint
+from fixtures import write_checkpoint, write_llada2_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16], [20, 21, 22, 23, 24, 25, 26]]
 FULL = ["reference", "prefix-cache", "dual-cache", "dual-cache+focus", "dual-cache+early-skip",
@@ -95,9 +95,11 @@ def test_a_view_wider_than_its_pool_is_refused():
         cache.view(1, 4).widen(4)
 
 
-def test_compile_step_is_for_one_process():
+def test_compile_step_is_for_one_process_and_dense_layers(tmp_path):
     with pytest.raises(ValueError, match="compile_step is for one process"):
         check_compile(False, 2, compile_step=True)
+    with pytest.raises(ValueError, match="compile_step cannot capture MoE layers .* use fixed_shapes without"):
+        LLM(write_llada2_checkpoint(tmp_path), compile_step=True)
 
 
 def test_compiled_step_gives_eager_tokens_and_reuses_its_graphs(llms):

@@ -85,7 +85,12 @@ def compile_step(model: DiffusionLM):
     final norm) compiled without dynamic shapes, for fixed-shape steps only
     (``engine/shapes.py``): one graph per shape bucket, each compiled on its first step (tens
     of seconds on a CPU), then replayed. On CUDA with ``mode="reduce-overhead"``, i.e. captured
-    as a CUDA graph; on a CPU inductor's C++ kernels. Not bit-exact (as ``compile_model``)."""
+    as a CUDA graph; on a CPU inductor's C++ kernels. Not bit-exact (as ``compile_model``).
+    Refused for MoE models: their dispatch sizes each expert's matmul by its token count, a
+    host read that would send the whole stack back to eager."""
+    if model.config.moe is not None:
+        raise ValueError("compile_step cannot capture MoE layers (each expert's matmul is sized by "
+                         "its token count, read from the device); use fixed_shapes without compile_step")
     import torch._dynamo
     # dynamo keeps a bounded number of graphs per function; a run needs one per bucket
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, STEP_GRAPHS)
