@@ -1,10 +1,12 @@
 """ODB-dLLM adaptive length prediction (strategies/adaptive_length.py)."""
+import dataclasses
+
 import pytest
 import torch
 
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.engine.sequence import Sequence, TokenIds
-from dllm_engine.strategies.adaptive_length import AdaptiveLength, cut_length
+from dllm_engine.strategies.adaptive_length import NO_STOP, AdaptiveLength, cut_at, cut_length, first_stops
 from fixtures import random_model, write_checkpoint
 
 PROMPTS = [[42, 13, 14, 15, 16, 17, 18], [20, 21, 22], [30, 31, 32, 33, 34]]
@@ -71,6 +73,26 @@ def test_never_cuts_at_or_before_a_committed_non_eos_token():
     # committed EOS tokens do not hold the cut back
     seq.canvas[12] = 3
     assert cut_length(seq, *predictions_at(seq, {8: (3, 0.99)})) == 11
+
+
+def test_the_batched_rule_is_cut_length_for_every_row():
+    """``first_stops`` + ``cut_at`` over rows with their own tau, min_length and stop ids, in one
+    pass, decide what ``cut_length`` decides for each row alone."""
+    cases = [(make_seq(), {8: (3, 0.95), 12: (3, 0.99)}), (make_seq(), {5: (9, 0.91), 12: (3, 0.99)}),
+             (make_seq(), {8: (3, 0.85)}), (make_seq(), {}), (make_seq(), {16: (3, 0.99)}),
+             (make_seq(eos_threshold=1.01), {4: (3, 1.0)}), (make_seq(min_length=6), {4: (3, 0.99), 9: (3, 0.99)}),
+             (make_seq(eos_threshold=0.8), {8: (3, 0.85)})]
+    other = dataclasses.replace(IDS, stop_ids=frozenset({3, 7}))  # its own stop id 7, not 9
+    cases.append((Sequence(1, [10, 11, 12], cases[0][0].params, other), {5: (9, 0.99), 9: (7, 0.99)}))
+    seqs = [seq for seq, _ in cases]
+    preds = [predictions_at(seq, hits) for seq, hits in cases]
+    counts = [p[0].numel() for p in preds]
+    owner = torch.cat([torch.full((n,), j) for j, n in enumerate(counts)])
+    positions, tokens, conf = (torch.cat(parts) for parts in zip(*preds))
+    firsts = first_stops(seqs, list(range(len(seqs))), positions, tokens, conf, owner, counts).tolist()
+    expected = [cut_length(seq, *p) for seq, p in zip(seqs, preds)]
+    assert [None if f == NO_STOP else cut_at(seq, f) for seq, f in zip(seqs, firsts)] == expected
+    assert expected == [11, 7, None, None, None, None, 11, 11, 11]
 
 
 def test_after_forward_inspects_everything_but_commits_only_the_block():

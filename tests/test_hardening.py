@@ -202,11 +202,11 @@ def test_a_call_that_raises_mid_step_leaves_the_engine_usable(llms, monkeypatch)
     llm = llms["llada"]
     want = llm.generate(PROMPTS, SamplingParams(method="dual-cache", **OPTIONS))
 
-    def boom(self, seq, positions, logits):
+    def boom(self, seqs, outputs):
         raise RuntimeError("boom")
 
     with monkeypatch.context() as m:
-        m.setattr(AdaptiveLength, "after_forward", boom)
+        m.setattr(AdaptiveLength, "after_forward_rows", boom)
         with pytest.raises(RuntimeError, match="boom"):
             llm.generate(PROMPTS * 3, SamplingParams(method="dual-cache+adaptive-length", **OPTIONS))
     assert llm.engine.running == [] and not llm.engine.waiting

@@ -70,26 +70,77 @@ class AdaptiveLength(Strategy):
         half = torch.cat([plan.logit_positions[:n], extra])
         plan.logit_positions = torch.cat([half, half])
 
-    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
-                      ) -> tuple[Tensor, Tensor] | None:
-        """Inspect every predicted slot, cut the canvas if a stop token is confident, and hand
-        only the originally planned (block) positions on to the commit rule."""
-        commit_positions = seq.strategy_state[KEY]["commit_positions"]
-        if commit_positions is None:
-            return positions, logits
-        tokens, conf = predictions(logits, seq.ids.mask_id)
-        new_len = cut_length(seq, positions, tokens, conf)
+    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+        return self.after_forward_rows([seq], [(positions, logits)])[0]
+
+    def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
+                           ) -> list[tuple[Tensor, Tensor]]:
+        """Inspect every predicted slot of the sequences at a block's first step, cut a canvas
+        where a stop token is confident, and hand only the originally planned (block)
+        positions on to the commit rule. Batched over the forward group: one host read (each
+        row's first confident stop and how many of its outputs are commit positions)."""
+        rows = [i for i, s in enumerate(seqs) if s.strategy_state[KEY]["commit_positions"] is not None]
+        if not rows:
+            return outputs
+        positions = torch.cat([outputs[i][0] for i in rows])  # [N], the rows one after another
+        logits = torch.cat([outputs[i][1] for i in rows])  # [N, V]
+        counts = [outputs[i][0].numel() for i in rows]
+        owner = torch.cat([torch.full((n,), j, device=positions.device) for j, n in enumerate(counts)])
+        mask_ids = torch.tensor([seqs[i].ids.mask_id for i in rows], device=positions.device)
+        tokens, conf = predictions(logits, mask_ids[owner])
+        stop = first_stops(seqs, rows, positions, tokens, conf, owner, counts)
+        is_commit = torch.cat([torch.isin(pos, seqs[i].strategy_state[KEY]["commit_positions"])
+                               for i, pos in zip(rows, positions.split(counts))])
+        kept = torch.zeros(len(rows), dtype=torch.long, device=positions.device).index_add_(0, owner, is_commit.long())
+        firsts, kept = torch.stack([stop, kept]).tolist()
+        for i, first in zip(rows, firsts):
+            self.cut(seqs[i], first)
+        index = torch.nonzero_static(is_commit, size=sum(kept))[:, 0]
+        out = list(outputs)
+        for i, pos, lg in zip(rows, positions[index].split(kept), logits[index].split(kept)):
+            out[i] = (pos, lg)
+        return out
+
+    @staticmethod
+    def cut(seq: Sequence, first: int) -> None:
+        """Cut ``seq``'s canvas after the block of its first confident stop (``NO_STOP``: none)."""
+        if first == NO_STOP:
+            return
+        new_len = cut_at(seq, first)
         if new_len is not None:
             seq.truncate(new_len)
             seq.strategy_state[KEY]["cuts"].append(new_len - seq.prompt_len)
-        keep = torch.isin(positions, commit_positions)
-        return positions[keep], logits[keep]
 
 
-def predictions(logits: Tensor, mask_id: int) -> tuple[Tensor, Tensor]:
-    """Argmax token [N] (a mask is never a prediction) and its softmax probability [N]."""
+NO_STOP = 1 << 62  # a row's first stop position when it has none
+
+
+def first_stops(seqs: list[Sequence], rows: list[int], positions: Tensor, tokens: Tensor, conf: Tensor,
+                owner: Tensor, counts: list[int]) -> Tensor:
+    """[R]: per inspected row (``seqs[i]`` for i in ``rows``, whose ``counts`` candidates follow
+    one another; ``owner`` maps each candidate to its row) the first position predicting a stop
+    token with confidence >= its ``eos_threshold``, at or after ``prompt_len + min_length``;
+    ``NO_STOP`` where none: ``cut_length``'s rule for every row at once."""
+    dev = positions.device
+    if len({frozenset(seqs[i].ids.stop_ids) for i in rows}) == 1:
+        stop = torch.isin(tokens, seqs[rows[0]].stop_tensor())
+    else:  # requests with their own stop ids
+        stop = torch.cat([torch.isin(t, seqs[i].stop_tensor()) for i, t in zip(rows, tokens.split(counts))])
+    threshold = torch.tensor([seqs[i].params.eos_threshold for i in rows], dtype=conf.dtype, device=dev)
+    lowest = torch.tensor([seqs[i].prompt_len + seqs[i].params.min_length for i in rows], device=dev)
+    stop &= (conf >= threshold[owner]) & (positions >= lowest[owner])
+    first = torch.full((len(rows),), NO_STOP, dtype=torch.long, device=dev)
+    return first.scatter_reduce(0, owner, torch.where(stop, positions, NO_STOP), "amin")
+
+
+def predictions(logits: Tensor, mask_id: int | Tensor) -> tuple[Tensor, Tensor]:
+    """Argmax token [N] (a mask is never a prediction) and its softmax probability [N];
+    ``mask_id``: one id, or one per row [N]."""
     logits = logits.float().clone()
-    logits[:, mask_id] = -float("inf")
+    if isinstance(mask_id, Tensor):
+        logits.scatter_(1, mask_id[:, None], -float("inf"))
+    else:
+        logits[:, mask_id] = -float("inf")
     probs = torch.softmax(logits, dim=-1)
     conf, tokens = probs.max(dim=-1)
     return tokens, conf
@@ -103,7 +154,12 @@ def cut_length(seq: Sequence, positions: Tensor, tokens: Tensor, conf: Tensor) -
     stop &= positions >= seq.prompt_len + p.min_length
     if not bool(stop.any()):
         return None
-    first = int(positions[stop].min())
+    return cut_at(seq, int(positions[stop].min()))
+
+
+def cut_at(seq: Sequence, first: int) -> int | None:
+    """New canvas length for a first confident stop at ``first``: the end of its block, never
+    removing a committed non-stop token; None when that is the whole canvas."""
     end = next(e for s, e in seq.blocks if s <= first < e)
     end = max(end, last_kept_end(seq))
     return end if end < seq.canvas_len else None
