@@ -129,7 +129,7 @@ class Runner:
         """The forward and the LM head over the wanted live tokens: (flat index of each logits
         row into [B, N] of ``step.logit_slots``, rows per sequence, logits)."""
         forward = self.step_forward if step.fixed_shapes and ctx.hooks is None else None
-        hidden = (forward or self.model.forward_context)(step.token_ids, ctx)
+        hidden = (forward or self.model.forward_layers)(step.token_ids, self.model.prepare_context(ctx))
         return self.logits(step.logit_slots, hidden, ctx)
 
     @staticmethod

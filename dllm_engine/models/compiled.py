@@ -81,8 +81,8 @@ STEP_GRAPHS = 64  # compiled step graphs kept per process: one per (rows, tokens
 
 def compile_step(model: DiffusionLM):
     """``LLM(..., compile_step=True)`` / ``--compile-step``: the whole layer stack
-    (``forward_context``: embedding, every layer with its attention, K/V writes and reads,
-    final norm) compiled without dynamic shapes, for fixed-shape steps only
+    (``forward_layers``: embedding, every layer with its attention, K/V writes and reads,
+    final norm; RoPE's lookup stays outside) compiled without dynamic shapes, for fixed-shape steps only
     (``engine/shapes.py``): one graph per shape bucket, each compiled on its first step (tens
     of seconds on a CPU), then replayed. On CUDA with ``mode="reduce-overhead"``, i.e. captured
     as a CUDA graph; on a CPU inductor's C++ kernels. Not bit-exact (as ``compile_model``).
@@ -95,7 +95,7 @@ def compile_step(model: DiffusionLM):
     # dynamo keeps a bounded number of graphs per function; a run needs one per bucket
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, STEP_GRAPHS)
     cuda = next(model.parameters()).device.type == "cuda"
-    return torch.compile(model.forward_context, dynamic=False, mode="reduce-overhead" if cuda else None)
+    return torch.compile(model.forward_layers, dynamic=False, mode="reduce-overhead" if cuda else None)
 
 
 def compile_model(model: DiffusionLM) -> None:

@@ -347,8 +347,16 @@ class DiffusionLM(nn.Module):
     def forward_context(self, input_ids: Tensor, ctx: ForwardContext) -> Tensor:
         """Final normed hidden states [B, T', d] of the tokens still live at the end
         (``ctx.token_index`` says which); call ``logits`` on what you need."""
+        return self.forward_layers(input_ids, self.prepare_context(ctx))
+
+    def prepare_context(self, ctx: ForwardContext) -> ForwardContext:
+        """RoPE's cos/sin of the step's positions (from the table, which grows) and the live
+        set's facts: outside ``forward_layers``, so a compiled stack never sees the table."""
         ctx.cos, ctx.sin = self.rotary.lookup(ctx.positions, ctx.position_bound)
-        ctx.prepare()
+        return ctx.prepare()
+
+    def forward_layers(self, input_ids: Tensor, ctx: ForwardContext) -> Tensor:
+        """``forward_context`` on a prepared context: embedding, the layer loop, final norm."""
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx)
