@@ -95,6 +95,17 @@ def test_a_view_wider_than_its_pool_is_refused():
         cache.view(1, 4).widen(4)
 
 
+def test_a_static_pool_marks_its_storage_for_cuda_graphs():
+    """A compiled step on CUDA uses static pools (the runner asks for them there only): every
+    tensor they allocate, also after growing, is an unguarded static address."""
+    cache = KVCache(2, 1, 4, torch.float32, "cpu", static=True)
+    cache.arrange([1, 2], 8)
+    cache.arrange([1, 2, 3], 32, rows=4)
+    assert cache.num_rows == 4 and cache.capacity == 32
+    assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in cache.k + cache.v)
+    assert not hasattr(KVCache(1, 1, 4, torch.float32, "cpu").k[0], "_dynamo_static_input_type")
+
+
 def test_compile_step_is_for_one_process_and_dense_layers(tmp_path):
     with pytest.raises(ValueError, match="compile_step is for one process"):
         check_compile(False, 2, compile_step=True)

@@ -23,17 +23,22 @@ SHRINK_AT = 2  # reallocate smaller once the pool is this many times larger than
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, static: bool = False) -> None:
+        """``static``: mark the storage as static addresses for ``torch.compile`` (a compiled
+        step on CUDA: CUDA graphs then replay the steps that write it in place)."""
         self.shape = (num_kv_heads, head_dim)
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.static = dtype, device, static
         self.k: list[Tensor] = [self.empty(0, 0) for _ in range(num_layers)]
         self.v: list[Tensor] = [self.empty(0, 0) for _ in range(num_layers)]
         self.rows: dict[int, int] = {}  # sequence id -> row
 
     def empty(self, rows: int, length: int) -> Tensor:
         """Zeroed storage for ``rows`` rows of ``length`` positions (+ the padding sink)."""
-        return torch.zeros(rows, self.shape[0], length + 1, self.shape[1], dtype=self.dtype,
-                           device=self.device)
+        t = torch.zeros(rows, self.shape[0], length + 1, self.shape[1], dtype=self.dtype, device=self.device)
+        if self.static:  # unguarded: a reallocated pool is re-recorded, not recompiled
+            from torch._dynamo import mark_static_address  # only a compiled step needs dynamo
+            mark_static_address(t, guard=False)
+        return t
 
     @property
     def num_rows(self) -> int:

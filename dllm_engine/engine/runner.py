@@ -65,9 +65,12 @@ class Runner:
         return bucket(positions) if self.fixed_shapes else positions
 
     def new_cache(self) -> KVCache:
-        """An empty KV pool for this process's KV heads."""
+        """An empty KV pool for this process's KV heads (static addresses for a compiled step
+        on CUDA: CUDA graphs capture a graph that writes its inputs only if they are static)."""
         p = next(self.model.parameters())
-        return KVCache(self.num_layers, self.model.num_kv_heads, self.model.config.head_dim, p.dtype, p.device)
+        static = self.compiled_step is not None and p.device.type == "cuda"
+        return KVCache(self.num_layers, self.model.num_kv_heads, self.model.config.head_dim, p.dtype, p.device,
+                       static)
 
     def forward(self, seqs: list[Sequence], plans: list[StepPlan], cache: KVCache,
                 hooks: LayerHooks | None = None) -> list[tuple[Tensor, Tensor]]:
