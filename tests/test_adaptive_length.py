@@ -6,7 +6,7 @@ import torch
 
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.engine.sequence import Sequence, TokenIds
-from dllm_engine.strategies.adaptive_length import NO_STOP, AdaptiveLength, cut_at, cut_length, first_stops
+from dllm_engine.strategies.adaptive_length import NO_STOP, AdaptiveLength, cut_at, first_stops
 from fixtures import random_model, write_checkpoint
 
 PROMPTS = [[42, 13, 14, 15, 16, 17, 18], [20, 21, 22], [30, 31, 32, 33, 34]]
@@ -34,6 +34,30 @@ def predictions_at(seq, hits: dict[int, tuple[int, float]]):
         i = int((positions == pos).nonzero())
         tokens[i], conf[i] = tok, c
     return positions, tokens, conf
+
+
+def cut_length(seq, positions, tokens, conf):
+    """The engine's rule for one sequence: ``first_stops`` over one row, then ``cut_at``."""
+    first, = first_stops([seq], [0], positions, tokens, conf, torch.zeros_like(positions), [positions.numel()]).tolist()
+    return None if first == NO_STOP else cut_at(seq, first)
+
+
+def reference_cut(seq, positions, tokens, conf):
+    """SPEC §6 written plainly, one sequence: the end of the block holding the first confident
+    stop at or after prompt_len + min_length, never before the block of the last committed
+    non-stop token; None when nothing is cut."""
+    p = seq.params
+    stops = torch.tensor(sorted(seq.ids.stop_ids))
+    hits = [int(x) for x, t, c in zip(positions, tokens, conf)
+            if int(t) in stops.tolist() and float(c) >= p.eos_threshold and int(x) >= seq.prompt_len + p.min_length]
+    if not hits:
+        return None
+    end = next(e for s, e in seq.blocks if s <= min(hits) < e)
+    gen = seq.canvas[seq.prompt_len:].tolist()
+    kept = [seq.prompt_len + i for i, t in enumerate(gen) if t != seq.ids.mask_id and t not in stops.tolist()]
+    if kept:
+        end = max(end, next(e for s, e in seq.blocks if s <= max(kept) < e))
+    return end if end < seq.canvas_len else None
 
 
 def test_cut_at_the_block_boundary_after_the_first_confident_stop():
@@ -77,7 +101,7 @@ def test_never_cuts_at_or_before_a_committed_non_eos_token():
 
 def test_the_batched_rule_is_cut_length_for_every_row():
     """``first_stops`` + ``cut_at`` over rows with their own tau, min_length and stop ids, in one
-    pass, decide what ``cut_length`` decides for each row alone."""
+    pass, decide what the plain rule (``reference_cut``) decides for each row alone."""
     cases = [(make_seq(), {8: (3, 0.95), 12: (3, 0.99)}), (make_seq(), {5: (9, 0.91), 12: (3, 0.99)}),
              (make_seq(), {8: (3, 0.85)}), (make_seq(), {}), (make_seq(), {16: (3, 0.99)}),
              (make_seq(eos_threshold=1.01), {4: (3, 1.0)}), (make_seq(min_length=6), {4: (3, 0.99), 9: (3, 0.99)}),
@@ -90,7 +114,7 @@ def test_the_batched_rule_is_cut_length_for_every_row():
     owner = torch.cat([torch.full((n,), j) for j, n in enumerate(counts)])
     positions, tokens, conf = (torch.cat(parts) for parts in zip(*preds))
     firsts = first_stops(seqs, list(range(len(seqs))), positions, tokens, conf, owner, counts).tolist()
-    expected = [cut_length(seq, *p) for seq, p in zip(seqs, preds)]
+    expected = [reference_cut(seq, *p) for seq, p in zip(seqs, preds)]
     assert [None if f == NO_STOP else cut_at(seq, f) for seq, f in zip(seqs, firsts)] == expected
     assert expected == [11, 7, None, None, None, None, 11, 11, 11]
 

@@ -37,12 +37,11 @@ class StepInputs:
 
 
 class Runner:
-    def __init__(self, model: DiffusionLM, fixed_shapes: bool = False) -> None:
-        """``fixed_shapes``: bucketed step shapes a captured step can replay (``engine/shapes.py``)."""
+    def __init__(self, model: DiffusionLM) -> None:
         self.model = model
         self.shift = model.config.logit_shift
         self.num_layers = model.config.num_layers
-        self.fixed_shapes = fixed_shapes
+        self.fixed_shapes = False  # bucketed step shapes (``set_step_shapes``, ``engine/shapes.py``)
         self.step_forward = None  # the layer stack fixed-shape steps run (None: the model's own)
         self.compiled_step = None  # made once (``compile_step``): its graphs outlive a toggle
 
@@ -82,7 +81,7 @@ class Runner:
         their tensors for the step's own shapes, so such a forward stays dynamic."""
         plans = [p.finalize(s, self.shift) for s, p in zip(seqs, plans)]
         fixed = self.fixed_shapes and hooks is None
-        rows = bucket(len(plans)) if fixed else len(plans)
+        rows = self.batch_rows(len(plans)) if fixed else len(plans)
         if rows > len(plans):
             cache = cache.widen(rows)
         step = self.inputs(plans, rows, fixed)
@@ -131,7 +130,7 @@ class Runner:
     def run(self, step: StepInputs, ctx: ForwardContext) -> tuple[Tensor, list[int], Tensor]:
         """The forward and the LM head over the wanted live tokens: (flat index of each logits
         row into [B, N] of ``step.logit_slots``, rows per sequence, logits)."""
-        forward = self.step_forward if step.fixed_shapes and ctx.hooks is None else None
+        forward = self.step_forward if step.fixed_shapes else None  # fixed: no hooks (``forward``)
         hidden = (forward or self.model.forward_layers)(step.token_ids, self.model.prepare_context(ctx))
         return self.logits(step.logit_slots, hidden, ctx)
 

@@ -120,7 +120,7 @@ def first_stops(seqs: list[Sequence], rows: list[int], positions: Tensor, tokens
     """[R]: per inspected row (``seqs[i]`` for i in ``rows``, whose ``counts`` candidates follow
     one another; ``owner`` maps each candidate to its row) the first position predicting a stop
     token with confidence >= its ``eos_threshold``, at or after ``prompt_len + min_length``;
-    ``NO_STOP`` where none: ``cut_length``'s rule for every row at once."""
+    ``NO_STOP`` where none (SPEC §6's rule, for every row at once)."""
     dev = positions.device
     if len({frozenset(seqs[i].ids.stop_ids) for i in rows}) == 1:
         stop = torch.isin(tokens, seqs[rows[0]].stop_tensor())
@@ -133,28 +133,14 @@ def first_stops(seqs: list[Sequence], rows: list[int], positions: Tensor, tokens
     return first.scatter_reduce(0, owner, torch.where(stop, positions, NO_STOP), "amin")
 
 
-def predictions(logits: Tensor, mask_id: int | Tensor) -> tuple[Tensor, Tensor]:
-    """Argmax token [N] (a mask is never a prediction) and its softmax probability [N];
-    ``mask_id``: one id, or one per row [N]."""
+def predictions(logits: Tensor, mask_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Argmax token [N] (a mask is never a prediction; ``mask_ids`` [N]: each row's) and its
+    softmax probability [N]."""
     logits = logits.float().clone()
-    if isinstance(mask_id, Tensor):
-        logits.scatter_(1, mask_id[:, None], -float("inf"))
-    else:
-        logits[:, mask_id] = -float("inf")
+    logits.scatter_(1, mask_ids[:, None], -float("inf"))
     probs = torch.softmax(logits, dim=-1)
     conf, tokens = probs.max(dim=-1)
     return tokens, conf
-
-
-def cut_length(seq: Sequence, positions: Tensor, tokens: Tensor, conf: Tensor) -> int | None:
-    """New canvas length: the end of the block holding the first confident stop prediction at or
-    after ``prompt_len + min_length``, never removing a committed non-stop token. None = no cut."""
-    p = seq.params
-    stop = torch.isin(tokens, seq.stop_tensor()) & (conf >= p.eos_threshold)
-    stop &= positions >= seq.prompt_len + p.min_length
-    if not bool(stop.any()):
-        return None
-    return cut_at(seq, int(positions[stop].min()))
 
 
 def cut_at(seq: Sequence, first: int) -> int | None:
