@@ -1,10 +1,12 @@
 """The chain probe: result tokens found, the right masked from each, both predictions counted."""
+from pathlib import Path
+
 import pytest
 import torch
 
 from dllm_engine import LLM
-from dllm_engine.eval.chain_probe import (chain_probe, copy_masked_rows, result_positions,
-                                          right_masked_rows)
+from dllm_engine.eval.chain_probe import (block_causal_mask, chain_probe, copy_masked_rows,
+                                          result_positions, right_masked_rows)
 from dllm_engine.tasks import load_split
 from fixtures import write_checkpoint
 
@@ -47,3 +49,41 @@ def test_chain_probe_counts_every_result_token(tmp_path, family):
         assert row.results == want > 0
         assert 0 <= row.right_masked <= row.results and 0 <= row.causal <= row.results
         assert 0 <= row.copy_masked <= row.results
+        assert 0 <= row.block_masked <= row.results
+    if family == "sdar":  # block-causal already: its own attention is the block-causal view
+        assert all(r.block_masked == r.right_masked for r in rows.values())
+
+
+def test_block_causal_mask_reads_own_and_earlier_blocks():
+    m = block_causal_mask(5, 2)[0, 0]
+    assert m.tolist() == [[i // 2 >= j // 2 for j in range(5)] for i in range(5)]
+
+
+def test_block_masked_count_is_the_block_causal_forward():
+    """A full-attention model's block-masked count, recomputed here one row at a time (the
+    answer masked from the target on; a slot reads its own block and the ones before). The shipped
+    tiny-llada-worked gets some results right, so a wrong mask would change the count."""
+    llm = LLM(Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-llada-worked")
+    tok, model = llm.tokenizer, llm.model
+    examples = load_split(["sum", "add"], limit=2)
+    vocab = tok.get_vocab()
+    want = {"sum": 0, "add": 0}
+    for ex in examples:
+        prompt = tok.apply_chat_template([{"role": "user", "content": ex.prompt}],
+                                         add_generation_prompt=True, tokenize=True, return_dict=False)
+        answer = tok.encode(ex.answer, add_special_tokens=False)
+        ids = list(prompt) + answer
+        for i in result_positions(answer, vocab["="], vocab[","]):
+            t = len(prompt) + i
+            x = torch.tensor([ids[:t] + [llm.token_ids.mask_id] * (len(ids) - t)])
+            n = x.shape[1]
+            mask = torch.tensor([[j // 8 <= q // 8 for j in range(n)] for q in range(n)])[None, None]
+            with torch.no_grad():
+                hidden = model.forward_context(x, model.plain_context(x, mask))
+            want[ex.task] += int(model.logits(hidden[0, t]).argmax() == ids[t])
+    rows = chain_probe(llm, examples, block_size=8)
+    assert {t: r.block_masked for t, r in rows.items()} == want
+    assert sum(want.values()) > 0
+    # a block holding the whole row is full attention: the right-masked count again
+    wide = chain_probe(llm, examples, block_size=4096)
+    assert {t: r.block_masked for t, r in wide.items()} == {t: r.right_masked for t, r in rows.items()}

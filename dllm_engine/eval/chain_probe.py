@@ -9,8 +9,13 @@ that token on and asks the model for it, once with the bidirectional attention t
 ("right masked") and once under a causal mask, next-token style, as the auxiliary loss of
 ``dllm train`` trains it ("causal"). A third count ("copy masked") masks only the result and the
 answer up to and including its copy (the token after the next ``,``) and leaves the rest of the
-answer in view: a model that computes gets it right, one that only copies does not. For
-block-causal families the blocks are counted from the first token of the sequence.
+answer in view: a model that computes gets it right, one that only copies does not. A fourth
+count ("block masked") takes the right-masked rows under a block-causal mask (blocks of 32 counted
+from the first token, as SDAR and ``dllm train --block-aux`` see them): a clean block reads only the
+blocks before it, the masked slot its own block and the clean ones before. For block-causal
+families that is their own attention, so it equals "right masked"; for a full-attention model it
+tells whether a result it misses with the right masked is missed for the masked slots to its right
+(block masked right) or at the masked slot itself (block masked wrong too).
 """
 from __future__ import annotations
 
@@ -31,12 +36,14 @@ class ChainProbeRow:
     right_masked: int = 0  # of them predicted with the answer masked from them on
     causal: int = 0  # of them predicted next-token style under a causal mask
     copy_masked: int = 0  # of them predicted with only the result and its copy masked
+    block_masked: int = 0  # of them predicted with the right masked, under a block-causal mask
 
     def as_dict(self) -> dict:
         n = max(1, self.results)
         return {"task": self.task, "results": self.results,
                 "right_masked": round(self.right_masked / n, 4),
-                "copy_masked": round(self.copy_masked / n, 4), "causal": round(self.causal / n, 4)}
+                "copy_masked": round(self.copy_masked / n, 4),
+                "block_masked": round(self.block_masked / n, 4), "causal": round(self.causal / n, 4)}
 
 
 def result_positions(answer: list[int], open_id: int, close_id: int) -> list[int]:
@@ -73,9 +80,17 @@ def copy_masked_rows(ids: Tensor, targets: list[int], close_id: int, mask_id: in
     return torch.where((cols[None] >= t) & (cols[None] <= end), torch.full_like(rows, mask_id), rows)
 
 
-def predicted(model, x: Tensor, targets: list[int], want: Tensor) -> int:
-    """How many of ``want`` the model predicts at ``targets`` (row i, column targets[i])."""
-    hidden = model.forward_context(x, model.plain_context(x, None))
+def block_causal_mask(length: int, block_size: int, device=None) -> Tensor:
+    """[1, 1, L, L] bool: query i reads key j when j's block (``block_size`` tokens counted from
+    the first) is not after i's."""
+    blk = torch.arange(length, device=device) // block_size
+    return (blk[None, :] <= blk[:, None])[None, None]
+
+
+def predicted(model, x: Tensor, targets: list[int], want: Tensor, mask: Tensor | None = None) -> int:
+    """How many of ``want`` the model predicts at ``targets`` (row i, column targets[i]), with
+    the family's own attention or under ``mask`` ([1, 1, L, L] bool)."""
+    hidden = model.forward_context(x, model.plain_context(x, mask))
     shift = 1 if model.config.logit_shift else 0  # Dream predicts slot t from position t - 1
     picked = hidden[torch.arange(len(targets), device=x.device), [t - shift for t in targets]]
     return int((model.logits(picked).argmax(-1) == want).sum())
@@ -83,8 +98,10 @@ def predicted(model, x: Tensor, targets: list[int], want: Tensor) -> int:
 
 @torch.no_grad()
 def chain_probe(llm: LLM, examples: list[Example], open_word: str = "=",
-                close_word: str = ",") -> dict[str, ChainProbeRow]:
-    """Per task, how many result tokens the model predicts with the right masked and causally."""
+                close_word: str = ",", block_size: int = 32) -> dict[str, ChainProbeRow]:
+    """Per task, how many result tokens the model predicts with the right masked (under the
+    family's attention and block-causally), with only the result and its copy masked, and
+    causally. ``block_size`` is the block-causal count's; block-causal families use their own."""
     tok, model = llm.tokenizer, llm.model
     vocab = tok.get_vocab()
     missing = [w for w in (open_word, close_word) if w not in vocab]
@@ -94,6 +111,7 @@ def chain_probe(llm: LLM, examples: list[Example], open_word: str = "=",
     open_id, close_id = vocab[open_word], vocab[close_word]
     rows: dict[str, ChainProbeRow] = {}
     device = next(model.parameters()).device
+    block_size = model.config.block_size if model.config.is_block_causal else block_size
     for ex in examples:
         prompt = list(tok.apply_chat_template(chat_prompt(ex), add_generation_prompt=True,
                                               tokenize=True, return_dict=False))
@@ -105,8 +123,10 @@ def chain_probe(llm: LLM, examples: list[Example], open_word: str = "=",
         ids = torch.tensor(prompt + answer, device=device)
         want = ids[targets]
         mask_id = llm.token_ids.mask_id
-        row.right_masked += predicted(model, right_masked_rows(ids, targets, len(prompt), mask_id),
-                                      targets, want)
+        right = right_masked_rows(ids, targets, len(prompt), mask_id)
+        row.right_masked += predicted(model, right, targets, want)
+        row.block_masked += predicted(model, right, targets, want,
+                                      block_causal_mask(ids.shape[0], block_size, device))
         row.copy_masked += predicted(model, copy_masked_rows(ids, targets, close_id, mask_id),
                                      targets, want)
         n = ids.shape[0]
@@ -118,9 +138,10 @@ def chain_probe(llm: LLM, examples: list[Example], open_word: str = "=",
 
 
 def probe_table(rows: dict[str, ChainProbeRow]) -> str:
-    lines = [f"{'task':10} {'results':>8} {'right masked':>13} {'copy masked':>12} {'causal':>8}"]
+    lines = [f"{'task':10} {'results':>8} {'right masked':>13} {'copy masked':>12} "
+             f"{'block masked':>13} {'causal':>8}"]
     for r in rows.values():
         d = r.as_dict()
         lines.append(f"{r.task:10} {r.results:>8} {d['right_masked']:>13.1%} "
-                     f"{d['copy_masked']:>12.1%} {d['causal']:>8.1%}")
+                     f"{d['copy_masked']:>12.1%} {d['block_masked']:>13.1%} {d['causal']:>8.1%}")
     return "\n".join(lines)
