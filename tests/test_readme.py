@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 REASONS = {"gpu": "needs a GPU and a real checkpoint", "server": "starts a server",
-           "benchmark": "minutes of CPU", "suite": "runs the test suite itself"}
+           "benchmark": "minutes of CPU", "training": "hours of CPU",
+           "suite": "runs the test suite itself"}
 FENCE = re.compile(r"(?:^<!-- readme-test: (?P<marker>[^>]*?) -->\n)?^```(?P<lang>\w*)\n(?P<code>.*?)^```",
                    re.M | re.S)
 TIMEOUT_S = 300
