@@ -7,7 +7,7 @@ import torch
 from dllm_engine import LLM
 from dllm_engine.train import TrainConfig, Trainer
 from dllm_engine.train.trainer import grow_vocab
-from dllm_engine.train.data import MIN_T, SUFFIX_WINDOW, block_diffusion_mask, noise
+from dllm_engine.train.data import MIN_T, SUFFIX_WINDOW, block_causal_mask, block_diffusion_mask, noise
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
             batch_size=4, warmup=2, save_every=2, block_size=8)
@@ -71,6 +71,11 @@ def test_block_aux_adds_the_block_diffusion_loss_on_the_same_examples(tmp_path):
     assert any(moved) and not all(torch.equal(p, q) for p, q in zip(before, plain.model.parameters()))
     with pytest.raises(ValueError, match="block_aux must be"):
         TrainConfig(family="sdar", out="x", work="y", block_aux=1.0)
+
+
+def test_block_causal_mask_reads_own_and_earlier_blocks():
+    m = block_causal_mask(5, 2)[0, 0]
+    assert m.tolist() == [[i // 2 >= j // 2 for j in range(5)] for i in range(5)]
 
 
 def test_block_diffusion_mask():

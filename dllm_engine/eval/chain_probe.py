@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ..engine.llm import LLM
 from ..tasks import Example
+from ..train.data import block_causal_mask
 from .evaluate import chat_prompt
 
 
@@ -78,13 +79,6 @@ def copy_masked_rows(ids: Tensor, targets: list[int], close_id: int, mask_id: in
     t = torch.tensor(targets, device=ids.device)[:, None]
     end = torch.tensor(ends, device=ids.device)[:, None]
     return torch.where((cols[None] >= t) & (cols[None] <= end), torch.full_like(rows, mask_id), rows)
-
-
-def block_causal_mask(length: int, block_size: int, device=None) -> Tensor:
-    """[1, 1, L, L] bool: query i reads key j when j's block (``block_size`` tokens counted from
-    the first) is not after i's."""
-    blk = torch.arange(length, device=device) // block_size
-    return (blk[None, :] <= blk[:, None])[None, None]
 
 
 def predicted(model, x: Tensor, targets: list[int], want: Tensor, mask: Tensor | None = None) -> int:

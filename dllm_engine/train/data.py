@@ -125,12 +125,19 @@ def masked_diffusion_batch(enc: Encoder, examples: list[Example], seed: int,
     return Batch(noisy, ids, is_masked, weight, None, None, content_length(ids, is_resp, enc.eos_id))
 
 
+def block_causal_mask(length: int, block_size: int, device=None) -> Tensor:
+    """[1, 1, L, L] bool: query i reads key j when j's block (``block_size`` tokens counted from
+    the first) is not after i's. The clean copy's attention under block diffusion."""
+    blk = torch.arange(length, device=device) // block_size
+    return (blk[None, :] <= blk[:, None])[None, None]
+
+
 def block_diffusion_mask(length: int, block_size: int) -> Tensor:
     """[1, 1, 2L, 2L] bool over [noisy ; clean]."""
     blk = torch.arange(length) // block_size
     same = blk[:, None] == blk[None, :]
     before = blk[None, :] < blk[:, None]
-    causal = blk[None, :] <= blk[:, None]
+    causal = block_causal_mask(length, block_size)[0, 0]
     top = torch.cat([same, before], dim=1)  # noisy queries: own noisy block + earlier clean blocks
     bottom = torch.cat([torch.zeros_like(same), causal], dim=1)  # clean queries: block-causal
     return torch.cat([top, bottom], dim=0)[None, None]
