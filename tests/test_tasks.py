@@ -12,7 +12,7 @@ import pytest
 from dllm_engine.tasks import (TASK_FAMILIES, TASK_NAMES, TASKS, VOCAB, Example, grade, load_split,
                                resolve_tasks, task_family, train_examples, write_split)
 from dllm_engine.tasks import splits
-from dllm_engine.tasks.suite import main as suite_main
+from dllm_engine.tasks.suite import answer_stats, main as suite_main
 
 COMMITTED = Path(splits.DATA_DIR) / "test"
 DIGIT_WORDS = "zero one two three four five six seven eight nine".split()
@@ -222,6 +222,46 @@ def test_cli_writes_split(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{t}.jsonl" for t in TASK_NAMES)
     assert len((tmp_path / "sort.jsonl").read_text().splitlines()) == 2
     assert "sort.jsonl" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("task, answer, results", [
+    ("sum", "3 + 5 = 8 , 8 + 2 = 0 , 0 + 8 = 8 , answer : 8", 3),
+    ("add", "5 + 9 + 0 = 1 4 , 7 + 8 + 1 = 1 6 , 4 + 3 + 1 = 0 8 , answer : 8 6 4", 3),
+    ("insert", "3 : 3 | 1 : 1 3 | 4 : 1 3 4 , answer : 1 3 4", 3),
+    ("story", "3 + 4 = 7 , 7 - 2 = 5 , answer : 5", 2),
+])
+def test_worked_results_count_the_chained_steps(task: str, answer: str, results: int) -> None:
+    assert TASKS[task].results(answer) == results
+
+
+def test_worked_results_follow_the_prompt() -> None:
+    """One result per digit after the first (sum), per column (add), per digit (insert), per
+    sentence after the first (story), counted from the prompt, not from the answer."""
+    for ex in _samples("sum", 50):
+        assert TASKS["sum"].results(ex.answer) == len(ex.prompt.split()) - 3
+    for ex in _samples("add", 50):
+        assert TASKS["add"].results(ex.answer) == (len(ex.prompt.split()) - 3) // 2
+    for ex in _samples("insert", 50):
+        assert TASKS["insert"].results(ex.answer) == len(ex.prompt.split()) - 2
+    for ex in _samples("story", 50):
+        assert TASKS["story"].results(ex.answer) == ex.prompt.count(" . ") - 1
+
+
+def test_answer_stats() -> None:
+    st = answer_stats("sum", ["3 + 5 = 8 , answer : 8", "3 + 5 = 8 , 8 + 2 = 0 , answer : 0"])
+    assert st == {"answers": 2, "median_tokens": 12.0, "mean_tokens": 12.0, "max_tokens": 15,
+                  "mean_results": 1.5, "tokens_per_result": 8.0}
+    assert answer_stats("spell", ["3 = three , 1 = one"])["mean_results"] == 0  # copy: no chain
+
+
+def test_cli_stats_covers_every_task(capsys: pytest.CaptureFixture[str]) -> None:
+    suite_main(["--stats"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert list(rows) == list(TASK_NAMES)
+    assert all(rows[t][-1] == "-" for t in TASK_FAMILIES["copy"])
+    assert all(float(rows[t][-1]) > 1 for t in TASK_FAMILIES["worked"])
+    assert all(rows[t][1] == "100" for t in TASK_NAMES)
 
 
 def test_train_stream_avoids_test_prompts_and_is_balanced() -> None:

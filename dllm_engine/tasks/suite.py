@@ -7,19 +7,49 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 from pathlib import Path
 
-from .registry import TASKS
-from .splits import DATA_DIR, write_split
+from .registry import TASK_NAMES, TASKS
+from .splits import DATA_DIR, load_split, write_split
+from .worked import WorkedTask
+
+
+def answer_stats(task: str, answers: list[str]) -> dict[str, float]:
+    """Length and result figures of ``task``'s answers (word tokens, as the tokenizer counts them).
+
+    ``results`` counts a worked answer's intermediate results, each written from the one before it
+    (``WorkedTask.results``): a decoder that commits one of them per step, with the copies and
+    template words around it, commits ``tokens_per_result`` tokens per step. The ``copy`` tasks
+    have none (0).
+    """
+    gen = TASKS[task]
+    lengths = sorted(len(a.split()) for a in answers)
+    results = sum(gen.results(a) for a in answers) if isinstance(gen, WorkedTask) else 0
+    return {"answers": len(answers), "median_tokens": statistics.median(lengths),
+            "mean_tokens": statistics.fmean(lengths), "max_tokens": lengths[-1],
+            "mean_results": results / len(answers),
+            "tokens_per_result": sum(lengths) / results if results else 0.0}
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Regenerate the committed split, or print a sample of every task."""
+    """Regenerate the committed split, print its answer statistics, or print a sample of every task."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--write-split", action="store_true", help="(re)write the JSONL split")
     parser.add_argument("--dir", type=Path, default=DATA_DIR / "test", help="output directory")
     parser.add_argument("--n", type=int, default=100, help="examples per task")
+    parser.add_argument("--stats", action="store_true",
+                        help="answer lengths of the committed split; for worked tasks also the "
+                             "intermediate results per answer and answer tokens per result")
     args = parser.parse_args(argv)
+    if args.stats:
+        print("task     answers  median  mean   max  results  tokens/result")
+        for name in TASK_NAMES:
+            st = answer_stats(name, [ex.answer for ex in load_split([name])])
+            per = f"{st['tokens_per_result']:.2f}" if st["mean_results"] else "-"
+            print(f"{name:<8} {st['answers']:>7}  {st['median_tokens']:>6g}  {st['mean_tokens']:>5.1f}"
+                  f"  {st['max_tokens']:>4}  {st['mean_results']:>7.2f}  {per:>13}")
+        return
     if args.write_split:
         for path in write_split(args.dir, n=args.n):
             print(path)

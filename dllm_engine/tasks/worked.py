@@ -34,6 +34,11 @@ class WorkedTask(Task):
         head, sep, tail = text.rpartition("answer :")
         return tail.strip() if sep else ""
 
+    def results(self, answer: str) -> int:
+        """The intermediate results ``answer`` writes, each from the one before it: here the
+        clauses ``... = R`` (a running total, a column with its carry, a story's count)."""
+        return answer.split().count("=")
+
 
 class RunningSumTask(WorkedTask):
     """``sum : 3 5 2 8`` -> ``3 + 5 = 8 , 8 + 2 = 0 , 0 + 8 = 8 , answer : 8``.
@@ -95,6 +100,10 @@ class InsertionSortTask(WorkedTask):
             passes.append([d, ":", *prefix])
         trace = [w for i, p in enumerate(passes) for w in ([] if i == 0 else ["|"]) + p]
         return digits, trace + [",", "answer", ":", *prefix]
+
+    def results(self, answer: str) -> int:
+        """The passes (``d : sorted prefix``), each the previous one with ``d`` inserted."""
+        return answer.split(",")[0].count(":")
 
 
 class StoryTask(WorkedTask):
