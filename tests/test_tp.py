@@ -1,5 +1,5 @@
 """Tensor and expert parallelism (``tensor_parallel_size``): 2 ranks over gloo on the CPU give
-the logits (fp32, <= 1e-5) and greedy tokens of one process, for every family, method and
+the logits (fp32, to 1e-5 absolute + 1e-5 relative) and greedy tokens of one process, for every family, method and
 strategy; each rank reads only its slices; shapes that do not split are refused by name; a dead
 rank is an error (and a 503 from the server), never a hang.
 
@@ -60,7 +60,9 @@ def test_logits_equal_one_process(pair):
     got = two.parallel.forward(ids, mask)
     valid = mask.bool()
     assert got.shape == expected.shape
-    assert (got[valid] - expected[valid]).abs().max().item() <= 1e-5
+    # float32 rounding only: the row-parallel all-reduce adds the ranks' partial sums in another
+    # order than one matmul does (seen: 1.05e-5 on a logit of magnitude ~3)
+    torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_tokens_equal_one_process(pair):
