@@ -4,9 +4,9 @@ Exact match over whole answers has a chance level of practically zero (the short
 four tokens over a 95-token vocabulary), so the thresholds below are far above chance while
 leaving room under what this subset scores today (copy: tiny-llada 83%, tiny-sdar 87.5%; the whole
 split in the model cards: 83.7% and 90.5%). tiny-sdar has also learned the worked answers (81.3% on
-this subset, 83.3% on the whole worked split). tiny-llada has not: `tiny-llada-worked`, its
-continuation on both families, solves `insert` (4 of 4 here, 91% on the whole split) and writes
-worked answers of the right shape, with wrong results on `sum` / `add` / `story` (see its card).
+this subset, 83.3% on the whole worked split). tiny-llada has not: `tiny-llada-worked`, a LLaDA
+model trained from scratch on both families, solves part of them (38.3% of the whole worked split:
+sum 42%, add 21%, insert 59%, story 31%; see its card).
 """
 from pathlib import Path
 
@@ -14,6 +14,8 @@ import pytest
 
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.eval import evaluate
+from dllm_engine.eval.chain_probe import chain_probe
+from dllm_engine.tasks import load_split
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 PER_TASK = 4  # 24 held-out prompts
@@ -41,10 +43,14 @@ def test_tiny_sdar_solves_held_out_worked_answers():
     assert min(r.stats.output_tokens for r in report.tasks.values()) > 40 * 4  # long answers, not stubs
 
 
-def test_tiny_llada_worked_reads_the_worked_vocabulary_and_solves_insert():
+def test_tiny_llada_worked_computes_results_at_a_masked_slot():
+    """What the LLaDA-family worked model is for: it computes a worked answer's results where the
+    decoders ask for them, with the answer masked from the result on (98% of `sum`'s results in
+    its card's chain probe), and gets whole answers right (2 of 4 `sum`, 2 of 4 `insert` here)."""
     llm = LLM(CHECKPOINTS / "tiny-llada-worked")
-    params = SamplingParams(method="dual-cache", threshold=0.9)
-    insert = evaluate(llm, params, tasks="insert", limit=4, batch_size=4, use_tqdm=False)
-    assert insert.accuracy >= 0.75, insert.tasks["insert"].accuracy
-    worked = evaluate(llm, params, tasks="sum", limit=4, batch_size=4, use_tqdm=False)
-    assert worked.stats.output_tokens > 40 * 4  # a worked answer's length, if not its results
+    probe = chain_probe(llm, load_split(["sum"], limit=4))["sum"]
+    assert probe.results >= 8 and probe.right_masked >= 0.8 * probe.results, probe
+    report = evaluate(llm, SamplingParams(method="dual-cache", threshold=0.9), tasks="sum,insert",
+                      limit=4, batch_size=8, use_tqdm=False)
+    assert report.accuracy >= 0.25, {t: r.accuracy for t, r in report.tasks.items()}
+    assert report.tasks["sum"].stats.output_tokens > 40 * 4  # worked answers, not stubs
