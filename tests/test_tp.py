@@ -1,7 +1,7 @@
 """Tensor and expert parallelism (``tensor_parallel_size``): 2 ranks over gloo on the CPU give
-the logits (fp32, to 1e-5 absolute + 1e-5 relative) and greedy tokens of one process, for every family, method and
-strategy; each rank reads only its slices; shapes that do not split are refused by name; a dead
-rank is an error (and a 503 from the server), never a hang.
+the logits (fp32, to 1e-5 absolute + 1e-5 relative) and greedy tokens of one process, for every
+family, method and strategy; each rank reads only its slices; shapes that do not split are
+refused by name; a dead rank is an error (and a 503 from the server), never a hang.
 
 Each family's 2-rank group starts once for the module (worker start-up dominates the runtime)."""
 import os
