@@ -5,8 +5,8 @@ four tokens over a 95-token vocabulary), so the thresholds below are far above c
 leaving room under what this subset scores today (copy: tiny-llada 83%, tiny-sdar 87.5%; the whole
 split in the model cards: 83.7% and 90.5%). tiny-sdar has also learned the worked answers (81.3% on
 this subset, 83.3% on the whole worked split). tiny-llada has not: `tiny-llada-worked`, a LLaDA
-model trained from scratch on both families, has (85.8% of the whole worked split with `dual-cache`:
-sum 87%, add 69%, insert 93%, story 94%; see its card).
+model trained from scratch on both families, has learned them (85.8% of the whole worked split
+with `dual-cache`: sum 87%, add 69%, insert 93%, story 94%; see its card).
 """
 from pathlib import Path
 
