@@ -4,9 +4,9 @@ Exact match over whole answers has a chance level of practically zero (the short
 four tokens over a 95-token vocabulary), so the thresholds below are far above chance while
 leaving room under what this subset scores today (copy: tiny-llada 83%, tiny-sdar 87.5%,
 tiny-llada-worked 83%; the whole split in the model cards: 83.7%, 90.5% and 83.2%). tiny-sdar has
-also learned the worked answers (81.3% on this subset, 83.3% on the whole worked split). tiny-llada has not: `tiny-llada-worked`, a LLaDA
-model trained from scratch on both families, has learned both (with `dual-cache`, the whole split:
-worked 91.8%, copy 83.2%; see its card).
+also learned the worked answers (81.3% on this subset, 83.3% on the whole worked split).
+tiny-llada has not: `tiny-llada-worked`, a LLaDA model trained from scratch on both families, has
+learned both (with `dual-cache`, the whole split: worked 91.8%, copy 83.2%; see its card).
 """
 from pathlib import Path
 
