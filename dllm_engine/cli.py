@@ -102,7 +102,7 @@ def run_generate(args: argparse.Namespace) -> None:
     expected = None
     if args.prompt is None:
         from .tasks import load_split
-        example = load_split(["sort"], limit=1)[0]
+        example = load_split(["story"], limit=1)[0]
         args.prompt, args.chat, expected = example.prompt, True, example.answer
     if args.chat:
         out = llm.chat([[{"role": "user", "content": args.prompt}]], params, use_tqdm=True)

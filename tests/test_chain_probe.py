@@ -66,8 +66,8 @@ def test_block_masked_is_right_masked_for_a_block_causal_family():
 def test_block_masked_count_is_the_block_causal_forward():
     """A full-attention model's block-masked count, recomputed here one row at a time (the
     answer masked from the target on; a slot reads its own block and the ones before). The shipped
-    tiny-llada-worked gets some results right, so a wrong mask would change the count."""
-    llm = LLM(CHECKPOINTS / "tiny-llada-worked")
+    tiny-llada gets some results right, so a wrong mask would change the count."""
+    llm = LLM(CHECKPOINTS / "tiny-llada")
     tok, model = llm.tokenizer, llm.model
     examples = load_split(["sum", "add"], limit=2)
     vocab = tok.get_vocab()

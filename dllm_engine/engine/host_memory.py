@@ -4,10 +4,11 @@ Every forward allocates activations of a few MB ([batch, tokens, hidden] and the
 tensors). glibc gives large freed blocks back to the OS (mmap'd chunks are unmapped, the heap top
 is trimmed), so the next step's tensors are built on fresh pages and pay a page fault per page
 (the kernel zeroes it on first touch), on every layer of every step. The cost grows with tensor
-size: on tiny-llada (`dual-cache`, 256 new tokens) batch 8 ran ~20% slower per token than batch 1
-for the same work; with the thresholds below the two are level. Raising the mmap threshold to
-glibc's maximum (32 MiB) and the trim threshold to 1 GiB lets freed blocks be reused, as a caching
-allocator does on a GPU. The cost: the process keeps its peak heap.
+size: on the copy-only tiny-llada of commit ffd686a (`dual-cache`, 256 new tokens) batch 8 ran
+~20% slower per token than batch 1 for the same work; with the thresholds below the two are
+level. Raising the mmap threshold to glibc's maximum (32 MiB) and the trim threshold to 1 GiB lets
+freed blocks be reused, as a caching allocator does on a GPU. The cost: the process keeps its
+peak heap.
 
 The setting is process-wide, so it is never applied behind the caller's back: ``LLM(...,
 keep_freed_memory=True)`` applies it (library default: off, since the host process owns its

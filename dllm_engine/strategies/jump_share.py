@@ -20,7 +20,7 @@ the block, all in ONE forward:
   positions in its own context; the engine shares them in every layout, as SPEC §6 defines
   "share" and as the official 8-copy layout does, which keeps one layout and one cost model.
   Tokens differ only where a committed position's K/V depend on the drafts, seen at threshold
-  0.99 on tiny-llada.)
+  0.99 on the copy-only tiny-llada of commit ffd686a.)
 
 Acceptance ("jump"): copy 0 is accepted. A copy with draft set D is accepted when a smaller
 accepted copy D' (a subset of D) predicts every draft of D \\ D' with the same token and would
