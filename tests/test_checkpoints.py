@@ -6,6 +6,7 @@ while leaving room under what this subset scores today (copy: tiny-llada 83%, ti
 the whole split in the model cards: 83.2% and 90.5%). Both have also learned the worked answers
 (the whole worked split: tiny-llada 91.8% with `dual-cache`, tiny-sdar 83.3% with `block`).
 """
+import re
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,20 @@ def test_tiny_llada_computes_results_at_a_masked_slot():
                       limit=4, batch_size=8, use_tqdm=False)
     assert report.accuracy >= 0.6, {t: r.accuracy for t, r in report.tasks.items()}
     assert report.tasks["sum"].stats.output_tokens > 40 * 4  # worked answers, not stubs
+
+
+def test_demo_answers_its_default_prompt(capsys):
+    """`make demo` (`dllm generate`, no options): the default checkpoint writes the worked answer
+    of the held-out prompt it picks, and the line of speed figures follows."""
+    import torch
+
+    from dllm_engine.cli import main
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert re.search(r"^prompt: story : ", out, re.M), out
+    assert re.search(r"^expected: .* , answer : \d+  \(correct\)$", out, re.M), out
+    assert re.search(r"^stats: nfe=\d+ .* tokens_per_step=\d+\.\d\d .* throughput=[\d.]+ tok/s$", out, re.M), out
