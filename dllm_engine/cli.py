@@ -284,6 +284,9 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                    help="llada: add the block diffusion loss (SDAR's objective, block --block-size) "
                         "on the same examples with this weight: every block learns from a clean left "
                         "context (0 = off)")
+    p.add_argument("--long-tails", type=float, default=0.05, metavar="SHARE",
+                   help="llada / dream: share of batches whose EOS tail runs on to a canvas of up to "
+                        "256 tokens (the rest: the answer plus 0-32 EOS)")
     p.add_argument("--task-mix", type=task_mix, default=None, metavar="TASK=N,...",
                    help="oversample tasks: N examples of TASK per round of one of each other task "
                         "(e.g. lookup=3,spell=2)")
@@ -310,7 +313,8 @@ def run_train(args: argparse.Namespace) -> None:
                       num_kv_heads=args.num_kv_heads, block_size=args.block_size,
                       max_new_tokens=args.max_new_tokens,
                       init_from=args.init_from, ar_weight=args.ar_weight, task_mix=args.task_mix,
-                      suffix_mask=args.suffix_mask, block_aux=args.block_aux)
+                      suffix_mask=args.suffix_mask, block_aux=args.block_aux,
+                      long_tails=args.long_tails)
     trainer = Trainer(cfg)
     print(f"checkpoint written to {trainer.export_saved() if args.export_only else trainer.train()}")
 

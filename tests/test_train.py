@@ -7,7 +7,8 @@ import torch
 from dllm_engine import LLM
 from dllm_engine.train import TrainConfig, Trainer
 from dllm_engine.train.trainer import grow_vocab
-from dllm_engine.train.data import MIN_T, SUFFIX_WINDOW, block_causal_mask, block_diffusion_mask, noise
+from dllm_engine.train.data import (LONG_TAILS, MAX_CANVAS, MIN_T, SUFFIX_WINDOW, block_causal_mask,
+                                    block_diffusion_mask, noise, pack_rows)
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
             batch_size=4, warmup=2, save_every=2, block_size=8)
@@ -57,6 +58,22 @@ def test_suffix_masking_is_a_left_to_right_decoders_view():
     assert 16 < suffix_rows < 48
     with pytest.raises(ValueError, match="suffix_mask must be in"):
         TrainConfig(family="llada", out="x", work="y", suffix_mask=1.5)
+
+
+def test_long_tails_share_sets_how_often_the_canvas_runs_on():
+    import random
+    rows = [([1, 2, 3], [4] * 10), ([1, 2], [5] * 6)]  # longest prompt 3, longest response 10
+
+    def canvases(share):
+        return [pack_rows(rows, 0, random.Random(seed), long_tails=share)[0].shape[1] - 3
+                for seed in range(400)]
+    # a long tail is uniform in [10, 256]: past 42 with probability 214 / 247
+    for share, lo, hi in [(0.0, 0, 0), (LONG_TAILS, 5, 35), (0.5, 140, 210), (1.0, 320, 380)]:
+        lengths = canvases(share)
+        assert all(10 <= n <= MAX_CANVAS for n in lengths)
+        assert lo <= sum(n > 10 + 32 for n in lengths) <= hi, share  # past the short 0-32 EOS tail
+    with pytest.raises(ValueError, match="long_tails must be in"):
+        TrainConfig(family="llada", out="x", work="y", long_tails=-0.1)
 
 
 def test_block_aux_adds_the_block_diffusion_loss_on_the_same_examples(tmp_path):

@@ -46,17 +46,20 @@ class Encoder:
         return list(prompt), answer + [self.end_of_turn_id]
 
 
-def response_length(rng: random.Random, longest: int, long_tails: bool) -> int:
-    """Canvas length for responses: mostly a short EOS tail, sometimes up to MAX_CANVAS, so the
-    model learns that the answer's end is not tied to the canvas end. Block diffusion stops after
-    the block holding EOS, so it never needs long tails."""
-    if long_tails and rng.random() < 0.05:
+LONG_TAILS = 0.05  # share of masked diffusion batches whose canvas runs on to up to MAX_CANVAS
+
+
+def response_length(rng: random.Random, longest: int, long_tails: float) -> int:
+    """Canvas length for responses: mostly a short EOS tail, in a ``long_tails`` share of batches
+    up to MAX_CANVAS, so the model learns that the answer's end is not tied to the canvas end.
+    Block diffusion stops after the block holding EOS, so it never needs long tails (0)."""
+    if long_tails > 0 and rng.random() < long_tails:
         return rng.randint(longest, MAX_CANVAS)
     return min(MAX_CANVAS, longest + rng.randint(0, 32))
 
 
 def pack_rows(rows: list[tuple[list[int], list[int]]], eos_id: int, rng: random.Random,
-              multiple: int = 1, long_tails: bool = True) -> tuple[Tensor, Tensor]:
+              multiple: int = 1, long_tails: float = LONG_TAILS) -> tuple[Tensor, Tensor]:
     """Rows all ending at one canvas length L (a multiple of ``multiple``): prompt, response,
     EOS padding. Returns ids [B, L] and is_response [B, L]."""
     longest = max(len(r) for _, r in rows)
@@ -118,9 +121,9 @@ def mask_suffixes(is_masked: Tensor, is_resp: Tensor, weight: Tensor, gen: torch
 
 
 def masked_diffusion_batch(enc: Encoder, examples: list[Example], seed: int,
-                           suffix_mask: float = 0.0) -> Batch:
+                           suffix_mask: float = 0.0, long_tails: float = LONG_TAILS) -> Batch:
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    ids, is_resp = pack_rows([enc.encode(e) for e in examples], enc.eos_id, rng)
+    ids, is_resp = pack_rows([enc.encode(e) for e in examples], enc.eos_id, rng, long_tails=long_tails)
     noisy, is_masked, weight = noise(ids, is_resp, enc.mask_id, gen, suffix_mask)
     return Batch(noisy, ids, is_masked, weight, None, None, content_length(ids, is_resp, enc.eos_id))
 
@@ -147,7 +150,7 @@ def block_diffusion_batch(enc: Encoder, examples: list[Example], seed: int, bloc
                           suffix_mask: float = 0.0) -> Batch:
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     ids, is_resp = pack_rows([enc.encode(e) for e in examples], enc.eos_id, rng, block_size,
-                             long_tails=False)
+                             long_tails=0.0)
     noisy, is_masked, weight = noise(ids, is_resp, enc.mask_id, gen, suffix_mask)
     length = ids.shape[1]
     positions = torch.arange(length).repeat(2)[None]

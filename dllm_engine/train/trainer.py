@@ -21,7 +21,7 @@ from ..config import ModelConfig
 from ..models import DiffusionLM, get_family, save_model
 from ..tasks import check_mix, train_examples
 from ..tokenizer import save_tokenizer
-from .data import Batch, Encoder, block_diffusion_batch, masked_diffusion_batch
+from .data import LONG_TAILS, Batch, Encoder, block_diffusion_batch, masked_diffusion_batch
 
 POOL = 4  # batches per length-sorted pool
 
@@ -54,6 +54,7 @@ class TrainConfig:
     task_mix: dict[str, int] | None = None  # examples per task per round (default 1 each)
     suffix_mask: float = 0.0  # share of rows masked as a left-to-right decoder sees them (data.py)
     block_aux: float = 0.0  # full-attention families: weight of an auxiliary block diffusion loss
+    long_tails: float = LONG_TAILS  # masked diffusion: share of batches with canvases up to MAX_CANVAS
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_SPECIALS:
@@ -65,6 +66,8 @@ class TrainConfig:
                              f"objective is block diffusion already), got {self.block_aux}")
         if not 0 <= self.suffix_mask <= 1:
             raise ValueError(f"suffix_mask must be in [0, 1], got {self.suffix_mask}")
+        if not 0 <= self.long_tails <= 1:
+            raise ValueError(f"long_tails must be in [0, 1], got {self.long_tails}")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
         check_mix(self.task_mix)  # a bad mix fails here, not at the first step
@@ -151,7 +154,8 @@ class Trainer:
         if self.cfg.family == "sdar":
             return block_diffusion_batch(self.encoder, self.examples(step), seed, self.cfg.block_size,
                                          self.cfg.suffix_mask)
-        return masked_diffusion_batch(self.encoder, self.examples(step), seed, self.cfg.suffix_mask)
+        return masked_diffusion_batch(self.encoder, self.examples(step), seed, self.cfg.suffix_mask,
+                                      self.cfg.long_tails)
 
     def block_batch(self, step: int) -> Batch:
         """The same examples under the block diffusion objective (``block_aux``): each noisy
