@@ -285,8 +285,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                         "on the same examples with this weight: every block learns from a clean left "
                         "context (0 = off)")
     p.add_argument("--long-tails", type=float, default=0.05, metavar="SHARE",
-                   help="llada / dream: share of batches whose EOS tail runs on to a canvas of up to "
-                        "256 tokens (the rest: the answer plus 0-32 EOS)")
+                   help="llada: share of batches whose EOS tail runs on to a canvas of up to 256 "
+                        "tokens (the rest: the answer plus 0-32 EOS; sdar's block diffusion uses none)")
     p.add_argument("--task-mix", type=task_mix, default=None, metavar="TASK=N,...",
                    help="oversample tasks: N examples of TASK per round of one of each other task "
                         "(e.g. lookup=3,spell=2)")
