@@ -153,7 +153,7 @@ def test_loglikelihood_ranks_the_right_answer_first(name):
         assert not any(g for _, g in scores[1:])
         greedy.append(scores[0][1])
     # one token per step on an answer-sized canvas writes the answer (the copy-only tiny-llada of
-    # commit ffd686a missed one sort; today's writes all four)
+    # commit ffd686a missed one sort)
     assert sum(greedy) >= 3
     assert lm.stats.loglikelihood_requests == 16 and lm.stats.loglikelihood_nfe == 16
 
