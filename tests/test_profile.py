@@ -1,8 +1,11 @@
 """`dllm profile`: the host-sync counter, the floor replay and the command (speed is never asserted)."""
+import time
+
 import pytest
 import torch
 
 from dllm_engine import LLM
+from dllm_engine.bench import profile
 from dllm_engine.bench.profile import (DispatchSyncs, FloorRecorder, ListSyncs, ShapeLog, SyncCount,
                                        count_syncs, profile_one)
 from dllm_engine.cli import main
@@ -53,7 +56,8 @@ def test_syncs_inside_the_layer_loop_are_counted_apart(llada):
 def test_floor_replay_leaves_outputs_and_cache_unchanged(llada):
     params = parse_spec("dual-cache+focus:threshold=0.9", max_new_tokens=16, block_length=8)
     plain = [o.token_ids for o in llada.generate(PROMPTS, params)]
-    recorder = FloorRecorder(llada.model)
+    ticks = iter(range(10**6))  # a clock that advances by one per read
+    recorder = FloorRecorder(llada.model, clock=lambda: next(ticks))
     try:
         llada.engine.add(llada.make_sequence(PROMPTS[0], params))
         llada.engine.add(llada.make_sequence(PROMPTS[1], params))
@@ -63,7 +67,7 @@ def test_floor_replay_leaves_outputs_and_cache_unchanged(llada):
             num_calls, before = len(recorder.calls), recorder.seconds
             recorder.replay()
             assert num_calls == llada.model.config.num_layers + 3 and not recorder.calls
-            assert recorder.seconds > before
+            assert recorder.seconds == before + 1  # one clock read before the replay, one after
     finally:
         recorder.remove()
     assert [s.output_ids() for s in sorted(done, key=lambda s: s.seq_id)] == plain
@@ -73,8 +77,8 @@ def test_profile_one_reports_floor_overhead_and_syncs(llada):
     params = parse_spec("dual-cache:threshold=0.9", max_new_tokens=16, block_length=8)
     r = profile_one(llada, "dual-cache", params, PROMPTS, 4)
     assert r.batch_size == 4 and r.steps > 0
-    assert 0 < r.floor_ms and r.overhead == pytest.approx(1 - r.floor_ms / r.step_ms, abs=0.01)
-    assert r.syncs_per_step > 0 and r.layer_syncs_per_step >= 0
+    assert 0 < r.floor_ms and 0 < r.step_ms
+    assert r.syncs_per_step > 0 and r.layer_syncs_per_step == 0
 
 
 def test_profile_command_prints_the_table(tmp_path, capsys):
@@ -154,18 +158,42 @@ def test_runner_writes_a_contiguous_slot_range_as_one_slice(llada):
     assert torch.equal(caches[1].k[0][1, :, 6], k[0][1, :, 3]) and torch.equal(caches[1].k[0][0, :, 3:7], k[1][0])
 
 
-def test_profile_repeats_keep_the_fastest_pass(llada):
+def test_profile_repeats_keep_the_fastest_pass(llada, monkeypatch):
+    """Timed and floor passes get scripted durations: each keeps its own minimum."""
     params = parse_spec("dual-cache:threshold=0.9", max_new_tokens=16, block_length=8)
-    one = profile_one(llada, "dual-cache", params, PROMPTS, 2)
-    three = profile_one(llada, "dual-cache", params, PROMPTS, 2, repeats=3)
-    assert three.steps == one.steps and three.syncs_per_step == one.syncs_per_step
-    assert 0 < three.floor_ms and three.overhead == pytest.approx(1 - three.floor_ms / three.step_ms, abs=0.01)
+    real = profile.run_batches
+    timed, floors = iter([0.3, 0.1, 0.2]), iter([0.05, 0.02, 0.04])
+
+    def scripted(llm, params, prompts, batch_size, after_step=None, clock=None):
+        steps, seconds, tokens = real(llm, params, prompts, batch_size, after_step)
+        return (steps, next(timed), tokens) if clock is profile.CLOCKS["wall"] else (steps, seconds, tokens)
+    monkeypatch.setattr(profile, "run_batches", scripted)
+    monkeypatch.setattr(profile, "floor_seconds", lambda *args: next(floors))
+    r = profile_one(llada, "dual-cache", params, PROMPTS, 2, repeats=3)
+    one = count_syncs(llada, params, PROMPTS, 2)
+    assert r.steps > 0 and r.syncs_per_step == round(one.total / r.steps, 2)
+    assert r.step_ms == round(1e3 * 0.1 / r.steps, 3) and r.floor_ms == round(1e3 * 0.02 / r.steps, 3)
+    assert r.overhead == pytest.approx(0.8)
 
 
-def test_profile_on_the_cpu_clock(llada):
+def test_profile_on_the_cpu_clock(llada, monkeypatch):
+    """``clock="cpu"`` times both passes on ``CLOCKS["cpu"]``, never on the wall clock."""
     params = parse_spec("dual-cache:threshold=0.9", max_new_tokens=16, block_length=8)
+    reads = []
+
+    def cpu() -> float:
+        reads.append(1)
+        return time.thread_time()
+
+    def wall() -> float:
+        raise AssertionError("the wall clock was read")
+    monkeypatch.setitem(profile.CLOCKS, "cpu", cpu)
+    monkeypatch.setitem(profile.CLOCKS, "wall", wall)
     r = profile_one(llada, "dual-cache", params, PROMPTS, 2, clock="cpu")
-    assert r.steps > 0 and 0 < r.floor_ms and r.throughput > 0
+    # per step, two reads in the timed pass; in the floor pass two around the step and two
+    # around its replay
+    assert r.steps > 0 and len(reads) == 6 * r.steps
+    assert 0 < r.floor_ms and r.throughput > 0
 
 
 def test_profile_counts_the_distinct_forward_shapes(llada, sdar):
