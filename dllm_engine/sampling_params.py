@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from .strategies.registry import REGISTRY
@@ -78,12 +79,42 @@ class SamplingParams:
     max_copies: int = 8
 
     def __post_init__(self) -> None:
+        self.check_types()
         self.check_finite()
         self.check_method()
         self.check_counts()
         self.check_commit_rule()
         self.check_sampling()
         self.check_strategy_options()
+        self.check_int64()
+
+    def check_types(self) -> None:
+        """Each field holds what its annotation says, ``None`` only where it allows it: an int an
+        integer (not a bool), a float a real number, a bool a bool, a list or tuple such items.
+        Integers of other types (numpy's) become ``int``."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                if "None" in f.type:
+                    continue
+                raise ParamError(f.name, f"{f.name} must not be None ({field_kind(f.type)})")
+            many, element = annotation(f.type)
+            values = (value if isinstance(value, (list, tuple)) else None) if many else [value]
+            if values is None or not all(type_ok(v, element) for v in values):
+                raise ParamError(f.name, f"{f.name} must be {field_kind(f.type)}, got {value!r}")
+            if element == "int":
+                values = [int(v) for v in values]
+                setattr(self, f.name, type(value)(values) if many else values[0])
+        if any(i < 0 for i in self.stop_token_ids):
+            raise ParamError("stop_token_ids", f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+
+    def check_int64(self) -> None:
+        """Integers the bounds above left open reach torch as int64 (``min_length``, stop ids)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            if any(isinstance(v, int) and not -MAX_SEED <= v < MAX_SEED for v in values):
+                raise ParamError(f.name, f"{f.name} must fit in 64 bits, [-2**63, 2**63), got {value!r}")
 
     def check_finite(self) -> None:
         """NaN / inf are never a meaningful option (NaN compares False with every bound)."""
@@ -203,6 +234,34 @@ class SamplingParams:
         values = [(n, getattr(self, n)) for n in names]
         return " ".join([self.method or "<unresolved>"] + [f"{n}={spec_value(v)}" for n, v in values
                                                             if v is not None])
+
+
+def annotation(hint: str) -> tuple[bool, str]:
+    """(a list or tuple?, the element type: int, float, str or bool) of a field's annotation
+    string, ``None`` dropped: ``"tuple[float, ...]"`` -> (True, "float")."""
+    kind = hint.replace(" | None", "")
+    if kind.startswith(("list[", "tuple[")):
+        return True, kind[kind.index("[") + 1:].split(",")[0].rstrip("]")
+    return False, kind
+
+
+def type_ok(value, kind: str) -> bool:
+    """``value`` is of the element type ``kind`` (a bool is neither an int nor a float)."""
+    if kind == "bool" or isinstance(value, bool):
+        return isinstance(value, bool) and kind == "bool"
+    if kind == "int":
+        return isinstance(value, numbers.Integral)
+    if kind == "float":
+        return isinstance(value, numbers.Real)
+    return isinstance(value, str)
+
+
+def field_kind(hint: str) -> str:
+    """A field's annotation in words, for an error message."""
+    many, element = annotation(hint)
+    if many:
+        return "a list of " + {"int": "integers", "float": "numbers"}[element]
+    return {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}[element]
 
 
 def spec_value(value) -> str:

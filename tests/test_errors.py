@@ -2,6 +2,7 @@
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -127,6 +128,57 @@ def test_bad_sampling_params(field, value, msg):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize("field,value,msg", [
+    ("threshold", "0.5", "threshold must be a number, got '0.5'"),
+    ("cfg_scale", None, r"cfg_scale must not be None \(a number\)"),
+    ("max_new_tokens", True, "max_new_tokens must be an integer, got True"),
+    ("min_length", 1.5, "min_length must be an integer, got 1.5"),
+    ("stop_at_eos", "no", "stop_at_eos must be true or false, got 'no'"),
+    ("delay_eos", "no", "delay_eos must be true or false"),
+    ("logprobs", True, "logprobs must be an integer"),
+    ("stop_token_ids", 5, "stop_token_ids must be a list of integers, got 5"),
+    ("stop_token_ids", [-5], "stop_token_ids must be token ids >= 0"),
+    ("stop_token_ids", [2**64], r"stop_token_ids must fit in 64 bits"),
+    ("min_length", 10**30, r"min_length must fit in 64 bits"),
+    ("keep_fractions", ("a",), "keep_fractions must be a list of numbers"),
+    ("method", 3, "method must be a string"),
+])
+def test_values_of_the_wrong_type_are_refused_by_name(field, value, msg):
+    with pytest.raises(ValueError, match=msg) as err:
+        SamplingParams(**{field: value})
+    assert err.value.param == field
+
+
+def test_numpy_integers_are_integers(llada):
+    params = SamplingParams(max_new_tokens=np.int64(8), block_length=8, seed=np.int32(3),
+                            stop_token_ids=[np.int64(7)])
+    assert type(params.seed) is int and params.stop_token_ids == [7] and type(params.stop_token_ids[0]) is int
+    ids = [np.int64(5), np.int64(6), 7]
+    assert llada.generate([ids], params)[0].token_ids == llada.generate([[5, 6, 7]], params)[0].token_ids
+
+
+@pytest.mark.parametrize("prompts,msg", [
+    ([b"sort : a"], "a prompt is a string or a list of token ids, got bytes"),
+    (None, "prompts are a string, a list of token ids, or a list of those; got NoneType"),
+    ([[1, 2.5]], "a token-id prompt holds integers only, got float, int"),
+    ([np.array([1, 2])], r"got ndarray \(pass .tolist\(\)\)"),
+    (torch.tensor([1, 2]), r"got Tensor \(pass .tolist\(\)\)"),
+])
+def test_prompts_of_the_wrong_type_are_refused(llada, prompts, msg):
+    with pytest.raises(ValueError, match=msg):
+        llada.generate(prompts, SamplingParams(max_new_tokens=8, block_length=8))
+
+
+def test_params_must_be_sampling_params_and_stop_ids_in_the_vocabulary(llada):
+    with pytest.raises(ValueError, match=r"params must be a SamplingParams, got dict \(SamplingParams\(\*\*params\)\)"):
+        llada.generate([[1, 2]], {"max_new_tokens": 8})
+    vocab = llada.model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"stop_token_ids must be ids in \[0, {vocab}\)") as err:
+        llada.generate([[1, 2]], SamplingParams(max_new_tokens=8, block_length=8, stop_token_ids=[vocab]))
+    assert err.value.param == "stop_token_ids"
+    assert not llada.engine.has_work()
+
+
 def test_method_the_family_cannot_run(llada):
     with pytest.raises(ValueError, match="method 'block' cannot run on this model's attention pattern"):
         llada.generate([[1, 2]], SamplingParams(method="block", max_new_tokens=8, block_length=8))
@@ -135,6 +187,8 @@ def test_method_the_family_cannot_run(llada):
 def test_chat_needs_a_conversation(llada):
     with pytest.raises(ValueError, match="conversation is empty"):
         llada.chat([[]])
+    with pytest.raises(ValueError, match="a conversation is a list of messages"):
+        llada.chat("hello")
 
 
 @pytest.mark.parametrize("field,value", [

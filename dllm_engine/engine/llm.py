@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import time
 import weakref
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ from tqdm import tqdm
 from ..models import load_model
 from ..models.compiled import check_compile, compile_model
 from ..models.loader import parse_device, read_generation_config
-from ..sampling_params import SamplingParams, check_prompt, resolve_params
+from ..sampling_params import ParamError, SamplingParams, check_prompt, resolve_params
 from .engine import Engine
 from . import host_memory
 from .sequence import Sequence, SequenceStats, TokenIds
@@ -155,6 +156,9 @@ class LLM:
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+                             + (" (pass .tolist())" if hasattr(prompt, "tolist") else ""))
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt is empty")
@@ -169,9 +173,12 @@ class LLM:
         vocab = self.model.config.vocab_size
         if not ids:
             raise ValueError("prompt is empty")
-        if any((not isinstance(i, int)) or i < 0 or i >= vocab for i in ids):
+        if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+            raise ValueError("a token-id prompt holds integers only, got "
+                             + ", ".join(sorted({type(i).__name__ for i in ids})))
+        if any(i < 0 or i >= vocab for i in ids):
             raise ValueError(f"prompt has token ids outside [0, {vocab}), the model's vocabulary")
-        return ids
+        return [int(i) for i in ids]
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -191,6 +198,10 @@ class LLM:
         """``resolve``, then checked against a prompt of ``prompt_len`` tokens."""
         p = self.resolve(params)
         check_prompt(p, prompt_len, self.model.config.max_position_embeddings)
+        vocab = self.model.config.vocab_size
+        if any(i >= vocab for i in p.stop_token_ids):
+            raise ParamError("stop_token_ids", f"stop_token_ids must be ids in [0, {vocab}), the "
+                             f"model's vocabulary, got {list(p.stop_token_ids)}")
         return p
 
     def make_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -203,20 +214,33 @@ class LLM:
     # -- generation ------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
                  use_tqdm: bool = False) -> GenerateResult:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if not isinstance(prompts, (str, list, tuple)):
+            raise ValueError("prompts are a string, a list of token ids, or a list of those; got "
+                             + type(prompts).__name__ + (" (pass .tolist())" if hasattr(prompts, "tolist") else ""))
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
-        return self.run([self.encode(p) for p in prompts], params or SamplingParams(), use_tqdm)
+        return self.run([self.encode(p) for p in prompts], params, use_tqdm)
 
     def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool = False) -> GenerateResult:
+        if not isinstance(conversations, (list, tuple)) or not all(
+                isinstance(m, dict) or (isinstance(m, (list, tuple)) and all(isinstance(x, dict) for x in m))
+                for m in conversations):
+            raise ValueError("a conversation is a list of messages, {'role': ..., 'content': ...}; "
+                             "chat takes one conversation or a list of them")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self.run([self.check_ids(self.apply_chat_template(c)) for c in conversations],
-                        params or SamplingParams(), use_tqdm)
+                        params, use_tqdm)
 
-    def run(self, prompt_ids: list[list[int]], params: SamplingParams, use_tqdm: bool) -> GenerateResult:
+    def run(self, prompt_ids: list[list[int]], params: SamplingParams | None, use_tqdm: bool) -> GenerateResult:
         if not prompt_ids:
             raise ValueError("no prompts given")
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}"
+                             + (" (SamplingParams(**params))" if isinstance(params, dict) else ""))
         seqs = [self.make_sequence(ids, params) for ids in prompt_ids]  # validate all first
         start = time.perf_counter()
         try:
