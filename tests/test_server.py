@@ -302,6 +302,10 @@ BAD_COMPLETIONS = [
     ({"stop": ["", "x"]}, "stop", "non-empty"),
     ({"stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra", "unknown field"),
     ({"prompt": 5}, "prompt", "valid string"),
+    ({"echo": True}, "echo", "echo is not supported"),
+    ({"stop_token_ids": [96]}, "stop_token_ids", r"ids in \[0, 96\)"),
+    ({"stop_token_ids": [10**30]}, "stop_token_ids", "fit in 64 bits"),
+    ({"min_length": 10**30, "method": "dual-cache+adaptive-length"}, "min_length", "fit in 64 bits"),
 ]
 
 
@@ -503,6 +507,35 @@ def test_an_exception_in_one_request_fails_only_that_request(live, offline, monk
     for i in (0, 2, 3):
         assert results[i].choices[0].text == expected(offline, PROMPTS[i]).text
     assert httpx.get(live[0] + "/health").status_code == 200  # the loop survived
+    assert engine.running == [] and not engine.waiting
+
+
+def test_a_sequence_that_raises_after_its_counters_moved_fails_its_request(live, offline, monkeypatch):
+    """A sequence whose own advance raises once its step counter has moved looks advanced to
+    the replay; the engine marks it, so its request fails (not a request left open for ever,
+    its step failing again at every later one) and the others finish."""
+    from dllm_engine.engine.sequence import Sequence
+    stop_tensor = Sequence.stop_tensor  # read when a block is complete, after `step += 1`
+
+    def faulty(seq):
+        if seq.params.seed == 666:
+            raise RuntimeError("stop ids broken")
+        return stop_tensor(seq)
+
+    monkeypatch.setattr(Sequence, "stop_tensor", faulty)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=live[0], timeout=30) as c:
+            calls = [c.post("/v1/completions", json={"model": NAME, "prompt": p, "max_tokens": 16,
+                                                     "seed": 666 if i == 1 else 0})
+                     for i, p in enumerate(PROMPTS[:3])]
+            return await asyncio.gather(*calls)
+
+    results = asyncio.run(scenario())
+    assert results[1].status_code == 500 and "stop ids broken" in results[1].json()["error"]["message"]
+    for i in (0, 2):
+        assert results[i].json()["choices"][0]["text"] == expected(offline, PROMPTS[i]).text
+    engine = live[1].state.server.llm.engine
     assert engine.running == [] and not engine.waiting
 
 

@@ -141,16 +141,21 @@ class Engine:
         decided = self.decide_rows(pipeline, ready) if batched else None
         rule = partial(self.commit, pipeline=pipeline)
         # per sequence, in row order as before: a commit that raises leaves the rows before it
-        # advanced and the rest untouched (the server replays those alone)
+        # advanced and the rest untouched (the server replays those alone), and marks its own
+        # sequence, whose counters may have moved before it raised
         for k, (seq, positions, logits) in enumerate(ready):
-            if decided is None:
-                committed = pipeline.commit(seq, positions, logits, rule)
-            else:
-                committed, tokens, rows = decided[k]
-                if positions.numel():
-                    seq.commit(committed, tokens, rows)
-            pipeline.after_commit(seq, committed)
-            seq.advance()
+            try:
+                if decided is None:
+                    committed = pipeline.commit(seq, positions, logits, rule)
+                else:
+                    committed, tokens, rows = decided[k]
+                    if positions.numel():
+                        seq.commit(committed, tokens, rows)
+                pipeline.after_commit(seq, committed)
+                seq.advance()
+            except Exception as e:
+                seq.step_error = e
+                raise
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None = None
                ) -> Tensor:

@@ -97,6 +97,7 @@ class Sequence:
         self.committed_len = 0  # block diffusion: cache K/V are final below this position
         self.prefilled = False
         self.finished = False
+        self.step_error: Exception | None = None  # its own commit or advance raised (engine)
         self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
         self.stats = SequenceStats()
         self.start_time = 0.0

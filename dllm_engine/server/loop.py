@@ -244,10 +244,13 @@ class EngineLoop:
 
     def recover(self, before: dict, error: Exception) -> list[Sequence]:
         """Re-run, one at a time, the sequences the failed step did not advance; those that fail
-        alone are the faulty ones and fail their jobs; the others go on (a batch-invariant engine
-        gives them the same tokens)."""
+        alone are the faulty ones and fail their jobs, as does the one whose own commit raised;
+        the others go on (a batch-invariant engine gives them the same tokens)."""
         bad = []
         for seq in self.engine.running:
+            if seq.step_error is not None:
+                bad.append((seq, seq.step_error))
+                continue
             if progress(seq) != before.get(seq.seq_id, (0, 0, False)):
                 continue
             try:

@@ -45,7 +45,7 @@ MAX_N = 16  # choices per prompt
 # OpenAI fields a diffusion decoder has no use for: accepted (clients send them) and ignored
 COMMON_NO_OPS = ("presence_penalty", "frequency_penalty", "logit_bias", "user", "service_tier",
                  "store", "metadata")
-COMPLETION_NO_OPS = ("suffix", "echo", "best_of")
+COMPLETION_NO_OPS = ("suffix", "echo", "best_of")  # echo: false only
 CHAT_NO_OPS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
                "response_format", "modalities", "audio", "prediction", "reasoning_effort",
                "web_search_options")
@@ -128,11 +128,19 @@ class CompletionBase(RequestBase):
     logprobs: Optional[int] = Field(None, ge=0, le=5, description="logprobs of the output tokens "
                                     "and of the top N alternatives at each")
     suffix: Optional[str] = None  # accepted, ignored
-    echo: Optional[bool] = None  # accepted, ignored
+    echo: Optional[bool] = None  # false accepted; true refused (no prompt log-probabilities)
     best_of: Optional[int] = None  # accepted, ignored
 
     def logprobs_option(self) -> int | None:
         return self.logprobs
+
+    @field_validator("echo")
+    @classmethod
+    def check_echo(cls, value):
+        if value:  # a client scoring the prompt (lm-eval's log-likelihood) would read wrong numbers
+            raise ValueError("echo is not supported: log-probabilities cover the generated tokens "
+                             "only, never the prompt's")
+        return value
 
     @field_validator("prompt")
     @classmethod
