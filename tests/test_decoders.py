@@ -245,6 +245,22 @@ def test_sampling_draws_only_inside_top_k():
     assert set(sample_tokens(logits, 1.0, g).tolist()) >= {0, 1, 2, 3}  # without it, the tail is drawn too
 
 
+@pytest.mark.parametrize("temperature", [1e3, 1e30, 1e300])
+def test_a_huge_temperature_never_draws_an_excluded_token(temperature):
+    """(-log U) ** T under- and overflows at a large T; the draw stays among the allowed
+    tokens (the mask and what top-k leaves out have logit -inf), never a NaN's index."""
+    from dllm_engine.decoding import sample_tokens
+    logits = torch.randn(500, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    logits[:, 0] = -float("inf")  # the mask column
+    g = torch.Generator().manual_seed(0)
+    assert 0 not in set(sample_tokens(logits, temperature, g).tolist())
+    kept = set(sample_tokens(logits, temperature, g, top_k=2).tolist())
+    assert kept and all(t != 0 for t in kept)
+    top2 = logits.topk(2, dim=-1).indices
+    drawn = sample_tokens(logits, temperature, g, top_k=2)
+    assert bool((drawn[:, None] == top2).any(1).all())
+
+
 def test_a_commit_never_overwrites_or_writes_the_mask(llms):
     llm = llms["llada"]
     seq = llm.make_sequence([42, 13], SamplingParams(max_new_tokens=8, block_length=8))

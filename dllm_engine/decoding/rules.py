@@ -28,7 +28,10 @@ def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator
     logits64 = keep_top(logits.double(), temperature, top_k, top_p)
     u = torch.rand(logits64.shape, generator=generator, dtype=torch.float64, device=logits.device)
     gumbel = (-torch.log(u.clamp_min(1e-300))) ** temperature
-    return (logits64.exp() / gumbel).argmax(-1)
+    # at a large T the power under- or overflows (0 / 0, inf / inf): NaN, which argmax would
+    # take. A token with logit -inf (the mask, outside top-k / top-p) is never drawn
+    scores = (logits64.exp() / gumbel).nan_to_num(nan=0.0)
+    return scores.masked_fill(logits64 == -float("inf"), -1.0).argmax(-1)
 
 
 def keep_top(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
