@@ -122,10 +122,35 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def split_ints(text: str) -> list[int]:
+    """Comma-separated positive integers (batch sizes, concurrencies)."""
     try:
-        return [int(x) for x in text.split(",") if x]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def check_json_path(path: str | None) -> None:
+    """Refuse a ``--json`` path that cannot be written before a run's work, not after it."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"--json {path}: is a folder; give a file name")
+    if not target.parent.is_dir():
+        raise ValueError(f"--json {path}: folder {target.parent} does not exist")
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
@@ -145,6 +170,7 @@ def run_eval(args: argparse.Namespace) -> None:
     from .eval import evaluate
     from .tasks import resolve_tasks
     args.tasks = resolve_tasks(args.tasks)  # a typo fails before the model loads
+    check_json_path(args.json)
     set_threads(args.threads)
     given = sampling_params(args)  # bad options fail before the model loads
     llm = load_llm(args)
@@ -171,6 +197,7 @@ def run_chain_probe(args: argparse.Namespace) -> None:
     from .eval.chain_probe import chain_probe, probe_table
     from .tasks import load_split, resolve_tasks
     tasks = resolve_tasks(args.tasks)
+    check_json_path(args.json)
     set_threads(args.threads)
     rows = chain_probe(load_llm(args), load_split(tasks, limit=args.limit))
     print(f"model: {args.model}")
@@ -326,7 +353,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in the running batch")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting sequences before 429")
+    p.add_argument("--max-queue", type=non_negative_int, default=256, help="waiting sequences before 429")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM")

@@ -90,6 +90,10 @@ def cases(ckpt, tmp_path_factory) -> dict[str, tuple[list[str], str]]:
                                     "use --fixed-shapes here, and dllm bench --compile-step for its speed"),
         "replicas under tensor parallel": (["serve", str(ckpt), "--replicas", "2", "--tensor-parallel-size", "2"],
                                            "--tensor-parallel-size with --replicas is not supported"),
+        # an output that cannot be written fails before the run, not after it
+        "eval json into a missing folder": (["eval", *model, "--tasks", "sort", "--limit", "1", "--json",
+                                             "/nonexistent-dllm/x.json"], "folder /nonexistent-dllm does not exist"),
+        "chain-probe json is a folder": (["chain-probe", *model, "--json", str(ckpt)], "is a folder; give a file name"),
         # the spec fails before the (broken) weights are read: specs are checked first
         "bench spec before weights": (["bench", "--model", str(folders["truncated weights"]), "--methods",
                                        "block", "--out", "unused"], "spec 'block': method 'block' cannot run"),
@@ -140,7 +144,8 @@ CASES = [*BROKEN, "model is a file", "device tpu", "device cuda on a CPU build",
          "temperature NaN", "factor inf", "serve a default it cannot run", "two models to serve",
          "bench spec before weights", "tensor parallel does not divide", "profile under tensor parallel",
          "replicas under tensor parallel", "compile under tensor parallel",
-         "bench compile under tensor parallel", "compile step under tensor parallel", "profile a compiled step"]
+         "bench compile under tensor parallel", "compile step under tensor parallel", "profile a compiled step",
+         "eval json into a missing folder", "chain-probe json is a folder"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -149,6 +154,23 @@ def test_bad_input_in_process(argv_cases, capsys, name):
     argv, message = argv_cases[name]
     code = main(argv)
     check_one_error_line(code, *capsys.readouterr(), message)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--model", "m", "--methods", "dual-cache", "--out", "o", "--batch-sizes", "0"],
+     "argument --batch-sizes: expected comma-separated integers >= 1, got '0'"),
+    (["bench", "--model", "m", "--methods", "dual-cache", "--out", "o", "--batch-sizes", ","],
+     "argument --batch-sizes: expected comma-separated integers >= 1, got ','"),
+    (["bench", "serve", "--url", "http://x", "--concurrency", "-1"], "expected comma-separated integers >= 1"),
+    (["serve", "m", "--max-queue", "-1"], "argument --max-queue: expected an integer >= 0, got '-1'"),
+])
+def test_bad_numbers_are_refused_by_the_parser(capsys, argv, message):
+    """Before anything loads or is announced: argparse's usage line and one error line, exit 2."""
+    from dllm_engine.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2 and message in captured.err and captured.out == ""
 
 
 def test_version(capsys):
