@@ -107,7 +107,7 @@ def write_dream_bench_checkpoint(folder: str | Path) -> Path:
 
 def write_tp_bench_checkpoint(folder: str | Path) -> Path:
     """A random LLaDA-format model large enough that a CPU step is compute bound (d_model 1024,
-    8 layers, 16 heads, FFN 2816: 104M parameters, 415 MB in fp32): what the README's
+    8 layers, 16 heads, FFN 2816, vocabulary 96: 103M parameters, 412 MB in fp32): what the README's
     tensor-parallel table was measured on."""
     return write_checkpoint(Path(folder), "llada", hidden_size=1024, num_layers=8, num_heads=16,
                             num_kv_heads=16, intermediate_size=2816)
