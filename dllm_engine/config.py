@@ -5,7 +5,7 @@ dataclass, which is all the shared transformer stack reads.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -63,7 +63,6 @@ class ModelConfig:
     fused_qkv: bool = False  # one query_key_value projection (rows Q | K | V) instead of three
     attn_out_bias: bool = False  # bias on the attention output projection
     moe: MoEConfig | None = None  # None: every layer has the dense MLP
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:

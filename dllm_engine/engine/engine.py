@@ -69,9 +69,9 @@ class Engine:
     def pipeline(self, method: str) -> Pipeline:
         if not method:
             raise ValueError("the engine runs resolved methods only; pass SamplingParams through "
-                             "LLM.make_sequence (SamplingParams.resolve) first")
+                             "LLM.make_sequence (which resolves them with LLM.resolve) first")
         if method not in self.pipelines:
-            self.pipelines[method] = Pipeline(method.split("+")[1:], self.model)
+            self.pipelines[method] = Pipeline.named(method.split("+")[1:], self.model)
         return self.pipelines[method]
 
     def add(self, seq: Sequence) -> None:

@@ -142,9 +142,3 @@ class KVCacheView:
             raise ValueError(f"the KV pool has {self.cache.num_rows} rows, a view from row "
                              f"{self.rows.start} needs {rows}: arrange it with rows={rows}")
         return KVCacheView(self.cache, self.rows.start, self.rows.start + rows)
-
-    def k(self, layer: int) -> Tensor:
-        return self.cache.k[layer][self.rows]
-
-    def v(self, layer: int) -> Tensor:
-        return self.cache.v[layer][self.rows]

@@ -21,6 +21,7 @@ by rank 0 (``WorkerDied``) and the group is shut down; a worker whose rank 0 die
 from __future__ import annotations
 
 import io
+import logging
 import os
 import resource
 import sys
@@ -39,6 +40,8 @@ from ..models.loader import parse_device, read_config
 from ..models.parallel import Shard, check_shardable
 from .kv_cache import KVCache
 from .runner import Runner, StepInputs
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_S = float(os.environ.get("DLLM_TP_TIMEOUT", "300"))  # bound on every collective
 IDLE_TIMEOUT = timedelta(days=7)  # a worker waiting for rank 0's next step (rank 0 death ends it sooner)
@@ -239,13 +242,13 @@ class TensorParallel:
             try:
                 self.channel.send(("shutdown",))
             except Exception:  # a dead worker: nothing to tell it
-                pass
+                log.debug("tensor-parallel shutdown message not sent", exc_info=True)
         stop(self.procs)
         if self.owns_group and dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:
-                pass
+            except Exception:  # a peer already gone: the group ends with the process
+                log.debug("destroy_process_group failed", exc_info=True)
 
 
 # -- helpers shared by rank 0 and the workers ---------------------------------------------------
@@ -352,8 +355,8 @@ def worker_main(path: str, dtype: str, device: str, rank: int, size: int, port: 
     finally:
         try:
             dist.destroy_process_group()
-        except Exception:
-            pass
+        except Exception:  # rank 0 already gone: the group ends with the process
+            log.debug("destroy_process_group failed", exc_info=True)
 
 
 def serve_rank(path, dtype, device: torch.device, rank: int, size: int) -> None:

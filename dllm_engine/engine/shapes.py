@@ -12,8 +12,8 @@ never packs or splits rows, so the layer loop sees one signature per (B, T, S) b
 ``dual-cache`` a canvas step and a block step per canvas bucket, for ``block`` one per
 bucket of the block's end. The price is the padding's compute, which a GPU
 absorbs (the step is launch-bound at small batch) and a CPU pays in full; ``dllm profile``
-reports both the time and the shapes. Hooks that shrink the token set (FOCUS, early skip)
-still change shapes inside the forward: those forwards are fixed up to the shrink only.
+reports both the time and the shapes. Forwards whose hooks shrink the token set (FOCUS,
+early skip) change shapes inside the forward by data: they stay dynamic (``Runner.forward``).
 """
 from __future__ import annotations
 

@@ -16,5 +16,5 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                              sliding_window=None, use_sliding_window=False)
 
 
-FAMILY = Family("Dream", ("DreamModel",), config_from_hf, config_to_hf, qwen_checkpoint_name,
+FAMILY = Family("Dream", config_from_hf, config_to_hf, qwen_checkpoint_name,
                 FULL_ATTENTION_METHODS)

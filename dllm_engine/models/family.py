@@ -10,7 +10,6 @@ from ..config import ModelConfig
 @dataclass(frozen=True)
 class Family:
     model_type: str
-    architectures: tuple[str, ...]
     config_from_hf: Callable[[dict], ModelConfig]  # config.json -> ModelConfig
     config_to_hf: Callable[[ModelConfig], dict]  # ModelConfig -> config.json (real keys)
     checkpoint_name: Callable[[str], str]  # our module name -> the checkpoint's tensor name

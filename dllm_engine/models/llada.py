@@ -64,5 +64,5 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     }
 
 
-FAMILY = Family("llada", ("LLaDAModelLM",), config_from_hf, config_to_hf, checkpoint_name,
+FAMILY = Family("llada", config_from_hf, config_to_hf, checkpoint_name,
                 FULL_ATTENTION_METHODS)

@@ -84,5 +84,5 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         attention_dropout=0.0, use_sliding_window=False, **moe_to_hf(cfg.moe))
 
 
-FAMILY = Family("llada2_moe", ("LLaDA2MoeModelLM",), config_from_hf, config_to_hf, checkpoint_name,
+FAMILY = Family("llada2_moe", config_from_hf, config_to_hf, checkpoint_name,
                 BLOCK_METHODS)

@@ -145,7 +145,7 @@ def read_shard(folder: Path, model: DiffusionLM, family: Family) -> tuple[dict[s
                                  f"the config implies {full}")
             slices = getattr(param, "load_slices", None)
             state[ours] = read_slices(tensor_slice, slices, param.shape[0] if slices else None)
-            nbytes += read_bytes(state[ours], slices, tensor_slice.get_shape())
+            nbytes += read_bytes(state[ours], slices)
     return state, nbytes
 
 
@@ -162,7 +162,7 @@ def expected_names(model: DiffusionLM, family: Family) -> dict[str, str]:
     return {family.checkpoint_name(name): name for name in named_tensors(model)}
 
 
-def read_bytes(tensor: torch.Tensor, slices, full_shape: list[int]) -> int:
+def read_bytes(tensor: torch.Tensor, slices) -> int:
     """Bytes of ``tensor`` read from the file (zero padding rows excluded)."""
     if not slices or slices[0][0] != 0:
         return tensor.numel() * tensor.element_size()

@@ -18,5 +18,5 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                              attention_dropout=0.0, sliding_window=None, use_sliding_window=False)
 
 
-FAMILY = Family("sdar", ("SDARForCausalLM",), config_from_hf, config_to_hf, qwen_checkpoint_name,
+FAMILY = Family("sdar", config_from_hf, config_to_hf, qwen_checkpoint_name,
                 BLOCK_METHODS)
