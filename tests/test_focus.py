@@ -8,11 +8,11 @@ import torch
 
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.engine.kv_cache import KVCache
-from dllm_engine.models.context import ForwardContext
+from dllm_engine.models.context import ForwardContext, compact
 from dllm_engine.strategies.base import Pipeline
-from dllm_engine.strategies.focus import (DelayedCache, EvictionHooks, PredictorCounts, PredictorProbe,
+from dllm_engine.strategies.focus import (EvictionHooks, PredictorCounts, PredictorProbe,
                                           TokenEviction, apply_structure_rules, block_state, delayed_cache_ready, eviction_budget, keep_all_if_empty,
-                                          keep_left_neighbours, keep_placeholders, masked_importance, masked_view,
+                                          keep_left_neighbours, keep_placeholders, masked_importance,
                                           select_candidates, select_kept)
 from fixtures import write_checkpoint
 
@@ -92,7 +92,7 @@ def test_importance_matches_plain_reference_with_gqa_and_ragged_rows():
     masked[1, :] = True  # all masked
     masked[2, 5] = True  # a single token: importance = number of heads
     # row 3: nothing masked
-    index, valid = masked_view(masked, int(masked.sum(1).max()))
+    index, valid, _ = compact(masked)
     got = EvictionHooks.importance(q, k, index, valid)
     want = plain_importance(q, k, masked)
     for row in range(b):
@@ -323,10 +323,11 @@ def test_dual_cache_eviction_off_equals_plain_delayed_cache_sampler(llms, model_
 
 
 def test_delayed_cache_strategy_is_focus_without_eviction(llms):
+    """``block+delayed-cache`` (the paper's DC+ ablation) against a plain loop of its rule."""
     llm = llms["sdar"]
     ids = llm.token_ids
-    params = SamplingParams(method="block+focus", max_new_tokens=24, block_length=8, threshold=0.9)
-    out = run_with(llm, DelayedCache(llm.model), PROMPTS, params)
+    params = SamplingParams(method="block+delayed-cache", max_new_tokens=24, block_length=8, threshold=0.9)
+    out = llm.generate(PROMPTS, params)
     for prompt, o in zip(PROMPTS, out):
         want, processed = delayed_block_reference(llm.model, prompt, 24, 8, 0.9, ids.mask_id, sorted(ids.stop_ids))
         assert o.token_ids == want and o.stats.processed_tokens == processed
@@ -355,9 +356,7 @@ class RecordingEviction(TokenEviction):
 
 
 def run_with(llm, strategy, prompts, params):
-    pipeline = Pipeline([], llm.model)
-    pipeline.strategies = [strategy]
-    llm.engine.pipelines[params.method] = pipeline
+    llm.engine.pipelines[params.method] = Pipeline([strategy])
     try:
         return llm.generate(prompts, params)
     finally:
@@ -448,7 +447,7 @@ def test_probe_scores_the_selection_focus_makes_but_evicts_nothing(llms, model_t
     # the first step has the same inputs under both: the probe saw FOCUS's own selection
     assert sorted(focus.first.values()) == sorted(probe.first.values()) and len(probe.first) == len(PROMPTS)
     # ... and it evicted nothing: the delayed cache's tokens and work
-    delayed = run_with(llm, DelayedCache(llm.model), PROMPTS, params)
+    delayed = llm.generate(PROMPTS, params.replace(method=params.base_method + "+delayed-cache"))
     for a, b in zip(probed, delayed):
         assert a.token_ids == b.token_ids and a.stats.processed_tokens == b.stats.processed_tokens
     d = probed.diagnostics["focus-probe"].summary()

@@ -109,7 +109,7 @@ def test_strategies_run_in_stage_order_whatever_the_method_says(llms):
     a = llm.generate(PROMPTS, SamplingParams(method="dual-cache+jump-share+adaptive-length", **OPTIONS))
     b = llm.generate(PROMPTS, SamplingParams(method="dual-cache+adaptive-length+jump-share", **OPTIONS))
     assert [o.token_ids for o in a] == [o.token_ids for o in b] and a.stats.nfe == b.stats.nfe
-    names = [s.name for s in Pipeline(["jump-share", "adaptive-length"], llm.model).strategies]
+    names = [s.name for s in Pipeline.named(["jump-share", "adaptive-length"], llm.model).strategies]
     assert names == ["adaptive-length", "jump-share"]
 
 

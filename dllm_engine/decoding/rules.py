@@ -34,6 +34,18 @@ def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator
     return scores.masked_fill(logits64 == -float("inf"), -1.0).argmax(-1)
 
 
+def greedy_predictions(logits: Tensor, mask_id: int | Tensor) -> tuple[Tensor, Tensor]:
+    """(argmax token [N], its softmax probability [N]) of logits [N, V], in fp32 on a copy; the
+    mask (``mask_id``: one id, or [N] per row) is never a prediction."""
+    logits = logits.float().clone()
+    if isinstance(mask_id, Tensor):
+        logits.scatter_(1, mask_id[:, None], -float("inf"))
+    else:
+        logits[:, mask_id] = -float("inf")
+    conf, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
+    return tokens, conf
+
+
 def keep_top(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
     """logits [N, V] with -inf outside the top-k tokens and outside the smallest set whose
     probability under softmax(logits / T) reaches top_p (the most likely token always stays)."""

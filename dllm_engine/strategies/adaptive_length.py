@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..decoding.decoders import StepPlan
+from ..decoding.rules import greedy_predictions
 from ..engine.sequence import Sequence
 from .base import Strategy
 
@@ -87,7 +88,7 @@ class AdaptiveLength(Strategy):
         counts = [outputs[i][0].numel() for i in rows]
         owner = torch.cat([torch.full((n,), j, device=positions.device) for j, n in enumerate(counts)])
         mask_ids = torch.tensor([seqs[i].ids.mask_id for i in rows], device=positions.device)
-        tokens, conf = predictions(logits, mask_ids[owner])
+        tokens, conf = greedy_predictions(logits, mask_ids[owner])
         stop = first_stops(seqs, rows, positions, tokens, conf, owner, counts)
         is_commit = torch.cat([torch.isin(pos, seqs[i].strategy_state[KEY]["commit_positions"])
                                for i, pos in zip(rows, positions.split(counts))])
@@ -131,16 +132,6 @@ def first_stops(seqs: list[Sequence], rows: list[int], positions: Tensor, tokens
     stop &= (conf >= threshold[owner]) & (positions >= lowest[owner])
     first = torch.full((len(rows),), NO_STOP, dtype=torch.long, device=dev)
     return first.scatter_reduce(0, owner, torch.where(stop, positions, NO_STOP), "amin")
-
-
-def predictions(logits: Tensor, mask_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Argmax token [N] (a mask is never a prediction; ``mask_ids`` [N]: each row's) and its
-    softmax probability [N]."""
-    logits = logits.float().clone()
-    logits.scatter_(1, mask_ids[:, None], -float("inf"))
-    probs = torch.softmax(logits, dim=-1)
-    conf, tokens = probs.max(dim=-1)
-    return tokens, conf
 
 
 def cut_at(seq: Sequence, first: int) -> int | None:

@@ -142,12 +142,16 @@ class Pipeline:
     """The strategies of one method, applied in ``stage`` order (the method string's order does
     not matter: ``check_method`` refused the combinations where it would)."""
 
-    def __init__(self, names: list[str], model: DiffusionLM) -> None:
-        strategies = [strategy_class(n)(model) for n in names]
+    def __init__(self, strategies: list[Strategy]) -> None:
         self.strategies = sorted(strategies, key=lambda s: s.stage)
         self.owner = next((s for s in self.strategies if s.owns_commit), None)
         # some strategy reweighs the commit rule's confidences (``confidence``)
         self.adjusts_confidence = any(type(s).confidence is not Strategy.confidence for s in self.strategies)
+
+    @classmethod
+    def named(cls, names: list[str], model: DiffusionLM) -> "Pipeline":
+        """The pipeline of a method's strategy names (``dual-cache+early-skip`` -> early-skip)."""
+        return cls([strategy_class(n)(model) for n in names])
 
     def setup(self, seq: Sequence) -> None:
         for s in self.strategies:
@@ -163,11 +167,6 @@ class Pipeline:
         if len(hooks) > 1:  # check_method refuses such methods: reaching this is a bug
             raise RuntimeError("two strategies of one method returned layer hooks")
         return hooks[0] if hooks else None
-
-    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
-        for s in self.strategies:
-            positions, logits = s.after_forward(seq, positions, logits)
-        return positions, logits
 
     def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
                            ) -> list[tuple[Tensor, Tensor]]:

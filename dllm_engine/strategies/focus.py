@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..decoding.decoders import StepPlan
-from ..decoding.rules import confidence
+from ..decoding.rules import greedy_predictions
 from ..engine.sequence import Sequence
 from ..models.context import ForwardContext, Kept, compact
 from .base import Strategy, per_row
@@ -135,14 +135,6 @@ def delayed_cache_ready(is_committed: Tensor) -> Tensor:
     return is_committed & right
 
 
-def masked_view(candidate: Tensor, width: int) -> tuple[Tensor, Tensor]:
-    """(index [B, M] of each row's candidate tokens, in order, among its T tokens; valid [B, M])
-    for ``candidate`` [B, T] bool; ``width`` = M, the most candidates of a row (host)."""
-    order = torch.sort((~candidate).to(torch.int8), dim=1, stable=True).indices
-    valid = torch.arange(width, device=candidate.device)[None] < candidate.sum(1, keepdim=True)
-    return order[:, :width], valid
-
-
 # -- per-sequence state ----------------------------------------------------------------------
 @dataclass
 class FocusState:
@@ -236,10 +228,10 @@ class EvictionHooks:
     Everything a layer needs (the masked tokens' index, positions and history, the budgets) is
     computed before the layer loop; layer 1 reads the device once, for the kept width."""
 
-    def __init__(self, rows: BlockRows, width: int, budget: Tensor, evicting: list[bool],
+    def __init__(self, rows: BlockRows, num_masked: list[int], budget: Tensor, evicting: list[bool],
                  any_never: bool, states: list[FocusState], positions: Tensor) -> None:
         self.rows = rows
-        self.index, self.valid = masked_view(rows.candidate, width)  # [B, M]: the masked tokens
+        self.index, self.valid, _ = compact(rows.candidate, num_masked)  # [B, M]: the masked tokens
         self.positions = torch.gather(positions, 1, self.index)  # [B, M] their canvas positions
         self.never = torch.gather(rows.never, 1, self.index)  # [B, M]
         self.budget = budget  # [B]
@@ -343,7 +335,7 @@ class TokenEviction(Strategy):
         if not any(evicting):
             return None
         positions = torch.nn.utils.rnn.pad_sequence([p.positions for p in plans], batch_first=True)
-        return EvictionHooks(rows, max(num_masked), budget.to(positions.device), evicting, any(num_never),
+        return EvictionHooks(rows, num_masked, budget.to(positions.device), evicting, any(num_never),
                              states, positions)
 
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
@@ -440,9 +432,7 @@ class PredictorProbe(TokenEviction):
         if would is not None:
             masked, kept = would
             row = {p: i for i, p in enumerate(positions.tolist())}
-            picked = logits[[row[p] for p in masked.tolist()]]  # a copy
-            picked[:, seq.ids.mask_id] = -float("inf")
-            conf = confidence(picked, picked.argmax(dim=-1), "low_confidence", None)
+            _, conf = greedy_predictions(logits[[row[p] for p in masked.tolist()]], seq.ids.mask_id)
             threshold = seq.params.threshold if seq.params.threshold is not None else 0.9
             seq.strategy_state[self.name].add(conf, kept, threshold)
         return positions, logits

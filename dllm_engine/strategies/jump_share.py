@@ -51,6 +51,7 @@ from torch import Tensor
 
 from ..decoding import confidence, sample_tokens
 from ..decoding.decoders import StepPlan, select, select_rows, threshold_rule
+from ..decoding.rules import greedy_predictions
 from ..engine.sequence import Sequence
 from .base import CommitRule, Strategy
 
@@ -210,9 +211,7 @@ def argmax_drafts(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Ten
     """Drafts from a base step: argmax token and its probability at the block's positions."""
     start, end = seq.block
     inside = (positions >= start) & (positions < end)
-    rows = logits[inside].float().clone()
-    rows[:, seq.ids.mask_id] = -float("inf")
-    conf, tokens = torch.softmax(rows, dim=-1).max(dim=-1)
+    tokens, conf = greedy_predictions(logits[inside], seq.ids.mask_id)
     return ranked(positions[inside], tokens, conf)
 
 
