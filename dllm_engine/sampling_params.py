@@ -24,7 +24,8 @@ MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 # resolved as a whole: `reference` is LLaDA's fixed-step sampler (steps = block_length: one token
 # per step); every other decoder commits by threshold DEFAULT_THRESHOLD (Fast-dLLM's parallel
 # decoding, SDAR's low_confidence_dynamic).
-DEFAULTS = {"max_new_tokens": 128, "block_length": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+DEFAULTS = {"max_new_tokens": 128, "block_length": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+            "seed": 0}
 DEFAULT_THRESHOLD = 0.9
 FIXED_STEP_METHODS = ("reference",)
 COMMIT_FIELDS = ("threshold", "factor", "steps")
@@ -55,7 +56,7 @@ class SamplingParams:
     remasking: str = "low_confidence"
     unmasking: str | None = None  # block: low_confidence_dynamic (with threshold) | low_confidence_static
     cfg_scale: float = 0.0
-    seed: int = 0
+    seed: int | None = None  # None: 0 offline (reproducible); the server draws one per request
     stop_token_ids: list[int] = field(default_factory=list)
     # end a sequence after a finished block that holds a stop token. None = the decoder's own
     # behaviour: SDAR-style `block` and `adaptive-length` stop (SPEC §3, §6); LLaDA's generate.py and
@@ -148,7 +149,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ParamError(name, f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
+        if self.seed is not None and not 0 <= self.seed < MAX_SEED:
             raise ParamError("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     def check_commit_rule(self) -> None:
@@ -310,7 +311,7 @@ def resolve_params(params: SamplingParams, methods: tuple[str, ...],
     anything this model cannot run."""
     gen = generation_defaults(generation_config)
     filled = {k: gen.get(k, DEFAULTS.get(k)) for k in ("max_new_tokens", "block_length", "temperature",
-                                                       "top_p", "top_k") if getattr(params, k) is None}
+                                                       "top_p", "top_k", "seed") if getattr(params, k) is None}
     p = params.replace(method=params.method or gen.get("method") or default_method(methods), **filled)
     p = p.replace(**resolve_commit_rule(p, gen))
     check_against_model(p, methods, logit_shift)

@@ -243,6 +243,9 @@ def test_models_and_health(client, live):
     models = client.models.list().data
     assert [m.id for m in models] == [NAME]
     assert models[0].model_extra["default_method"] == "dual-cache"
+    assert client.models.retrieve(NAME).id == NAME  # GET /v1/models/{model}
+    r = httpx.get(live[0] + "/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     r = httpx.get(live[0] + "/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
 
@@ -380,11 +383,15 @@ def test_logprobs_of_the_committed_tokens(client, offline):
     assert lp.token_logprobs == pytest.approx([x[0] for x in want.logprobs])
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 2 and chosen == pytest.approx(max(top.values()))  # greedy: the argmax
+    # each token's text is what it adds to the answer (spaces included): they join to the text
+    assert "".join(lp.tokens) == got.choices[0].text and len(set(lp.tokens)) > 1
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(t in top for t, top in zip(lp.tokens, lp.top_logprobs))  # the chosen one is the top
     chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "sort : c b a"}],
                                           logprobs=True, top_logprobs=1, max_tokens=16)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
     assert all(c.bytes == list(c.token.encode()) and c.logprob <= 0 and len(c.top_logprobs) == 1
                for c in content)
     assert client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16).choices[0].logprobs is None
@@ -401,6 +408,27 @@ def test_n_choices_are_n_sequences_with_consecutive_seeds(client, offline):
         prompt, j = [PROMPTS[0], PROMPTS[3]][c.index // 3], c.index % 3
         assert c.text == expected(offline, prompt, temperature=1.0, seed=7 + j).text
     assert len({c.text for c in got.choices[:3]}) > 1  # different seeds, different samples
+    # each prompt's tokens count once, however many choices sample it (as OpenAI counts them)
+    prompt_tokens = sum(len(offline.encode(p)) for p in (PROMPTS[0], PROMPTS[3]))
+    assert got.usage.prompt_tokens == prompt_tokens
+    assert got.usage.total_tokens == prompt_tokens + got.usage.completion_tokens
+    streamed = list(client.completions.create(model=NAME, prompt=[PROMPTS[0], PROMPTS[3]], max_tokens=16,
+                                              n=3, temperature=1.0, seed=7, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens == prompt_tokens
+
+
+def test_a_request_without_a_seed_samples_with_a_fresh_one(client, offline, monkeypatch):
+    """As OpenAI: unseeded requests are independent samples (the server draws each a seed);
+    a seeded one is reproducible, and offline generation defaults to seed 0."""
+    from dllm_engine.server import app as app_module
+    drawn = iter([11, 12])
+    monkeypatch.setattr(app_module.secrets, "randbelow", lambda bound: next(drawn))
+    texts = [client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=5.0)
+             .choices[0].text for _ in range(2)]
+    assert texts == [expected(offline, PROMPTS[1], temperature=5.0, seed=s).text for s in (11, 12)]
+    assert texts[0] != texts[1]
+    assert offline.resolve(SamplingParams()).seed == 0
 
 
 def test_max_tokens_need_not_divide_by_the_block_length(client, offline):
@@ -429,6 +457,24 @@ def test_api_key_is_checked_on_the_api_routes(ckpt):
         assert c.get("/health").status_code == 200  # probes need no key
         r = c.post("/v1/completions", json=SHORT, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_with_an_api_key_an_abandoned_request_is_still_cancelled(ckpt):
+    """The key check must not hide the client's disconnect from the handler (Starlette's
+    function middleware does): a non-streaming request whose client goes away is cancelled."""
+    key = {"Authorization": "Bearer s3cret"}
+    with serving(LLM(ckpt, max_num_seqs=1), defaults=DEFAULTS, api_key="s3cret") as (url, _):
+        async def scenario():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+                running = asyncio.create_task(c.post("/v1/completions", json=LONG, headers=key))
+                await wait_for_metric(c, "running_sequences", 1)
+                running.cancel()  # the client goes away: its connection closes
+                await wait_for_metric(c, "running_sequences", 0)
+                r = await c.post("/v1/completions", json=SHORT, headers=key)
+                assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+        asyncio.run(scenario())
+        assert metric(url, "requests_total", '{status="cancelled"}') == 1
 
 
 # -- limits and faults ----------------------------------------------------------------------------

@@ -102,9 +102,10 @@ class DllmLM(LM):
         spec = parse_spec(method or "", **fields)
         # resolved once to fail before any request; the other fields stay unset, so a task's
         # max_gen_toks can still apply (make_sequence resolves each request)
-        self.params = spec.replace(method=self.llm.resolve(spec).method)
+        resolved = self.llm.resolve(spec)
+        self.params = spec.replace(method=resolved.method)
         self.likelihood = LikelihoodConfig(int(mc_num), int(mc_batch), float(mc_cfg_scale),
-                                           seed=self.params.seed)
+                                           seed=resolved.seed)
         self.check_greedy = bool(check_greedy)
         self.stats_path = Path(stats_path) if stats_path else None
         self.stats = RunStats()

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm import LLM
-from ..sampling_params import SamplingParams
+from ..sampling_params import MAX_SEED, SamplingParams
 from .engine_client import EngineClient, GenerateRequest, InProcessEngine
 from .loop import Event
 from .metrics import Metrics
@@ -64,6 +64,8 @@ class Server:
                            "use stop_token_ids", "stop")
         try:
             params = self.defaults.replace(**body.sampling_overrides())
+            if params.seed is None:  # as OpenAI: a request without a seed gets a fresh sample
+                params = params.replace(seed=secrets.randbelow(MAX_SEED))
             for ids in prompts:
                 self.llm.resolve_params(params, len(ids))
         except ValueError as e:
@@ -94,7 +96,7 @@ class Server:
             await anext(events)  # admitted, or the engine's 429 / 503 as this response's status
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return StreamingResponse(self.stream(events, start, rid, chat, include_usage, len(prompts) * body.n),
+                return StreamingResponse(self.stream(events, start, rid, chat, include_usage, len(prompts), body.n),
                                          media_type="text/event-stream")
             results = [ev.result async for ev in events if ev.result]
         except ClientGone:
@@ -106,7 +108,7 @@ class Server:
         results.sort(key=lambda r: r.index)
         self.finished(start, 200)
         build = chat_body if chat else completion_body
-        return JSONResponse(build(rid, self.model_name, now(), results))
+        return JSONResponse(build(rid, self.model_name, now(), results, body.n))
 
     async def events(self, req: GenerateRequest, request: Request) -> AsyncIterator[Event]:
         """The engine's events for ``req``, ending with the last choice's result; raises an error
@@ -133,7 +135,7 @@ class Server:
             await source.aclose()  # a request still running is cancelled
 
     async def stream(self, events: AsyncIterator[Event], start: float, rid: str, chat: bool,
-                     include_usage: bool, num_choices: int) -> AsyncIterator[str]:
+                     include_usage: bool, num_prompts: int, n: int) -> AsyncIterator[str]:
         """SSE: committed text as blocks finish, a final chunk per choice, [DONE]."""
         created, results, status, first = now(), [], "cancelled", True
 
@@ -148,7 +150,7 @@ class Server:
 
         try:
             if chat:
-                for i in range(num_choices):
+                for i in range(num_prompts * n):
                     yield chunk(i, "", None, role=True)
             async with aclosing(events):
                 async for event in events:
@@ -165,7 +167,7 @@ class Server:
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                            "created": created, "model": self.model_name, "choices": [],
-                           "usage": usage(results)})
+                           "usage": usage(results, n)})
             yield sse("[DONE]")
             status = 200
         except ApiError as e:
@@ -220,18 +222,28 @@ def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str
 
 
 def add_api_key_check(app: FastAPI, api_key: str, metrics: Metrics) -> None:
-    expected = f"Bearer {api_key}".encode()
+    app.add_middleware(ApiKeyCheck, expected=f"Bearer {api_key}".encode(), metrics=metrics)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        given = request.headers.get("authorization", "").encode()
-        if request.url.path.startswith("/v1/") and not secrets.compare_digest(given, expected):
-            metrics.count_request(401)
-            err = ApiError(401, "missing or wrong API key: send the header `Authorization: Bearer "
-                           "<key>` with the key the server was started with (--api-key)",
-                           kind="authentication_error")
-            return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+
+class ApiKeyCheck:
+    """/v1/* requires the key. A plain ASGI middleware: Starlette's ``@app.middleware`` wraps the
+    request so that a handler no longer sees its client disconnect, and an abandoned
+    non-streaming request would run to its end."""
+
+    def __init__(self, app, expected: bytes, metrics: Metrics) -> None:
+        self.app, self.expected, self.metrics = app, expected, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not secrets.compare_digest(given, self.expected):
+                self.metrics.count_request(401)
+                err = ApiError(401, "missing or wrong API key: send the header `Authorization: "
+                               "Bearer <key>` with the key the server was started with (--api-key)",
+                               kind="authentication_error")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
@@ -276,6 +288,11 @@ def add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/v1/models")
     async def models() -> dict:
         return server.models()
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        server.check_model(model)
+        return server.models()["data"][0]
 
     @app.get("/health")
     async def health() -> JSONResponse:

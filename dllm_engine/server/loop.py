@@ -24,6 +24,7 @@ from .metrics import Metrics
 from .protocol import ApiError, ChoiceResult, TokenLogprob
 
 log = logging.getLogger("dllm_engine.server")
+PIECE_CONTEXT = 4  # tokens decoded before one to find the text it adds (its leading space)
 
 
 @dataclass
@@ -307,15 +308,30 @@ class EngineLoop:
         track.job.emit(Event(track.index, result=result))
 
     def token_logprobs(self, seq: Sequence, ids: list[int]) -> list[TokenLogprob] | None:
-        """The request's output tokens as text with their logprobs (None unless asked)."""
+        """The request's output tokens as text with their logprobs (None unless asked). Each
+        token's text is what it adds after the tokens before it (a word's leading space
+        included), so the tokens join to the answer's text; its alternatives likewise."""
         if seq.params.logprobs is None:
             return None
-        return [TokenLogprob(self.decode([tok]), lp, [(self.decode([t]), v) for t, v in zip(top, values)])
-                for tok, (lp, top, values) in zip(ids, seq.output_logprobs(len(ids)))]
+        out = []
+        with self.tokenizer_lock:
+            for i, (tok, (lp, top, values)) in enumerate(zip(ids, seq.output_logprobs(len(ids)))):
+                context = ids[max(0, i - PIECE_CONTEXT):i]
+                before = self.text_of(context)
+                out.append(TokenLogprob(self.piece(context, before, tok), lp,
+                                        [(self.piece(context, before, t), v) for t, v in zip(top, values)]))
+        return out
+
+    def piece(self, context: list[int], before: str, tok: int) -> str:
+        """The text ``tok`` adds after ``context`` (whose text is ``before``); the token alone
+        where the two texts do not extend each other (a multi-byte character split)."""
+        after = self.text_of(context + [tok])
+        return after[len(before):] if after.startswith(before) else self.text_of([tok])
+
+    def text_of(self, ids: list[int]) -> str:
+        tok = self.llm.tokenizer
+        return "" if tok is None else tok.decode(ids, skip_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
-        tok = self.llm.tokenizer
-        if tok is None:
-            return ""
         with self.tokenizer_lock:
-            return tok.decode(ids, skip_special_tokens=True)
+            return self.text_of(ids)

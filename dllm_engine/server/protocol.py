@@ -289,10 +289,11 @@ def chat_logprobs(items: list[TokenLogprob] | None) -> dict | None:
                         for t in items]}
 
 
-def usage(results: list[ChoiceResult]) -> dict:
-    """OpenAI usage plus the SPEC §1 stats, summed over the request's choices."""
+def usage(results: list[ChoiceResult], n: int = 1) -> dict:
+    """OpenAI usage plus the SPEC §1 stats, summed over the request's choices; each prompt's
+    tokens count once however many (``n``) choices sample it, as OpenAI counts them."""
     stats = SequenceStats.total([r.stats for r in results], 0.0)
-    prompt = sum(r.prompt_tokens for r in results)
+    prompt = sum(r.prompt_tokens for r in results if r.index % n == 0)
     completion = sum(r.completion_tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion, "nfe": stats.nfe,
@@ -305,16 +306,17 @@ def envelope(request_id: str, model: str, obj: str, created: int, choices: list[
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
 
 
-def completion_body(request_id: str, model: str, created: int, results: list[ChoiceResult]) -> dict:
+def completion_body(request_id: str, model: str, created: int, results: list[ChoiceResult],
+                    n: int = 1) -> dict:
     choices = [{"index": r.index, "text": r.text, "finish_reason": r.finish_reason,
                 "logprobs": completion_logprobs(r.logprobs)} for r in results]
-    return {**envelope(request_id, model, "text_completion", created, choices), "usage": usage(results)}
+    return {**envelope(request_id, model, "text_completion", created, choices), "usage": usage(results, n)}
 
 
-def chat_body(request_id: str, model: str, created: int, results: list[ChoiceResult]) -> dict:
+def chat_body(request_id: str, model: str, created: int, results: list[ChoiceResult], n: int = 1) -> dict:
     choices = [{"index": r.index, "message": {"role": "assistant", "content": r.text},
                 "finish_reason": r.finish_reason, "logprobs": chat_logprobs(r.logprobs)} for r in results]
-    return {**envelope(request_id, model, "chat.completion", created, choices), "usage": usage(results)}
+    return {**envelope(request_id, model, "chat.completion", created, choices), "usage": usage(results, n)}
 
 
 def completion_chunk(request_id: str, model: str, created: int, index: int, text: str,
