@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..engine.sequence import Sequence
+from ..sampling_params import SamplingParams
 from .rules import factor_select, threshold_select, topk_select
 
 
@@ -99,22 +100,23 @@ def cache_len(seq: Sequence) -> int:
 
 
 def select(seq: Sequence, conf: Tensor) -> Tensor:
-    """bool [N] over the candidate positions: which to commit this step."""
-    p = seq.params
-    if p.base_method != "block" and p.threshold is not None:
-        return threshold_select(conf, p.threshold, min_k=1)  # the fixed-k share is not needed
-    k = seq.tokens_this_step()
-    if p.base_method == "block":
-        if p.unmasking == "low_confidence_static":
-            return topk_select(conf, max(k, 1))
-        return threshold_select(conf, p.threshold, min_k=max(k, 1))
-    if p.factor is not None:
-        return factor_select(conf, p.factor)
-    return topk_select(conf, k)
+    """bool [N] over the candidate positions: which to commit this step (``threshold_rule``)."""
+    rule = threshold_rule(seq)
+    if rule is None:
+        return factor_select(conf, seq.params.factor)
+    threshold, k = rule
+    if threshold == math.inf:
+        return topk_select(conf, k)
+    return threshold_select(conf, threshold, min_k=k)
+
+
+def uses_factor(p: SamplingParams) -> bool:
+    """Fast-dLLM's factor rule decides the commit (a full-attention decoder, no threshold)."""
+    return p.base_method != "block" and p.threshold is None and p.factor is not None
 
 
 def threshold_rule(seq: Sequence) -> tuple[float, int] | None:
-    """``select``'s rule for ``seq`` as (threshold, min_k): every candidate with confidence >=
+    """The commit rule of ``seq`` as (threshold, min_k): every candidate with confidence >=
     threshold, or the top min_k when fewer pass (a top-k rule is threshold inf); None for the
     factor rule."""
     p = seq.params
@@ -122,8 +124,8 @@ def threshold_rule(seq: Sequence) -> tuple[float, int] | None:
         k = max(seq.tokens_this_step(), 1)
         return (math.inf, k) if p.unmasking == "low_confidence_static" else (p.threshold, k)
     if p.threshold is not None:
-        return p.threshold, 1
-    if p.factor is not None:
+        return p.threshold, 1  # the fixed-k share is not needed
+    if uses_factor(p):
         return None
     return math.inf, seq.tokens_this_step()
 

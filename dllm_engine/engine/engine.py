@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from ..decoding import confidence, sample_tokens
-from ..decoding.decoders import cache_len, guided_logits, plan_step, select, select_rows, threshold_rule
+from ..decoding.decoders import (cache_len, guided_logits, plan_step, select, select_rows, threshold_rule,
+                                 uses_factor)
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
 from .kv_cache import KVCache
@@ -35,8 +36,7 @@ def batched_rule(seq: Sequence) -> bool:
     """Whether ``Engine.decide_rows`` gives ``seq`` its own rule: greedy, confidence = the
     probability of the argmax, a threshold or top-k rule (not factor), one mask id."""
     p = seq.params
-    return (p.temperature == 0 and p.remasking in ("low_confidence", "maskgit_plus")
-            and not (p.base_method != "block" and p.threshold is None and p.factor is not None))
+    return p.temperature == 0 and p.remasking in ("low_confidence", "maskgit_plus") and not uses_factor(p)
 
 
 class Engine:

@@ -21,14 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .layers import MLP, DiffusionLM, RMSNorm
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm.forward as a function of its weight (fp32 normalisation, cast back, scale)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+from .layers import MLP, DiffusionLM, RMSNorm, rms_norm
 
 
 def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:

@@ -16,6 +16,14 @@ from .parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, 
                        VocabParallelEmbedding, kv_heads_of)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Normalise in fp32, cast back, then scale (LLaDA and Qwen agree on this order); also the
+    function ``--compile`` compiles (``models/compiled.py``)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -23,10 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # normalise in fp32, cast back, then scale (LLaDA and Qwen agree on this order)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float) -> tuple[Tensor, Tensor]:
