@@ -78,6 +78,10 @@ class Sequence:
 
     def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, ids: TokenIds,
                  device: torch.device | str = "cpu") -> None:
+        unresolved = [f for f in ("method", "max_new_tokens", "block_length", "seed") if getattr(params, f) is None]
+        if unresolved:
+            raise ValueError(f"a Sequence takes resolved SamplingParams ({', '.join(unresolved)} unset); "
+                             "LLM.make_sequence resolves them")
         self.seq_id = seq_id
         self.params = params
         self.ids = ids
