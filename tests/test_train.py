@@ -196,3 +196,200 @@ def test_grow_vocab_keeps_old_rows_and_fresh_new_ones():
         assert out[name].shape == (5, 4)
         assert (out[name][:3] == 1).all() and (out[name][3:] == 0).all()
     assert out["norm.weight"] is old["norm.weight"]
+
+
+# -- robustness: signals, resume with other settings, export into a stale folder -----------------
+TINY_MODEL = {k: TINY[k] for k in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "warmup")}
+
+
+class Unhandled(Exception):
+    pass
+
+
+@pytest.fixture
+def guarded_signals():
+    """SIGINT / SIGTERM raise Unhandled unless the code under test handles them; the test's
+    handler is back afterwards."""
+    import signal
+
+    def unhandled(signum, frame):
+        raise Unhandled(signal.Signals(signum).name)
+    previous = {s: signal.signal(s, unhandled) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield unhandled
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
+def test_sigint_finishes_the_step_saves_and_resumes_exactly(tmp_path, guarded_signals):
+    import os
+    import signal
+    from dllm_engine.train.trainer import Interrupted
+    whole = trainer(tmp_path, name="whole")
+    whole.train()
+    first = trainer(tmp_path, name="split", save_every=50)  # no periodic save before the signal
+    real_step = first.train_step
+
+    def ctrl_c_in_step_2(step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(step)
+    first.train_step = ctrl_c_in_step_2
+    with pytest.raises(Interrupted) as info:
+        first.train()
+    assert signal.getsignal(signal.SIGINT) is guarded_signals  # library use keeps no handler
+    assert signal.getsignal(signal.SIGTERM) is guarded_signals
+    assert info.value.exit_code == 130
+    assert str(info.value) == (f"interrupted at step 3; state saved to {tmp_path / 'split'}; "
+                               f"rerun the same command to resume")
+    assert torch.load(tmp_path / "split" / "state.pt", weights_only=True)["step"] == 3
+    assert not (tmp_path / "split-out").exists()
+    trainer(tmp_path, name="split", save_every=50).train()  # save_every may change on resume
+    resumed = LLM(tmp_path / "split-out").model.state_dict()
+    for n, a in whole.model.state_dict().items():
+        assert torch.allclose(a, resumed[n], atol=1e-6), n
+    steps = [json.loads(l)["step"] for l in (tmp_path / "split" / "loss.jsonl").read_text().splitlines()]
+    assert steps == list(range(6))
+
+
+def test_cli_sigterm_exits_143_saves_and_resumes(tmp_path, capsys, monkeypatch, guarded_signals):
+    import functools
+    import os
+    import signal
+    import dllm_engine.train as train
+    from dllm_engine.cli import main
+    monkeypatch.setattr(train, "TrainConfig", functools.partial(TrainConfig, **TINY_MODEL))
+    real_step = Trainer.train_step
+
+    def term_in_step_1(self, step):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self, step)
+    monkeypatch.setattr(Trainer, "train_step", term_in_step_1)
+    work = tmp_path / "w"
+    cmd = ["train", "--family", "sdar", "--out", str(tmp_path / "o"), "--work", str(work),
+           "--steps", "3", "--batch-size", "2", "--num-kv-heads", "2", "--block-size", "8",
+           "--save-every", "50"]
+    with pytest.raises(SystemExit) as info:
+        main(cmd)
+    assert info.value.code == 143
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "checkpoint written" not in out
+    assert err.strip().splitlines()[-1] == (f"interrupted at step 2; state saved to {work}; "
+                                            f"rerun the same command to resume")
+    assert signal.getsignal(signal.SIGTERM) is guarded_signals
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert main([*cmd[:-2], "--lr", "1e-3"]) == 2  # other settings: refused, one line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "lr 0.002 (saved) vs 0.001 (now)" in err[0]
+    assert main([*cmd[:-1], "7"]) == 0  # the same command (another --save-every) resumes
+    assert f"checkpoint written to {tmp_path / 'o'}" in capsys.readouterr().out
+    steps = [json.loads(l)["step"] for l in (work / "loss.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+    assert main([*cmd[:-1], "0"]) == 2
+    assert "save_every must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_resume_refuses_other_model_or_training_settings(tmp_path):
+    trainer(tmp_path, steps=2).train()
+    log = (tmp_path / "run" / "loss.jsonl").read_text()
+    with pytest.raises(ValueError) as info:
+        trainer(tmp_path, steps=2, hidden_size=48, block_size=16).train()
+    msg = str(info.value)
+    for diff in ("hidden_size 32 (saved) vs 48 (now)", "block_size 8 (saved) vs 16 (now)"):
+        assert diff in msg
+    with pytest.raises(ValueError) as info:
+        trainer(tmp_path, steps=2, lr=1e-3, seed=5, task_mix={"lookup": 2}).train()
+    msg = str(info.value)
+    for diff in ("lr 0.002 (saved) vs 0.001 (now)", "seed 0 (saved) vs 5 (now)",
+                 "task_mix None (saved) vs {'lookup': 2} (now)"):
+        assert diff in msg
+    assert msg.count("(saved) vs") == 3  # the model's settings are the same
+    with pytest.raises(ValueError, match="family llada .saved. vs sdar .now."):
+        trainer(tmp_path, family="sdar", steps=2).export_saved()
+    assert (tmp_path / "run" / "loss.jsonl").read_text() == log  # a refused resume changes nothing
+    # exporting needs the same model only; extending the run, saving elsewhere or more often is fine
+    trainer(tmp_path, steps=2, lr=1e-3).export_saved()
+    t = trainer(tmp_path, steps=3, save_every=1, max_new_tokens=64, name="run")
+    t.cfg.out = str(tmp_path / "longer-out")
+    t.train()
+    assert t.step == 3 and (tmp_path / "longer-out" / "model.safetensors").is_file()
+
+
+def test_export_replaces_a_stale_sharded_checkpoint_and_keeps_other_files(tmp_path):
+    from dllm_engine.models import save_model
+    from dllm_engine.models.loader import INDEX_FILE
+    t = trainer(tmp_path, steps=2)
+    out = tmp_path / "run-out"
+    save_model(t.model, out, t.family, max_shard_bytes=20_000)  # an older, sharded export
+    assert (out / INDEX_FILE).is_file()
+    (out / "README.md").write_text("model card\n")
+    assert t.train() == out
+    names = sorted(p.name for p in out.iterdir())
+    assert INDEX_FILE not in names and not [n for n in names if n.startswith("model-")]
+    assert (out / "README.md").read_text() == "model card\n"
+    exported = LLM(out).model.state_dict()
+    for n, a in t.model.state_dict().items():
+        assert torch.equal(a, exported[n]), n
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "run-out"]  # no temporary folder left
+
+
+def test_a_failed_export_keeps_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    import dllm_engine.train.trainer as trainer_module
+    t = trainer(tmp_path, steps=2)
+    out = t.train()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with torch.no_grad():
+        for p in t.model.parameters():
+            p.add_(1.0)
+
+    def disk_full(*args):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(trainer_module, "save_tokenizer", disk_full)  # fails after the weights
+    with pytest.raises(OSError, match="No space left"):
+        t.export()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "run-out"]
+
+
+def test_save_model_drops_stale_weight_files(tmp_path):
+    from dllm_engine.models import load_model, save_model
+    t = trainer(tmp_path)
+    save_model(t.model, tmp_path / "ckpt", t.family, max_shard_bytes=20_000)
+    with torch.no_grad():
+        t.model.norm.weight.add_(1.0)
+    save_model(t.model, tmp_path / "ckpt", t.family)  # unsharded over the sharded one
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors*")) == ["model.safetensors"]
+    assert torch.equal(load_model(tmp_path / "ckpt").norm.weight, t.model.norm.weight)
+
+
+def test_a_second_signal_stops_at_once_and_threads_train_without_handlers(tmp_path, guarded_signals):
+    import os
+    import signal
+    import threading
+    from dllm_engine.train.trainer import Interrupted
+    t = trainer(tmp_path)  # save_every=2
+    real_step = t.train_step
+
+    def ctrl_c_twice_in_step_3(step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(step)
+    t.train_step = ctrl_c_twice_in_step_3
+    with pytest.raises(Interrupted) as info:
+        t.train()
+    assert str(info.value) == (f"interrupted again; the state of step 2 is kept in {tmp_path / 'run'}; "
+                               f"rerun the same command to resume")
+    assert signal.getsignal(signal.SIGINT) is guarded_signals
+    assert torch.load(tmp_path / "run" / "state.pt", weights_only=True)["step"] == 2
+    results = []
+    worker = threading.Thread(target=lambda: results.append(trainer(tmp_path, steps=3).train()))
+    worker.start()
+    worker.join(timeout=120)
+    assert results == [tmp_path / "run-out"]  # signal handlers are the main thread's: none installed
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # an ignored signal stays ignored
+    t = trainer(tmp_path, steps=4)
+    real_step = t.train_step
+    t.train_step = lambda step: (os.kill(os.getpid(), signal.SIGTERM), real_step(step))[1]
+    assert t.train() == tmp_path / "run-out" and t.step == 4
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN

@@ -221,9 +221,13 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
 
 def save_model(model: DiffusionLM, path: str | Path, family: Family,
                max_shard_bytes: int | None = None) -> None:
-    """Write config.json and safetensors (sharded with an index when max_shard_bytes is set)."""
+    """Write config.json and safetensors (sharded with an index when max_shard_bytes is set).
+    Weights already in ``folder`` are deleted first: the loader would read a stale index or
+    stale shards with the new files."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
+    for stale in [*folder.glob("*.safetensors"), folder / INDEX_FILE]:
+        stale.unlink(missing_ok=True)
     (folder / "config.json").write_text(json.dumps(family.config_to_hf(model.config), indent=2) + "\n")
     state = {family.checkpoint_name(n): p.detach().contiguous().cpu()
              for n, p in named_tensors(model).items()}

@@ -5,12 +5,17 @@ midway resumes from its last saved state and continues exactly as if it had neve
 """
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import json
 import math
 import os
+import shutil
+import signal
+import threading
 import time
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -29,6 +34,29 @@ FAMILY_SPECIALS = {  # family -> (model_type, mask token, end-of-turn token)
     "llada": ("llada", "<|mdm_mask|>", "<|eot_id|>"),
     "sdar": ("sdar", "<|MASK|>", "<|im_end|>"),
 }
+# A resumed run (--work holding a state.pt) must have the saved run's settings: the model's (family
+# and the shapes; exporting the saved state needs these only) and the training's, since the resume
+# is exact. Free to change: steps (extend a run), where it writes, how often it saves, and the
+# generation config of the export. A new stage with other settings is a new --work (--init-from).
+MODEL_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+              "block_size")
+RESUME_FREE = ("steps", "out", "work", "save_every", "max_new_tokens")
+# files of an older export in --out that a new export drops (other files, e.g. a model card, stay)
+CHECKPOINT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
+                    "pytorch_model*.bin.index.json", "tokenizer*", "vocab.*", "merges.txt",
+                    "added_tokens.json")
+
+
+class Interrupted(Exception):
+    """``Trainer.train`` stopped by SIGINT / SIGTERM: the state is saved, rerunning resumes."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        return 128 + self.signum
 
 
 @dataclass
@@ -70,6 +98,8 @@ class TrainConfig:
             raise ValueError(f"long_tails must be in [0, 1], got {self.long_tails}")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
+        if self.save_every < 1:
+            raise ValueError(f"save_every must be >= 1, got {self.save_every}")
         check_mix(self.task_mix)  # a bad mix fails here, not at the first step
 
 
@@ -83,6 +113,44 @@ def grow_vocab(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor])
         if old is not None and old.dim() == 2 and old.shape[1] == fresh.shape[1] and old.shape[0] < fresh.shape[0]:
             out[name] = torch.cat([old, fresh[old.shape[0]:]])
     return out
+
+
+def keep_other_files(old: Path, new: Path) -> None:
+    """Link (or copy) into ``new`` the entries of ``old`` that it lacks, except checkpoint files."""
+    for entry in old.iterdir():
+        dest = new / entry.name
+        if dest.exists() or dest.is_symlink() or any(fnmatch.fnmatch(entry.name, p) for p in CHECKPOINT_FILES):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), dest)
+        elif entry.is_dir():
+            shutil.copytree(entry, dest, symlinks=True, copy_function=link_or_copy)
+        else:
+            link_or_copy(entry, dest)
+
+
+def link_or_copy(src, dst) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Rename ``new`` to ``target``; an existing ``target`` is renamed aside first (put back if
+    the second rename fails) and deleted after."""
+    if not target.exists():
+        os.rename(new, target)
+        return
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(target, old)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class Trainer:
@@ -104,6 +172,8 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=0.01)
         self.step = 0
+        self.saved_step: int | None = None  # the step of work's state.pt, once read or written
+        self._stop: int | None = None  # the signal that asked the loop to stop
         self._pool: tuple[int, list] | None = None  # (seed, examples) of the current pool
 
     def model_config(self, model_type: str) -> ModelConfig:
@@ -213,15 +283,50 @@ class Trainer:
         torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
                     "step": self.step, "config": asdict(self.cfg)}, tmp)
         os.replace(tmp, self.work / "state.pt")
+        self.saved_step = self.step
 
-    def load_state(self) -> None:
+    def load_state(self, training: bool = True) -> None:
+        """Continue from work's state.pt, if any; a ValueError if it was saved with other settings
+        (``training``: all the settings, else those that make the model's shapes)."""
         path = self.work / "state.pt"
         if not path.is_file():
             return
         state = torch.load(path, map_location="cpu", weights_only=True)
+        self.check_resume(state.get("config"), training)
+        self.check_shapes(state["model"])
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
-        self.step = state["step"]
+        self.step = self.saved_step = state["step"]
+
+    def check_resume(self, saved: dict | None, training: bool) -> None:
+        if saved is None:
+            return
+        now = asdict(self.cfg)
+        defaults = {f.name: f.default for f in fields(TrainConfig)}  # keys older states lack
+        keys = MODEL_KEYS if not training else [k for k in now if k not in RESUME_FREE]
+
+        def value(cfg: dict, key: str):
+            v = cfg.get(key, defaults[key])
+            return os.path.normpath(v) if key == "init_from" and v else v
+        diffs = [f"{k} {value(saved, k)} (saved) vs {value(now, k)} (now)"
+                 for k in keys if value(saved, k) != value(now, k)]
+        if diffs:
+            free = ", ".join(f"--{k.replace('_', '-')}" for k in RESUME_FREE if k != "work")
+            raise ValueError(f"--work {self.work} holds a run saved with other settings: "
+                             f"{'; '.join(diffs)}. Resume it with its own settings (only {free} "
+                             f"may change), or start a new stage in a new --work "
+                             f"(--init-from a checkpoint to continue from its weights)")
+
+    def check_shapes(self, saved: dict[str, torch.Tensor]) -> None:
+        ours = self.model.state_dict()
+        diffs = [f"{n} {tuple(saved[n].shape) if n in saved else 'missing'} (saved) vs "
+                 f"{tuple(ours[n].shape) if n in ours else 'missing'} (now)"
+                 for n in sorted(set(saved) | set(ours))
+                 if n not in saved or n not in ours or saved[n].shape != ours[n].shape]
+        if diffs:
+            raise ValueError(f"--work {self.work}: state.pt does not fit this model ({'; '.join(diffs[:4])}); "
+                             f"did the tokenizer's vocabulary change? Start a new --work with "
+                             f"--init-from the last export (it grows the vocabulary)")
 
     def trim_log(self) -> None:
         """Drop log lines after the saved step: they are recomputed identically on resume."""
@@ -231,7 +336,27 @@ class Trainer:
             log.write_text("".join(l + "\n" for l in lines))
 
     def export(self) -> Path:
+        """Write the checkpoint to a temporary sibling of --out, then swap it in: a failed or
+        killed export leaves the previous checkpoint whole. The previous export's weights and
+        tokenizer files go (stale shards would be read with the new ones); other files stay."""
         out = Path(self.cfg.out)
+        target = Path(os.path.realpath(out))  # a symlinked --out: replace the folder it points to
+        if target.exists() and not target.is_dir():
+            raise ValueError(f"--out {out} is a file; give a checkpoint folder")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            self.write_checkpoint(tmp)
+            if target.is_dir():
+                keep_other_files(target, tmp)
+            replace_folder(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out
+
+    def write_checkpoint(self, out: Path) -> None:
         save_model(self.model, out, self.family)
         save_tokenizer(out, self.cfg.family)
         gen = {"block_length": self.cfg.block_size, "max_new_tokens": self.cfg.max_new_tokens,
@@ -239,39 +364,70 @@ class Trainer:
                "mask_token_id": self.encoder.mask_id, "pad_token_id": self.encoder.eos_id,
                "bos_token_id": self.tokenizer.bos_token_id}
         (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        return out
 
     def export_saved(self) -> Path:
         """Export the last saved state of ``work`` without training (a mid-run check of a run
         that is still going: its state.pt is replaced atomically)."""
         if not (self.work / "state.pt").is_file():
             raise ValueError(f"no saved state in {self.work} (state.pt) to export")
-        self.load_state()
+        self.load_state(training=False)
         self.model.eval()
         return self.export()
 
     # -- loop ------------------------------------------------------------------------------
     def train(self) -> Path:
-        self.load_state()
-        self.trim_log()
-        self.model.train()
-        log = (self.work / "loss.jsonl").open("a")
-        bar = tqdm(range(self.step, self.cfg.steps), initial=self.step, total=self.cfg.steps,
-                   desc=f"train {self.cfg.family}")
-        start = time.time()
-        for step in bar:
-            loss, ar_loss = self.train_step(step)
-            log.write(json.dumps({"step": step, "loss": round(loss, 5), "ar_loss": round(ar_loss, 5),
-                                  "lr": self.lr_at(step),
-                                  "elapsed_s": round(time.time() - start, 1)}) + "\n")
-            log.flush()
-            bar.set_postfix(loss=f"{loss:.4f}", ar_loss=f"{ar_loss:.4f}")
-            self.step = step + 1
-            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
-                self.save_state()
-        log.close()
-        self.model.eval()
-        return self.export()
+        """Train to ``steps`` and export. SIGINT / SIGTERM finish the current step, save the state
+        and raise Interrupted (a second signal raises it at once, keeping the last saved state)."""
+        with self.stop_on_signals():
+            self.load_state()
+            self.trim_log()
+            self.model.train()
+            bar = tqdm(range(self.step, self.cfg.steps), initial=self.step, total=self.cfg.steps,
+                       desc=f"train {self.cfg.family}")
+            start = time.time()
+            with bar, (self.work / "loss.jsonl").open("a") as log:  # closed on the way out, too
+                for step in bar:
+                    loss, ar_loss = self.train_step(step)
+                    log.write(json.dumps({"step": step, "loss": round(loss, 5), "ar_loss": round(ar_loss, 5),
+                                          "lr": self.lr_at(step),
+                                          "elapsed_s": round(time.time() - start, 1)}) + "\n")
+                    log.flush()
+                    bar.set_postfix(loss=f"{loss:.4f}", ar_loss=f"{ar_loss:.4f}")
+                    self.step = step + 1
+                    if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps or self._stop:
+                        self.save_state()
+                    if self._stop:
+                        raise Interrupted(self._stop, f"interrupted at step {self.step}; state saved to "
+                                                      f"{self.work}; rerun the same command to resume")
+            self.model.eval()
+            return self.export()  # a signal now lets the export finish
+
+    @contextmanager
+    def stop_on_signals(self):
+        """SIGINT and SIGTERM set ``_stop`` for the loop (main thread only; an ignored signal stays
+        ignored, e.g. SIGINT of a job a script started with ``&``); the previous handlers are back
+        afterwards."""
+        self._stop = None
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if self._stop is None:
+                self._stop = signum
+                return
+            kept = (f"the state of step {self.saved_step} is kept in {self.work}"
+                    if self.saved_step is not None else f"no state saved yet in {self.work}")
+            raise Interrupted(signum, f"interrupted again; {kept}; rerun the same command to resume")
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)
+                    if signal.getsignal(s) is not signal.SIG_IGN}
+        for s in previous:
+            signal.signal(s, handler)
+        try:
+            yield
+        finally:
+            for s, old in previous.items():
+                signal.signal(s, signal.SIG_DFL if old is None else old)
 
     def train_step(self, step: int) -> tuple[float, float]:
         for group in self.opt.param_groups:
