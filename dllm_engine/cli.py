@@ -69,7 +69,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--factor", type=float, default=None)
     p.add_argument("--temperature", type=float, default=None, help="0 = argmax (default)")
     p.add_argument("--remasking", default="low_confidence")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default 0; dllm serve: a fresh one per request that sets none)")
     p.add_argument("--cfg-scale", type=float, default=0.0, help="classifier-free guidance (reference)")
     p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="end after a finished block holding EOS (default: yes for block and "
@@ -166,8 +167,8 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> None:
-    import json
     from .eval import evaluate
+    from .outputs import write_json_atomic
     from .tasks import resolve_tasks
     args.tasks = resolve_tasks(args.tasks)  # a typo fails before the model loads
     check_json_path(args.json)
@@ -180,7 +181,7 @@ def run_eval(args: argparse.Namespace) -> None:
     print(f"method: {params.describe()}")
     print(report.table())
     if args.json:
-        Path(args.json).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+        write_json_atomic(args.json, report.as_dict())
 
 
 def add_chain_probe(sub: argparse._SubParsersAction) -> None:
@@ -193,8 +194,8 @@ def add_chain_probe(sub: argparse._SubParsersAction) -> None:
 
 
 def run_chain_probe(args: argparse.Namespace) -> None:
-    import json
     from .eval.chain_probe import chain_probe, probe_table
+    from .outputs import write_json_atomic
     from .tasks import load_split, resolve_tasks
     tasks = resolve_tasks(args.tasks)
     check_json_path(args.json)
@@ -203,7 +204,7 @@ def run_chain_probe(args: argparse.Namespace) -> None:
     print(f"model: {args.model}")
     print(probe_table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps([r.as_dict() for r in rows.values()], indent=2) + "\n")
+        write_json_atomic(args.json, [r.as_dict() for r in rows.values()])
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
@@ -221,7 +222,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    from .bench.offline import HEADER, check_specs, run_bench as bench, table
+    from .bench.offline import HEADER, check_prompts, check_specs, run_bench as bench, table
     from .models.compiled import check_compile
     from .tasks import load_split
     set_threads(args.threads)
@@ -231,9 +232,11 @@ def run_bench(args: argparse.Namespace) -> None:
                                   ("block_length", args.block_length)) if v is not None}
     resolved = check_specs(args.model, args.methods, defaults)  # before the weights load
     check_compile(args.compile, args.tensor_parallel_size, args.compile_step)  # bench compiles after loading
+    prepare_out(args.out, "results.json")
     # --compile, --fixed-shapes, --compile-step: each spec runs as usual, then under each
     llm = load_llm(args, compile=False, fixed_shapes=False, compile_step=False)
     variants = [name for name, on in (("fixed shapes", args.fixed_shapes), ("compiled step", args.compile_step)) if on]
+    check_prompts(llm, {spec: llm.resolve(p) for spec, p in resolved.items()}, examples)  # before the header
     for spec, params in resolved.items():
         print(f"method: {spec} = {params.describe()}")
     from .engine.host_memory import is_kept
@@ -245,6 +248,17 @@ def run_bench(args: argparse.Namespace) -> None:
     print()
     print(table(records))
     print(f"\nwrote {args.out}/results.json and {args.out}/throughput.png")
+
+
+def prepare_out(out: str | None, name: str) -> None:
+    """A bench's ``--out``: created and checked before anything runs; one line when the ``name``
+    file of an earlier run there is about to be replaced (re-running into a folder is normal)."""
+    if out is None:
+        return
+    from .outputs import prepare_out_dir
+    target = prepare_out_dir(out) / name
+    if target.exists():
+        print(f"replacing {target} (from an earlier run)")
 
 
 def add_profile(sub: argparse._SubParsersAction) -> None:
@@ -299,6 +313,9 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="written to generation_config.json")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
+    p.add_argument("--save-every", type=int, default=50, metavar="N",
+                   help="save the resumable state to --work every N steps (and on Ctrl-C / SIGTERM, "
+                        "after the current step); rerunning the same command resumes")
     p.add_argument("--export-only", action="store_true",
                    help="write --work's last saved state to --out as a checkpoint and exit "
                         "(check a run that is still training)")
@@ -333,17 +350,23 @@ def task_mix(text: str) -> dict[str, int]:
 def run_train(args: argparse.Namespace) -> None:
     import torch
     from .train import TrainConfig, Trainer
+    from .train.trainer import Interrupted
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = TrainConfig(family=args.family, out=args.out, work=args.work, steps=args.steps,
                       batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       num_kv_heads=args.num_kv_heads, block_size=args.block_size,
-                      max_new_tokens=args.max_new_tokens,
+                      max_new_tokens=args.max_new_tokens, save_every=args.save_every,
                       init_from=args.init_from, ar_weight=args.ar_weight, task_mix=args.task_mix,
                       suffix_mask=args.suffix_mask, block_aux=args.block_aux,
                       long_tails=args.long_tails)
     trainer = Trainer(cfg)
-    print(f"checkpoint written to {trainer.export_saved() if args.export_only else trainer.train()}")
+    try:
+        out = trainer.export_saved() if args.export_only else trainer.train()
+    except Interrupted as e:  # the state is saved: one line, no traceback, the shell's exit code
+        print(e, file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    print(f"checkpoint written to {out}")
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
@@ -482,6 +505,7 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         except (json.JSONDecodeError, TypeError, ValueError) as e:
             raise ValueError(f"--options must be a JSON object: {e}") from None
     lengths = parse_length_mix(args.length_mix) if args.length_mix else None
+    prepare_out(args.out, "serve_bench.json")
     print(f"server: {args.url}  requests per level: {len(lengths) if lengths else args.num_requests}  "
           f"options: {extra}" + (f"  length mix: {args.length_mix}" if lengths else ""))
     print(HEADER)
@@ -541,7 +565,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "serve"]:  # the load generator lives beside the offline bench
         argv = ["bench-serve", *argv[2:]]
     if argv[:1] == ["lm-eval"]:  # every other argument belongs to lm-eval's own parser
-        return run_lm_eval(argv[1:])
+        try:
+            return run_lm_eval(argv[1:])
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
     parser = argparse.ArgumentParser(prog="dllm", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dllm-engine {version('dllm-engine')}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -555,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C: one line (a bench says what it kept), the shell's 130
+        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,5 +1,6 @@
 """`dllm eval` / `dllm bench` plumbing on a tiny random checkpoint (speed is never asserted)."""
 import json
+import os
 import re
 
 import pytest
@@ -200,3 +201,173 @@ def test_cli_bench_prints_each_spec_resolved(ckpt, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "method: reference = reference max_new_tokens=8 block_length=8 steps=8 " in out
     assert re.search(r"^method: dual-cache:threshold=0.8 = dual-cache .*threshold=0.8 ", out, re.M)
+
+
+# -- what a benchmark keeps when it is interrupted or fails, and how it writes its files ------------
+BENCH_ARGS = ["--batch-sizes", "1,2", "--tasks", "sort", "--limit", "1", "--max-new-tokens", "8",
+              "--block-length", "8"]
+
+
+def stop_at_call(monkeypatch, n: int | None = None, error: BaseException | None = None) -> list:
+    """``bench_one`` raises ``error`` on its ``n``-th call (1-based; never when None); returns
+    the methods it was called for."""
+    from dllm_engine.bench import offline
+    real, calls = offline.bench_one, []
+
+    def bench_one(llm, spec, *args, **kw):
+        calls.append(spec)
+        if len(calls) == n:
+            raise error
+        return real(llm, spec, *args, **kw)
+    monkeypatch.setattr(offline, "bench_one", bench_one)
+    return calls
+
+
+def test_bench_ctrl_c_keeps_the_rows_measured(ckpt, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the second row: results.json holds the first (written as it was measured),
+    the plot is drawn from it, and the command says so in one line with the shell's 130."""
+    out = tmp_path / "out"
+    stop_at_call(monkeypatch, 2, KeyboardInterrupt())
+    assert main(["bench", "--model", str(ckpt), "--methods", "reference", "dual-cache", *BENCH_ARGS,
+                 "--out", str(out)]) == 130
+    assert capsys.readouterr().err == f"interrupted: 1 row written to {out / 'results.json'}\n"
+    assert [r["method"] for r in json.loads((out / "results.json").read_text())] == ["reference"]
+    assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in out.iterdir()) == ["results.json", "throughput.png"]  # no temp file
+
+
+def test_bench_spec_failing_mid_run_keeps_the_rows_and_names_the_spec(ckpt, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    stop_at_call(monkeypatch, 3, ValueError("the engine refused"))
+    assert main(["bench", "--model", str(ckpt), "--methods", "reference", "dual-cache", *BENCH_ARGS,
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: spec 'reference' at batch size 2: the engine refused") and err.count("\n") == 1
+    assert f"2 rows written to {out / 'results.json'}" in err
+    data = json.loads((out / "results.json").read_text())
+    assert [(r["method"], r["batch_size"]) for r in data] == [("reference", 1), ("dual-cache", 1)]
+
+
+def test_bench_refuses_a_spec_too_long_for_the_longest_prompt_before_any_run(tmp_path, capsys, monkeypatch):
+    """A canvas that fits the shortest prompt but not the longest: refused up front, naming the
+    spec, before the first spec runs (it used to fail mid-run, after the rows before it)."""
+    from dllm_engine.cli import DEFAULT_MODEL
+    from dllm_engine.eval.evaluate import chat_prompt
+    llm = LLM(DEFAULT_MODEL)  # the embedded tiny-llada: a context of 1024, every task's tokens
+    lengths = {e.task: len(llm.apply_chat_template(chat_prompt(e))) for e in load_split(["sort", "story"], limit=1)}
+    assert lengths["story"] >= lengths["sort"] + 8
+    context = llm.model.config.max_position_embeddings
+    spec = f"dual-cache:max_new_tokens={(context - lengths['sort']) // 8 * 8},block_length=8"
+    calls = stop_at_call(monkeypatch)
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(DEFAULT_MODEL), "--methods", "reference", spec, "--tasks", "sort,story",
+                 "--limit", "1", "--batch-sizes", "1", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: spec {spec!r} on the longest prompt (task story, {lengths['story']} tokens)")
+    assert f"exceed the model's context of {context} tokens" in captured.err
+    assert calls == [] and "method:" not in captured.out and not (out / "results.json").exists()
+    with pytest.raises(ValueError, match=re.escape(f"spec {spec!r} on the longest prompt")):  # the Python API too
+        run_bench(llm, ["reference", spec], [1], load_split(["sort", "story"], limit=1), out)
+    assert calls == []
+
+
+def test_bench_says_it_replaces_an_earlier_results_json(ckpt, tmp_path, capsys):
+    (tmp_path / "results.json").write_text("[]\n")
+    assert main(["bench", "--model", str(ckpt), "--methods", "reference", *BENCH_ARGS, "--batch-sizes", "1",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"replacing {tmp_path / 'results.json'} (from an earlier run)\n") == 1
+    assert len(json.loads((tmp_path / "results.json").read_text())) == 1
+
+
+def no_space(*_):
+    import errno
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_write_json_atomic_keeps_the_old_file_when_a_write_fails(tmp_path, monkeypatch):
+    from dllm_engine import outputs
+    from dllm_engine.outputs import write_json_atomic
+    path = tmp_path / "r.json"
+    write_json_atomic(path, {"a": 1})
+    write_json_atomic(path, [1, 2])
+    assert json.loads(path.read_text()) == [1, 2] and path.read_text().endswith("]\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as a plain open would make it
+    monkeypatch.setattr(outputs.os, "fsync", no_space)
+    with pytest.raises(OSError, match=re.escape(f"cannot write {path}: No space left on device")):
+        write_json_atomic(path, {"new": True})
+    assert json.loads(path.read_text()) == [1, 2] and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+@pytest.mark.parametrize("command", [["eval", "--tasks", "sort", "--limit", "1", "--max-new-tokens", "8",
+                                      "--block-length", "8"],
+                                     ["chain-probe", "--tasks", "sum", "--limit", "1"]])  # the embedded model
+def test_json_output_failing_to_write_names_the_file_and_keeps_the_old_one(ckpt, tmp_path, capsys,
+                                                                         monkeypatch, command):
+    from dllm_engine import outputs
+    path = tmp_path / "report.json"
+    path.write_text('{"old": true}\n')
+    monkeypatch.setattr(outputs.os, "fsync", no_space)  # the disk fills up as the report is written
+    model = ["--model", str(ckpt)] if command[0] == "eval" else []
+    assert main([*command, *model, "--json", str(path)]) == 2
+    err = capsys.readouterr().err  # after eval's progress bar: one error line
+    assert err.splitlines()[-1] == f"error: cannot write {path}: No space left on device" and "Traceback" not in err
+    assert path.read_text() == '{"old": true}\n' and [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+
+def test_ctrl_c_is_one_line_and_exit_130_for_any_command(ckpt, capsys, monkeypatch):
+    import dllm_engine.cli as cli
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "load_llm", interrupted)
+    for argv in (["generate", "--prompt", "sort : b a"], ["eval", "--tasks", "sort", "--limit", "1"]):
+        assert main([*argv, "--model", str(ckpt)]) == 130
+        assert capsys.readouterr().err == "interrupted\n"
+
+
+# -- dllm bench serve without a server: the load test itself replaced by a stand-in -----------------
+def level(concurrency: int):
+    from dllm_engine.bench.serve import LevelResult
+    return LevelResult(concurrency, 2, 0, 1.0, 16, 16.0, 2.0, 0.5, 0.6, 0.7, 0.1, 0.2, 0.3, 1.0, 4, 1.0)
+
+
+def test_bench_serve_checks_its_out_folder_before_the_run(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    # nothing listens on the URL: the folder is refused first, before the server is even asked
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--out", str(blocker / "out")]) == 2
+    assert "cannot write to output folder" in capsys.readouterr().err
+
+
+def test_bench_serve_ctrl_c_keeps_the_levels_done(tmp_path, capsys, monkeypatch):
+    from dllm_engine.bench import serve
+    out, seen = tmp_path / "serve", []
+    out.mkdir()
+    (out / "serve_bench.json").write_text("{}\n")
+
+    def run_level(url, model, examples, concurrency, *args):
+        if seen:  # every level done is on disk before the next one starts
+            seen.append([r["concurrency"] for r in json.loads((out / "serve_bench.json").read_text())["levels"]])
+        else:
+            seen.append([])
+        if concurrency == 4:
+            raise KeyboardInterrupt
+
+        async def done():
+            return level(concurrency)
+        return done()
+    monkeypatch.setattr(serve, "served_model", lambda url, timeout: "stand-in")
+    monkeypatch.setattr(serve, "run_level", run_level)
+    assert main(["bench", "serve", "--url", "http://unused", "--concurrency", "1,2,4,8", "--tasks", "sort",
+                 "--out", str(out)]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == f"interrupted: 2 levels written to {out / 'serve_bench.json'}\n"
+    assert f"replacing {out / 'serve_bench.json'} (from an earlier run)" in captured.out
+    assert seen == [[], [1], [1, 2]]
+    report = json.loads((out / "serve_bench.json").read_text())
+    assert report["model"] == "stand-in" and [r["concurrency"] for r in report["levels"]] == [1, 2]
+    assert (out / "serve_bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in out.iterdir()) == ["serve_bench.json", "serve_bench.png"]

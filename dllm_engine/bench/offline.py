@@ -7,7 +7,6 @@ so drift of a shared machine hits every method alike."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import threading
 import time
@@ -19,8 +18,10 @@ import torch
 from ..engine.llm import LLM
 from ..engine.sequence import stop_share
 from ..eval import evaluate
+from ..eval.evaluate import chat_prompt
 from ..models.compiled import compile_model, uncompile_model
 from ..models.loader import read_config, read_generation_config
+from ..outputs import BenchInterrupted, prepare_out_dir, saved, write_json_atomic
 from ..sampling_params import SamplingParams, parse_spec, resolve_params
 from ..tasks import Example
 
@@ -131,7 +132,9 @@ def variant_of(method: str) -> tuple[str, str | None]:
 def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
               out_dir: str | Path, defaults: dict | None = None, progress=print,
               compare_compiled: bool = False, variants: list[str] | None = None) -> list[BenchRecord]:
-    """Run every spec at every batch size (interleaved), write results.json and throughput.png.
+    """Run every spec at every batch size (interleaved); results.json is rewritten after every
+    row, throughput.png at the end. Ctrl-C raises ``BenchInterrupted`` and a spec failing
+    mid-run a ValueError naming it, both after plotting the rows so far.
     ``variants`` (names of ``VARIANTS``; ``compare_compiled`` adds "compiled"): each spec runs
     as loaded, then under each variant (a record named ``SPEC [variant]``), so they share the
     machine's state."""
@@ -144,23 +147,64 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
     if unknown:
         raise ValueError(f"unknown bench variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     out = prepare_out_dir(out_dir)
-    params = {spec: llm.resolve(parse_spec(spec, **(defaults or {}))) for spec in specs}  # validate all first
-    records = []
-    for bs in batch_sizes:
-        for spec in specs:
-            records.append(bench_one(llm, spec, params[spec], examples, bs))
-            progress(format_row(records[-1]))
-            for name in variants:
-                apply, undo, warm_all = VARIANTS[name]
-                apply(llm)
-                try:
-                    records.append(bench_one(llm, f"{spec} [{name}]", params[spec], examples, bs, warm_all))
-                finally:
-                    undo(llm)
-                progress(format_row(records[-1]))
-    (out / "results.json").write_text(json.dumps([dataclasses.asdict(r) for r in records], indent=2) + "\n")
+    params = {}
+    for spec in specs:  # validate all first
+        try:
+            params[spec] = llm.resolve(parse_spec(spec, **(defaults or {})))
+        except ValueError as e:
+            raise ValueError(f"spec {spec!r}: {e}") from None
+    check_prompts(llm, params, examples)
+    results, records, running = out / "results.json", [], ""
+    try:
+        for bs in batch_sizes:
+            for spec in specs:
+                running = f"spec {spec!r} at batch size {bs}"
+                save(records, bench_one(llm, spec, params[spec], examples, bs), results, progress)
+                for name in variants:
+                    running = f"spec {spec!r} [{name}] at batch size {bs}"
+                    apply, undo, warm_all = VARIANTS[name]
+                    apply(llm)
+                    try:
+                        record = bench_one(llm, f"{spec} [{name}]", params[spec], examples, bs, warm_all)
+                    finally:
+                        undo(llm)
+                    save(records, record, results, progress)
+    except (KeyboardInterrupt, ValueError) as e:  # keep what was measured: the plot of the rows so far
+        if records:
+            plot(records, out / "throughput.png")
+        if isinstance(e, KeyboardInterrupt):
+            raise BenchInterrupted(saved(len(records), "row", results)) from None
+        raise ValueError(f"{running}: {e} ({saved(len(records), 'row', results)})") from None
     plot(records, out / "throughput.png")
     return records
+
+
+def save(records: list[BenchRecord], record: BenchRecord, path: Path, progress) -> None:
+    """Add one measured row and rewrite results.json with every row so far (atomically: Ctrl-C
+    or a failing spec later in the run keeps it)."""
+    records.append(record)
+    write_json_atomic(path, [dataclasses.asdict(r) for r in records])
+    progress(format_row(record))
+
+
+def check_prompts(llm: LLM, params: dict[str, SamplingParams], examples: list[Example]) -> None:
+    """Each spec against the longest prompt as ``evaluate`` sends it (chat template applied):
+    a canvas that does not fit the model's context fails here, before any run, naming the spec."""
+    if not examples:
+        return
+    lengths = {}
+    for e in examples:
+        try:
+            lengths[len(llm.check_ids(llm.apply_chat_template(chat_prompt(e))))] = e
+        except ValueError as error:
+            raise ValueError(f"a prompt of task {e.task}: {error}") from None
+    longest = max(lengths)
+    for spec, p in params.items():
+        try:
+            llm.resolve_params(p, longest)
+        except ValueError as e:
+            raise ValueError(f"spec {spec!r} on the longest prompt (task {lengths[longest].task}, "
+                             f"{longest} tokens): {e}") from None
 
 
 def check_specs(model: str | Path, specs: list[str], defaults: dict | None = None) -> dict[str, SamplingParams]:
@@ -174,18 +218,6 @@ def check_specs(model: str | Path, specs: list[str], defaults: dict | None = Non
         except ValueError as e:
             raise ValueError(f"spec {spec!r}: {e}") from None
     return resolved
-
-
-def prepare_out_dir(out_dir: str | Path) -> Path:
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"cannot write to output folder {str(out)!r}: {e.strerror}") from None
-    return out
 
 
 HEADER = (f"{'method':<48} {'batch':>5} {'acc':>6} {'tok/s':>8} {'nfe':>6} {'tok/step':>8} "

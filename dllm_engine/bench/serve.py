@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from ..outputs import BenchInterrupted, prepare_out_dir, saved, write_json_atomic
 from ..tasks import Example, grade, load_split
 
 
@@ -181,27 +182,37 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
                     extra: dict | None = None, tasks: list[str] | None = None,
                     timeout: float = 600.0, progress=print,
                     lengths: list[int] | None = None) -> list[LevelResult]:
-    """Every concurrency level in turn; writes ``serve_bench.json`` and ``serve_bench.png`` to
-    ``out`` (when given) and returns the per-level results. ``lengths`` (``parse_length_mix``)
+    """Every concurrency level in turn; writes ``serve_bench.json`` (after every level) and
+    ``serve_bench.png`` (at the end, or on Ctrl-C: ``BenchInterrupted``) to ``out`` (when
+    given, checked before the run) and returns the per-level results. ``lengths`` (``parse_length_mix``)
     gives each request its own max_tokens and sets the number of requests."""
     if not concurrency or min(concurrency) < 1:
         raise ValueError(f"concurrency levels must be >= 1, got {concurrency}")
     num_requests = len(lengths) if lengths else num_requests
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    folder = None
+    if out is not None:  # a bad --out fails now, not after the whole load test
+        folder = prepare_out_dir(out)
     model = served_model(url, timeout)
     examples = interleave(load_split(tasks))
-    results = []
-    for level in concurrency:
-        results.append(asyncio.run(run_level(url, model, examples, level, num_requests, extra or {},
-                                             timeout, lengths)))
-        progress(format_row(results[-1]))
-    if out is not None:
-        from .offline import prepare_out_dir
-        folder = prepare_out_dir(out)
-        report = {"url": url, "model": model, "options": extra or {},
-                  "levels": [dataclasses.asdict(r) for r in results]}
-        (folder / "serve_bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    results: list[LevelResult] = []
+    try:
+        for level in concurrency:
+            results.append(asyncio.run(run_level(url, model, examples, level, num_requests, extra or {},
+                                                 timeout, lengths)))
+            if folder is not None:  # after every level, all at once: Ctrl-C keeps the levels done
+                write_json_atomic(folder / "serve_bench.json",
+                                  {"url": url, "model": model, "options": extra or {},
+                                   "levels": [dataclasses.asdict(r) for r in results]})
+            progress(format_row(results[-1]))
+    except KeyboardInterrupt:
+        if folder is None:
+            raise BenchInterrupted(f"{len(results)} of {len(concurrency)} levels done (no --out)") from None
+        if results:
+            plot(results, folder / "serve_bench.png", model)
+        raise BenchInterrupted(saved(len(results), "level", folder / "serve_bench.json")) from None
+    if folder is not None:
         plot(results, folder / "serve_bench.png", model)
     return results
 

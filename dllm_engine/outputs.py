@@ -1,0 +1,59 @@
+"""Result files the commands write (``dllm eval --json``, ``dllm bench``'s results.json, ...)
+and what a benchmark interrupted by Ctrl-C says it kept."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write ``obj`` as indented JSON to ``path`` all at once: a temporary file in the same
+    folder, flushed to disk, then renamed over ``path``. A failed write (disk full, ...) leaves
+    the previous file as it was and raises OSError naming ``path``."""
+    path = Path(path)
+    text = json.dumps(obj, indent=2) + "\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        # os.open with 0o666: the umask applies as for a plain open (mkstemp would make it 0600)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:  # Ctrl-C included: no temporary file left behind
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            error = OSError(f"cannot write {path}: {e.strerror or e}")
+            error.errno = e.errno
+            raise error from None
+        raise
+
+
+def prepare_out_dir(out_dir: str | Path) -> Path:
+    """Create the output folder and check it is writable, before a run rather than after it."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"cannot write to output folder {str(out)!r}: {e.strerror}") from None
+    return out
+
+
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a benchmark, after saving what was measured; ``str``: what was written
+    (``dllm`` prints it as ``interrupted: ...`` and exits 130)."""
+
+
+def saved(n: int, unit: str, path: Path) -> str:
+    """``3 rows written to OUT/results.json`` (or that nothing was)."""
+    if n == 0:
+        return f"no {unit} measured yet; {path} not written"
+    return f"{n} {unit}{'s' if n != 1 else ''} written to {path}"
