@@ -395,9 +395,22 @@ def test_logprobs_of_the_committed_tokens(client, offline):
     assert all(c.bytes == list(c.token.encode()) and c.logprob <= 0 and len(c.top_logprobs) == 1
                for c in content)
     assert client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16).choices[0].logprobs is None
-    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16, logprobs=2, stream=True))
-    final = [c.choices[0].logprobs for c in chunks if c.choices[0].finish_reason]
-    assert len(final) == 1 and final[0].token_logprobs == pytest.approx(lp.token_logprobs)  # whole, at the end
+    # streamed (an answer of two blocks): each chunk carries the logprobs of the tokens its text completes
+    lp = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=16, logprobs=2).choices[0].logprobs
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=16, logprobs=2, stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    assert [x for p in parts for x in p.token_logprobs] == pytest.approx(lp.token_logprobs)
+    with_text = [c for c in chunks if c.choices[0].text]
+    assert len(with_text) > 1 and all(c.choices[0].logprobs for c in with_text)
+    for c in with_text:
+        assert "".join(c.choices[0].logprobs.tokens) == c.choices[0].text
+    chat_chunks = list(client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "sort : c b a"}], logprobs=True, top_logprobs=1,
+        max_tokens=16, stream=True))
+    streamed = [e.token for c in chat_chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [e.token for e in content]
 
 
 def test_n_choices_are_n_sequences_with_consecutive_seeds(client, offline):

@@ -139,11 +139,16 @@ class Server:
         """SSE: committed text as blocks finish, a final chunk per choice, [DONE]."""
         created, results, status, first = now(), [], "cancelled", True
 
+        streamed: dict[int, tuple[int, int]] = {}  # choice -> logprob tokens streamed, their chars
+
         def chunk(index: int, text: str, reason: str | None, role: bool = False,
                   logprobs: list[TokenLogprob] | None = None) -> str:
+            count, chars = streamed.get(index, (0, 0))
+            streamed[index] = (count + len(logprobs or ()), chars + sum(len(t.token) for t in logprobs or ()))
+            logprobs = logprobs or None  # a chunk that completes no token carries none
             if not chat:
                 return sse(completion_chunk(rid, self.model_name, created, index, text, reason,
-                                            completion_logprobs(logprobs)))
+                                            completion_logprobs(logprobs, chars)))
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text or role else {})
             return sse(chat_chunk(rid, self.model_name, created, index, delta, reason,
                                   chat_logprobs(logprobs)))
@@ -158,12 +163,14 @@ class Server:
                         if first:
                             self.metrics.observe_first_chunk(time.perf_counter() - start)
                             first = False
-                        yield chunk(event.index, event.text, None)
+                        yield chunk(event.index, event.text, None, logprobs=event.logprobs)
                     if event.result is not None:
                         results.append(event.result)
-                        # a choice's logprobs come whole, with its final chunk
-                        yield chunk(event.index, "", event.result.finish_reason,
-                                    logprobs=event.result.logprobs)
+                        # logprobs came with the text they belong to; the final chunk has the rest
+                        rest = event.result.logprobs
+                        if rest is not None:
+                            rest = rest[streamed.get(event.index, (0, 0))[0]:]
+                        yield chunk(event.index, "", event.result.finish_reason, logprobs=rest)
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                            "created": created, "model": self.model_name, "choices": [],

@@ -33,6 +33,7 @@ class Event:
     new text of choice ``index``, its final result, or an error that ends the whole request."""
     index: int = 0
     text: str = ""
+    logprobs: list[TokenLogprob] | None = None  # streamed: those of the tokens ``text`` holds
     result: ChoiceResult | None = None
     error: ApiError | None = None
     accepted: bool = False
@@ -66,6 +67,9 @@ class Track:
     seq: Sequence
     sent: str = ""  # text already streamed
     end: int = -1  # committed canvas end at the last update
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # of committed tokens, so far
+    logprobs_sent: int = 0  # of them streamed ...
+    logprobs_chars: int = 0  # ... whose text is this long
 
 
 def held_back(text: str, stops: list[str]) -> str:
@@ -281,41 +285,60 @@ class EngineLoop:
         text = self.decode(ids)
         cut = find_stop(text, job.stops)
         if cut is None and not finished:
-            self.send(track, held_back(text, job.stops))
+            self.send(track, held_back(text, job.stops), ids)
             return
         if cut is not None:
             text = text[:cut]
             ids = ids[: tokens_through_stop(ids, job.stops, self.decode)]
             if not seq.finished:
                 self.engine.cancel(seq.seq_id)
-        self.send(track, text)
+        self.send(track, text, ids)
         reason = "stop" if cut is not None or len(seq.output_ids()) < seq.params.max_new_tokens else "length"
         self.finish(track, text, reason, ids)
 
-    def send(self, track: Track, text: str) -> None:
-        if track.job.stream and len(text) > len(track.sent) and text.startswith(track.sent):
-            track.job.emit(Event(track.index, text[len(track.sent):]))
-            track.sent = text
+    def send(self, track: Track, text: str, ids: list[int]) -> None:
+        """Stream the new part of ``text`` (of the committed ``ids``), with the logprobs of the
+        tokens whose text it completes when the request asked for them."""
+        if not (track.job.stream and len(text) > len(track.sent) and text.startswith(track.sent)):
+            return
+        logprobs = None
+        if track.seq.params.logprobs is not None:
+            self.extend_logprobs(track, ids)
+            start = track.logprobs_sent
+            while (track.logprobs_sent < len(ids) and track.logprobs_chars
+                   + len(track.logprobs[track.logprobs_sent].token) <= len(text)):
+                track.logprobs_chars += len(track.logprobs[track.logprobs_sent].token)
+                track.logprobs_sent += 1
+            logprobs = track.logprobs[start:track.logprobs_sent]
+        track.job.emit(Event(track.index, text[len(track.sent):], logprobs))
+        track.sent = text
+
+    def extend_logprobs(self, track: Track, ids: list[int]) -> None:
+        """``track.logprobs`` for every token of ``ids`` (committed tokens never change)."""
+        if len(track.logprobs) < len(ids):
+            track.logprobs += self.token_logprobs(track.seq, ids, start=len(track.logprobs))
 
     def finish(self, track: Track, text: str, reason: str, ids: list[int]) -> None:
         seq = track.seq
         seq.stats.output_tokens = len(ids)
         stats = dataclasses.replace(seq.stats)  # a copy: the engine thread owns seq.stats
-        result = ChoiceResult(track.index, text, reason, seq.prompt_len, len(ids), stats,
-                              self.token_logprobs(seq, ids))
+        logprobs = None
+        if seq.params.logprobs is not None:
+            self.extend_logprobs(track, ids)
+            logprobs = track.logprobs[:len(ids)]
+        result = ChoiceResult(track.index, text, reason, seq.prompt_len, len(ids), stats, logprobs)
         self.metrics.observe_sequence(stats, seq.prompt_len)
         self.forget(track)
         track.job.emit(Event(track.index, result=result))
 
-    def token_logprobs(self, seq: Sequence, ids: list[int]) -> list[TokenLogprob] | None:
-        """The request's output tokens as text with their logprobs (None unless asked). Each
-        token's text is what it adds after the tokens before it (a word's leading space
-        included), so the tokens join to the answer's text; its alternatives likewise."""
-        if seq.params.logprobs is None:
-            return None
-        out = []
+    def token_logprobs(self, seq: Sequence, ids: list[int], start: int = 0) -> list[TokenLogprob]:
+        """Output tokens ``ids[start:]`` as text with their logprobs. Each token's text is what it
+        adds after the tokens before it (a word's leading space included), so the tokens join to
+        the answer's text; its alternatives likewise."""
+        out, recorded = [], seq.output_logprobs(len(ids))
         with self.tokenizer_lock:
-            for i, (tok, (lp, top, values)) in enumerate(zip(ids, seq.output_logprobs(len(ids)))):
+            for i in range(start, len(ids)):
+                tok, (lp, top, values) = ids[i], recorded[i]
                 context = ids[max(0, i - PIECE_CONTEXT):i]
                 before = self.text_of(context)
                 out.append(TokenLogprob(self.piece(context, before, tok), lp,

@@ -268,11 +268,12 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] | None = None
 
 
-def completion_logprobs(items: list[TokenLogprob] | None) -> dict | None:
-    """The legacy completions format: parallel lists, top alternatives as {token: logprob}."""
+def completion_logprobs(items: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+    """The legacy completions format: parallel lists, top alternatives as {token: logprob};
+    ``text_offset`` counts from ``offset`` (the answer's text streamed before these tokens)."""
     if items is None:
         return None
-    offsets = [0]
+    offsets = [offset]
     for t in items[:-1]:
         offsets.append(offsets[-1] + len(t.token))
     return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items],
