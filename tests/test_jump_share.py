@@ -65,7 +65,7 @@ def test_share_plan_lays_out_shared_and_copied_tokens():
     # position 4 is committed now, so the drafts are 6 then 3; copies: (), {6}, {3}, {6, 3}
     assert layout.masked.tolist() == [3, 5, 6]
     assert layout.draft_idx.tolist() == [2, 0] and layout.draft_tokens.tolist() == [61, 63]
-    plan = share_plan(seq, base, layout)
+    plan = share_plan(seq, base, layout, 0)
     assert plan.positions.tolist() == [3, 4, 5, 6] + [3, 5, 6] * 3
     assert plan.slots.tolist() == [3, 4, 5, 6] + list(range(11, 20))
     m = IDS.mask_id

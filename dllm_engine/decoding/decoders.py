@@ -11,19 +11,24 @@ masked positions it commits (the commit rule).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from ..engine.sequence import Sequence
 from ..sampling_params import SamplingParams
-from .rules import factor_select, threshold_select, topk_select
+from .rules import factor_select, rank_in_row, threshold_select, topk_select
 
 
 @dataclass
 class StepPlan:
-    """What one sequence computes in one forward. Strategies may rewrite any field."""
+    """What one sequence computes in one forward: the step's layout (positions, cache slots,
+    logit slots). ``plan_step`` builds it, and this module owns its rules: the decoder's key
+    limits (``span``), Dream's logit shift, CFG's two halves (``with_unconditional_copy``) and
+    the defaults ``finalize`` fills. A strategy adjusts a plan only through the named operations
+    (``span``, ``restrict``, ``with_logits``, ``with_tokens``), each returning a new plan; it does
+    not set or re-derive fields itself."""
     positions: Tensor  # [T] RoPE positions of the computed tokens
     key_limit: Tensor  # [T] each token attends to cache indices below this
     logit_positions: Tensor  # [N] canvas positions to predict (candidates to commit)
@@ -34,6 +39,53 @@ class StepPlan:
 
     def __len__(self) -> int:
         return self.positions.numel()
+
+    @classmethod
+    def span(cls, seq: Sequence, lo: int, hi: int, logit_positions: Tensor) -> "StepPlan":
+        """Compute canvas positions [lo, hi) under the decoder's key limits (block-causal for
+        ``block``: a token sees its own block and all before it; else the whole canvas) and
+        predict ``logit_positions``."""
+        positions = torch.arange(lo, hi, device=seq.canvas.device)
+        if seq.params.base_method == "block":
+            bl = seq.params.block_length
+            limit = (positions // bl + 1) * bl
+        else:
+            limit = torch.full_like(positions, seq.canvas_len)
+        return cls(positions, limit, logit_positions)
+
+    def restrict(self, keep: Tensor) -> "StepPlan":
+        """The plan computing only its tokens ``keep`` [T] (bool, or their indices). The logits
+        wanted stay: one whose slot's token is dropped does not come back (the runner returns
+        the logits of live tokens only)."""
+        pick = {name: getattr(self, name)[keep] for name in ("positions", "key_limit", "slots", "token_ids",
+                                                             "key_mask") if getattr(self, name) is not None}
+        return replace(self, **pick)
+
+    def with_logits(self, positions: Tensor, seq: Sequence, shift: int) -> "StepPlan":
+        """The plan also predicting canvas ``positions`` (after those it predicts already), from
+        tokens it computes; in both halves of a CFG plan (``with_unconditional_copy``)."""
+        if seq.params.cfg_scale > 0:
+            half = self.logit_positions[: self.logit_positions.numel() // 2]
+            logit_positions, logit_slots = unconditional_logits(seq, torch.cat([half, positions]), shift)
+            return replace(self, logit_positions=logit_positions, logit_slots=logit_slots)
+        slots = None if self.logit_slots is None else torch.cat([self.logit_slots, positions - shift])
+        return replace(self, logit_positions=torch.cat([self.logit_positions, positions]), logit_slots=slots)
+
+    def with_tokens(self, seq: Sequence, shift: int, positions: Tensor, slots: Tensor, token_ids: Tensor,
+                    key_mask: Tensor, predict: Tensor) -> "StepPlan":
+        """The plan plus tokens at canvas ``positions``, fed ``token_ids``, whose K/V go to cache
+        ``slots`` (past the canvas: copies of canvas positions). ``key_mask`` [T + t, S] gives
+        the keys every token of the result sees. Logits: the plan's, then those of the new
+        tokens ``predict`` (indices into them), each predicting its position + ``shift``."""
+        base = replace(self).finalize(seq, shift)  # a copy: the plan passed in stays as it was
+        limit = torch.full_like(positions, seq.canvas_len)  # not read: key_mask decides
+        return StepPlan(positions=torch.cat([base.positions, positions]),
+                        key_limit=torch.cat([base.key_limit, limit]),
+                        logit_positions=torch.cat([base.logit_positions, positions[predict] + shift]),
+                        logit_slots=torch.cat([base.logit_slots, slots[predict]]),
+                        slots=torch.cat([base.slots, slots]),
+                        token_ids=torch.cat([base.token_ids, token_ids]),
+                        key_mask=key_mask)
 
     def finalize(self, seq: Sequence, shift: int) -> "StepPlan":
         """Fill the defaults: slots = positions, tokens from the canvas, and Dream's shift
@@ -59,14 +111,7 @@ def compute_range(seq: Sequence, shift: int) -> tuple[int, int]:
 
 
 def plan_step(seq: Sequence, shift: int) -> StepPlan:
-    lo, hi = compute_range(seq, shift)
-    positions = torch.arange(lo, hi, device=seq.canvas.device)
-    if seq.params.base_method == "block":  # block-causal: see your own block and all before it
-        bl = seq.params.block_length
-        limit = (positions // bl + 1) * bl
-    else:
-        limit = torch.full_like(positions, seq.canvas_len)
-    plan = StepPlan(positions, limit, seq.masked_positions())
+    plan = StepPlan.span(seq, *compute_range(seq, shift), seq.masked_positions())
     return with_unconditional_copy(seq, plan, shift) if seq.params.cfg_scale > 0 else plan
 
 
@@ -77,14 +122,21 @@ def with_unconditional_copy(seq: Sequence, plan: StepPlan, shift: int) -> StepPl
     uncond = seq.canvas.clone()
     uncond[: seq.prompt_len] = seq.ids.mask_id
     own = torch.arange(2 * n, device=seq.canvas.device) // n  # 0 = conditional, 1 = unconditional
-    wanted = plan.logit_positions - shift
+    logit_positions, logit_slots = unconditional_logits(seq, plan.logit_positions, shift)
     return StepPlan(positions=torch.cat([plan.positions, plan.positions]),
                     key_limit=torch.full((2 * n,), 2 * n, device=seq.canvas.device),
-                    logit_positions=torch.cat([plan.logit_positions, plan.logit_positions]),
-                    logit_slots=torch.cat([wanted, wanted + n]),
+                    logit_positions=logit_positions,
+                    logit_slots=logit_slots,
                     slots=torch.arange(2 * n, device=seq.canvas.device),
                     token_ids=torch.cat([seq.canvas, uncond]),
                     key_mask=own[:, None] == own[None, :])
+
+
+def unconditional_logits(seq: Sequence, positions: Tensor, shift: int) -> tuple[Tensor, Tensor]:
+    """(logit_positions, logit_slots) of a CFG plan predicting canvas ``positions``: each read
+    from the conditional canvas (slots [0, L)), then from the unconditional copy ([L, 2L))."""
+    wanted = positions - shift
+    return torch.cat([positions, positions]), torch.cat([wanted, wanted + seq.canvas_len])
 
 
 def guided_logits(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -144,8 +196,6 @@ def select_rows(conf: Tensor, counts: list[int], rules: list[tuple[float, int]])
     threshold = torch.tensor([r[0] for r in rules], dtype=conf.dtype, device=dev)
     k = torch.tensor([r[1] for r in rules], device=dev)
     passed = (rows >= threshold[:, None]) & valid
-    order = torch.sort(rows, dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(rows.shape[1], device=dev).expand_as(order))
-    top = (rank < k[:, None]) & valid
+    top = (rank_in_row(rows, valid) < k[:, None]) & valid
     enough = passed.sum(1) >= torch.minimum(k, n)
     return torch.where(enough[:, None], passed, top)

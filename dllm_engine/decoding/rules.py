@@ -89,6 +89,14 @@ def topk_select(conf: Tensor, k: int) -> Tensor:
     return chosen
 
 
+def rank_in_row(values: Tensor, valid: Tensor) -> Tensor:
+    """[B, T] rank of each entry within its row of ``values`` [B, T], largest first (0 = the
+    largest): a stable sort, so ties go to the lower index; entries not ``valid`` count as -inf."""
+    order = torch.sort(values.masked_fill(~valid, -float("inf")), dim=1, descending=True, stable=True).indices
+    ranks = torch.arange(values.shape[1], device=values.device).expand_as(order)
+    return torch.empty_like(order).scatter_(1, order, ranks)
+
+
 def threshold_select(conf: Tensor, threshold: float, min_k: int = 1) -> Tensor:
     """bool [N]: every position with conf >= threshold, or the top ``min_k`` if fewer pass."""
     passed = conf >= threshold

@@ -46,7 +46,7 @@ class AdaptiveLength(Strategy):
         extra = self.inspected_slots(seq, plan)
         state["commit_positions"] = plan.logit_positions
         if extra.numel():
-            self.extend_logits(seq, plan, extra)
+            plan = plan.with_logits(extra, seq, self.model.config.logit_shift)
         return plan
 
     def inspected_slots(self, seq: Sequence, plan: StepPlan) -> Tensor:
@@ -55,21 +55,6 @@ class AdaptiveLength(Strategy):
         pos = pos[pos >= seq.prompt_len]
         pos = pos[seq.canvas[pos] == seq.ids.mask_id]
         return pos[~torch.isin(pos, plan.logit_positions)]
-
-    def extend_logits(self, seq: Sequence, plan: StepPlan, extra: Tensor) -> None:
-        """Append ``extra`` to the wanted logits. A CFG plan returns its logits as a conditional
-        half then an unconditional half (slots + canvas_len): extend both halves alike."""
-        shift = self.model.config.logit_shift
-        if seq.params.cfg_scale <= 0:
-            if plan.logit_slots is not None:
-                plan.logit_slots = torch.cat([plan.logit_slots, extra - shift])
-            plan.logit_positions = torch.cat([plan.logit_positions, extra])
-            return
-        n = plan.logit_positions.numel() // 2
-        cond, uncond = plan.logit_slots[:n], plan.logit_slots[n:]
-        plan.logit_slots = torch.cat([cond, extra - shift, uncond, extra - shift + seq.canvas_len])
-        half = torch.cat([plan.logit_positions[:n], extra])
-        plan.logit_positions = torch.cat([half, half])
 
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
         return self.after_forward_rows([seq], [(positions, logits)])[0]

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from ..decoding.decoders import StepPlan
+from ..decoding.rules import rank_in_row
 from ..engine.sequence import Sequence
 from ..models.context import ForwardContext, Kept, compact
 from ..models.layers import DiffusionLM
@@ -85,16 +86,6 @@ def hidden_delta(hidden: Tensor, previous: Tensor) -> Tensor:
     return (h - prev).abs().mean(-1) / (prev.pow(2).mean(-1).sqrt() + 1e-6)
 
 
-def rank_of(values: Tensor, valid: Tensor) -> Tensor:
-    """[B, T] rank of each value in its row, largest first; ties go to the lower index and
-    invalid entries rank last."""
-    order = torch.sort(values.masked_fill(~valid, -float("inf")), dim=1, descending=True,
-                       stable=True).indices
-    ranks = torch.empty_like(order)
-    positions = torch.arange(values.shape[1], device=values.device).expand_as(order)
-    return ranks.scatter_(1, order, positions)
-
-
 def importance(conf: Tensor, delta: Tensor, candidate: Tensor, bonus: Tensor, alpha: Tensor) -> Tensor:
     """[B, T] importance of each candidate token (-inf elsewhere).
 
@@ -103,7 +94,7 @@ def importance(conf: Tensor, delta: Tensor, candidate: Tensor, bonus: Tensor, al
     delta = delta / delta.amax(1, keepdim=True).clamp_min(1.0)  # the official max(row max, 1)
     a = alpha[:, None].to(conf.dtype)
     score = a * conf + (1 - a) * delta + bonus
-    top2 = (rank_of(conf, candidate) < 2) & candidate & (a > 0)
+    top2 = (rank_in_row(conf, candidate) < 2) & candidate & (a > 0)
     score = score + TOP_CONF_BONUS * top2
     return score.masked_fill(~candidate, -float("inf"))
 
@@ -111,11 +102,11 @@ def importance(conf: Tensor, delta: Tensor, candidate: Tensor, bonus: Tensor, al
 def select_kept(score: Tensor, candidate: Tensor, live: Tensor, count: Tensor) -> Tensor:
     """bool [B, T]: the top ``count`` [B] candidates by score (ties: lower index) and every live
     token that is not a candidate (Dream's token before the block)."""
-    top = (rank_of(score, candidate) < count[:, None]) & candidate
+    top = (rank_in_row(score, candidate) < count[:, None]) & candidate
     return top | (live & ~candidate)
 
 
-def pad_stack(windows: list[Tensor]) -> Tensor:
+def stack_windows(windows: list[Tensor]) -> Tensor:
     """[B, W_max, d] from per-sequence [W, d] windows (block lengths may differ per request)."""
     return torch.nn.utils.rnn.pad_sequence(windows, batch_first=True)
 
@@ -242,15 +233,9 @@ class EarlySkip(Strategy):
         state(seq).skip = self.block_only(seq, plan) and not no_skip_step
         return plan
 
-    @staticmethod
-    def span(seq: Sequence, plan: StepPlan, lo: int, hi: int) -> StepPlan:
-        """Compute canvas positions [lo, hi), each attending to the whole canvas; same logits."""
-        positions = torch.arange(lo, hi, device=seq.canvas.device)
-        return StepPlan(positions, torch.full_like(positions, seq.canvas_len), plan.logit_positions)
-
     def prefix(self, seq: Sequence, plan: StepPlan) -> StepPlan:
-        """The official refresh: every position up to the block end."""
-        return self.span(seq, plan, 0, seq.block[1])
+        """The official refresh: every position up to the block end (same logits)."""
+        return StepPlan.span(seq, 0, seq.block[1], plan.logit_positions)
 
     def from_last_commits(self, seq: Sequence, plan: StepPlan) -> StepPlan:
         """A block's first step without a cache rebuild: from the leftmost position committed at
@@ -258,7 +243,7 @@ class EarlySkip(Strategy):
         start, end = seq.block
         last = state(seq).last_committed
         lo = min(int(last.min()) if last.numel() else start, start - self.shift)
-        return self.span(seq, plan, lo, end)
+        return StepPlan.span(seq, lo, end, plan.logit_positions)
 
     def block_only(self, seq: Sequence, plan: StepPlan) -> bool:
         """Whether the plan is a normal dual-cache step (the block, plus Dream's token before it)."""
@@ -278,7 +263,7 @@ class EarlySkip(Strategy):
         counts = {i: self.layer_counts(seqs, fractions, i) for i in layers}
         window = torch.tensor([[state(s).window_lo, s.params.block_length + self.shift] for s in seqs],
                               device=rows["conf"].device)
-        previous = {i: pad_stack([state(s).hidden[i] for s in seqs]) for i in layers}
+        previous = {i: stack_windows([state(s).hidden[i] for s in seqs]) for i in layers}
         previous = {i: torch.nn.functional.pad(h, (0, 0, 0, 1)) for i, h in previous.items()}  # + sink
         return SkipHooks(seqs, rows, counts, window, previous, rows["candidate"].sum(1).tolist())
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..decoding.decoders import StepPlan
-from ..decoding.rules import greedy_predictions
+from ..decoding.rules import greedy_predictions, rank_in_row
 from ..engine.sequence import Sequence
 from ..models.context import ForwardContext, Kept, compact
 from .base import Strategy, per_row
@@ -77,11 +77,7 @@ def eviction_budget(avg_decoded: Tensor, num_masked: Tensor, alpha: float | Tens
 def select_candidates(delta: Tensor, valid: Tensor, budget: Tensor) -> Tensor:
     """bool [B, M]: the top-``budget`` tokens by ``delta`` (ties to the lower index), or, when at
     least ``budget`` tokens have delta >= mean + std over the row, all of those (N_sigma term)."""
-    ranked = delta.masked_fill(~valid, float("-inf"))
-    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device)
-                                            .expand_as(order))
-    top = (rank < budget[:, None]) & valid
+    top = (rank_in_row(delta, valid) < budget[:, None]) & valid
     count = valid.sum(1).clamp(min=1)
     mean = delta.masked_fill(~valid, 0).sum(1) / count
     var = ((delta - mean[:, None]).masked_fill(~valid, 0) ** 2).sum(1) / count  # population std
@@ -170,13 +166,6 @@ def block_state(seq: Sequence) -> FocusState:
         state = FocusState(seq.block_idx, start, none, none.clone())
         seq.strategy_state[STATE_KEY] = state
     return state
-
-
-def drop_tokens(plan: StepPlan, keep: Tensor) -> StepPlan:
-    """The plan restricted to tokens ``keep`` [T] (bool, or their indices)."""
-    pick = {name: getattr(plan, name)[keep] for name in ("positions", "key_limit", "slots", "token_ids",
-                                                         "key_mask") if getattr(plan, name) is not None}
-    return dataclasses.replace(plan, **pick)
 
 
 # -- one step's blocks, batched over the forward group ------------------------------------------
@@ -313,7 +302,7 @@ class TokenEviction(Strategy):
         frozen = in_block & state.frozen[state.local(pos).clamp(0, state.frozen.numel() - 1)]
         keep = (~frozen).nonzero()[:, 0]  # one host read, then index without another
         if keep.numel() < len(plan):
-            plan = drop_tokens(plan, keep)
+            plan = plan.restrict(keep)
         state.kept = state.would_keep = state.step_rows = None
         return plan
 

@@ -106,7 +106,7 @@ class JumpShare(Strategy):
             return plan
         layout = make_layout(seq, plan.logit_positions, state["drafts"])
         state["layout"] = layout
-        return share_plan(seq, plan, layout)
+        return share_plan(seq, plan, layout, self.model.config.logit_shift)
 
     # -- verify and commit -----------------------------------------------------------------
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, base: CommitRule) -> Tensor:
@@ -236,26 +236,19 @@ def make_layout(seq: Sequence, masked: Tensor, drafts: tuple[Tensor, Tensor, Ten
     return CopyLayout(masked, idx, tokens, sets, drafted)
 
 
-def share_plan(seq: Sequence, plan: StepPlan, layout: CopyLayout) -> StepPlan:
+def share_plan(seq: Sequence, plan: StepPlan, layout: CopyLayout, shift: int) -> StepPlan:
     """Copy 0 = the base plan's tokens; copies 1.. = the masked positions again, drafts filled
-    in, in cache slots past the canvas. Logits: copy 0's masked positions, then each copy's."""
+    in, in cache slots past the canvas. Logits: copy 0's masked positions, then each copy's
+    (``shift`` is 0: ``check_method`` refuses jump-share on a model with a logit shift)."""
     masked, n, extra = layout.masked, layout.masked.numel(), layout.num_copies - 1
-    base_slots = plan.slots if plan.slots is not None else plan.positions
-    base_tokens = plan.token_ids if plan.token_ids is not None else seq.canvas[plan.positions]
     current = seq.canvas[masked]
     filled = current.index_copy(0, layout.draft_idx, layout.draft_tokens)  # every draft in place
     copy_tokens = torch.where(layout.drafted[1:], filled, current)  # [C-1, n]
     copy_slots = seq.canvas_len + torch.arange(extra * n, device=masked.device)  # [(C-1)·n]
-    own = layout.own_index(first=1)
-    return StepPlan(
-        positions=torch.cat([plan.positions, masked.repeat(extra)]),
-        key_limit=torch.cat([plan.key_limit, torch.full((extra * n,), seq.canvas_len,
-                                                        device=masked.device)]),
-        logit_positions=torch.cat([masked, masked.repeat(extra)[own]]),
-        logit_slots=torch.cat([masked, copy_slots[own]]),
-        slots=torch.cat([base_slots, copy_slots]),
-        token_ids=torch.cat([base_tokens, copy_tokens.flatten()]),
-        key_mask=copy_key_mask(plan.key_limit, seq.canvas_len, masked, extra))
+    return plan.with_tokens(seq, shift, positions=masked.repeat(extra), slots=copy_slots,
+                            token_ids=copy_tokens.flatten(),
+                            key_mask=copy_key_mask(plan.key_limit, seq.canvas_len, masked, extra),
+                            predict=layout.own_index(first=1))
 
 
 def copy_key_mask(base_limit: Tensor, canvas_len: int, masked: Tensor, extra: int) -> Tensor:
