@@ -139,6 +139,16 @@ def unconditional_logits(seq: Sequence, positions: Tensor, shift: int) -> tuple[
     return torch.cat([positions, positions]), torch.cat([wanted, wanted + seq.canvas_len])
 
 
+def after_forward(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+    """The decoder's side of a finished forward: block diffusion's cache is final before the
+    block (this forward wrote it), and a CFG plan's two halves become the guided logits."""
+    if seq.params.base_method == "block":
+        seq.committed_len = seq.block[0]
+    if seq.params.cfg_scale > 0:
+        return guided_logits(seq, positions, logits)
+    return positions, logits
+
+
 def guided_logits(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
     """u + (s + 1)(c - u) over the two halves returned for a CFG plan."""
     n = positions.numel() // 2

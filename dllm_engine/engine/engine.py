@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..decoding import confidence, sample_tokens
-from ..decoding.decoders import (cache_len, guided_logits, plan_step, select, select_rows, threshold_rule,
+from ..decoding.decoders import (after_forward, cache_len, plan_step, select, select_rows, threshold_rule,
                                  uses_factor)
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
@@ -130,11 +130,7 @@ class Engine:
         plans = [pipeline.plan(s, plan_step(s, self.runner.shift)) for s in seqs]
         hooks = pipeline.layer_hooks(seqs, plans)
         outputs = self.runner.forward(seqs, plans, cache, hooks)
-        for k, seq in enumerate(seqs):
-            if seq.params.base_method == "block":  # this forward made everything before the block final
-                seq.committed_len = seq.block[0]
-            if seq.params.cfg_scale > 0:
-                outputs[k] = guided_logits(seq, *outputs[k])
+        outputs = [after_forward(seq, *out) for seq, out in zip(seqs, outputs)]  # the decoder's part
         ready = [(seq, *out) for seq, out in zip(seqs, pipeline.after_forward_rows(seqs, outputs))]
         mask_id = seqs[0].ids.mask_id
         batched = pipeline.owner is None and all(batched_rule(s) and s.ids.mask_id == mask_id for s, *_ in ready)
