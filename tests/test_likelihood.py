@@ -113,3 +113,10 @@ def test_bad_config(kwargs, msg):
 def test_empty_continuation_is_refused():
     with pytest.raises(ValueError, match="non-empty prompt and a non-empty continuation"):
         loglikelihood(random_model("llada"), PROMPT, [], MASK)
+
+
+def test_a_sequence_longer_than_the_context_is_refused():
+    """Positions past the model's context were scored as if they fitted: callers cut the prompt."""
+    model = random_model("llada", max_position_embeddings=len(PROMPT) + len(TARGET) - 1)
+    with pytest.raises(ValueError, match="exceed the model's context of 12 tokens"):
+        loglikelihood(model, PROMPT, TARGET, MASK, LikelihoodConfig(4, 4))

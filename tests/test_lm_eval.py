@@ -3,6 +3,7 @@
 Runs offline: the tasks read the committed JSONL splits; the task manager indexes only them."""
 import functools
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,140 @@ def test_dllm_lm_eval_without_the_extra_says_how_to_install(monkeypatch, capsys)
     monkeypatch.delattr(integrations, "lm_eval")
     assert main(["lm-eval", "--model", "dllm"]) == 2
     assert "dllm lm-eval needs the lm-eval extra (pip install -e '.[lm-eval]')" in capsys.readouterr().err
+
+
+# -- the audit of the lm-eval adapter against lm-eval's HF model ----------------------------------
+LONG_TEXT = "sort : 3 1 2 " * 40  # 200 tokens
+
+
+@pytest.fixture(scope="module")
+def small_window(tmp_path_factory):
+    """Random checkpoints whose context (max_position_embeddings) is ``window`` tokens."""
+    made = {}
+
+    def get(family: str, window: int) -> str:
+        if (family, window) not in made:
+            folder = tmp_path_factory.mktemp(f"{family}{window}")
+            extra = {"block_size": 32} if family == "sdar" else {}
+            made[family, window] = str(write_checkpoint(folder, family, max_position_embeddings=window,
+                                                        **extra))
+        return made[family, window]
+    return get
+
+
+@pytest.fixture
+def dllm_warnings(caplog, monkeypatch):
+    """The adapter's warnings (lm-eval's command line stops its logger propagating: undone here)."""
+    monkeypatch.setattr(logging.getLogger("lm_eval"), "propagate", True)
+    caplog.set_level(logging.WARNING, logger="lm_eval.models.dllm")
+    return lambda: [r.getMessage() for r in caplog.records
+                    if r.name == "lm_eval.models.dllm" and r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_loglikelihood_keeps_the_end_of_a_context_longer_than_the_window(small_window, family,
+                                                                           dllm_warnings):
+    lm = DllmLM(small_window(family, 64), mc_num=4, mc_batch=4, check_greedy=True)
+    prompt, target = lm.encode_pair(LONG_TEXT, " 1 2 3")
+    assert len(prompt) > 64
+    [(value, greedy)] = lm.loglikelihood([request("loglikelihood", LONG_TEXT, " 1 2 3")], True)
+    assert value == lm.score(prompt[-(64 - len(target)):], target)  # as lm-eval's HF model: the last tokens
+    assert isinstance(greedy, bool)  # the greedy check fits its canvas too (it crashed)
+    assert any("cut" in w for w in dllm_warnings())
+    with pytest.raises(ValueError, match="continuation of 64 tokens does not fit"):
+        lm.loglikelihood([request("loglikelihood", "sort", " " + "1 " * 63 + "2")], True)
+
+
+@pytest.mark.parametrize("family,method,window,gen_kwargs,room", [
+    ("llada", "dual-cache", 256, {"until": []}, 128),  # no max_gen_toks anywhere: the default 128
+    ("sdar", "block", 64, {"until": [], "max_gen_toks": 5}, 32),  # one whole block after the prompt
+    ("sdar", "block", 100, {"until": [], "max_gen_toks": 32}, 64),  # blocks aligned to 0: ends at 96
+])
+def test_generate_until_cuts_a_long_context_to_the_resolved_canvas(small_window, family, method, window,
+                                                                  gen_kwargs, room):
+    lm = DllmLM(small_window(family, window), method=method)
+    gen = lm.generation(LONG_TEXT, gen_kwargs)
+    ids = lm.llm.encode(LONG_TEXT)
+    assert gen.seq.prompt_len == room and gen.seq.canvas[:room].tolist() == ids[-room:]
+    assert gen.seq.canvas_len <= window
+    [text] = lm.generate_until([request("generate_until", LONG_TEXT, gen_kwargs)], True)
+    assert isinstance(text, str)
+
+
+def test_sampled_repeats_get_distinct_seeds(random_ckpt):
+    lm = DllmLM(random_ckpt)  # random weights: samples differ (the trained checkpoints are too sure)
+    sample = {"until": [], "do_sample": True, "temperature": 1.0, "max_gen_toks": 8}
+    repeated = [request("generate_until", "sort : 3 1 2", sample)] * 3  # lm-eval's repeats=3
+    assert [lm.generation(*r.args, index=i).seq.params.seed for i, r in enumerate(repeated)] == [0, 1, 2]
+    answers = lm.generate_until(repeated, True)
+    assert len(set(answers)) == 3 and lm.generate_until(repeated, True) == answers  # reproducible
+    greedy = [request("generate_until", "sort : 3 1 2", {"until": [], "max_gen_toks": 8})] * 2
+    assert [lm.generation(*r.args, index=i).seq.params.seed for i, r in enumerate(greedy)] == [0, 0]
+
+
+def test_gen_kwargs_are_normalized_as_lm_eval_does(llada, dllm_warnings):
+    context = chat_context(llada, load_split(["spell"], limit=1)[0].prompt)
+
+    def run(kwargs):
+        return llada.generation(context, kwargs)
+    assert run({"do_sample": False, "temperature": 0.7}).seq.params.temperature == 0.0  # greedy
+    assert run({"temperature": 0.7}).seq.params.temperature == 0.7  # lm-eval: do_sample implied
+    assert run({"do_sample": True}).seq.params.temperature == 1.0
+    for alias in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens"):
+        gen = run({alias: 5})
+        assert gen.max_tokens == 5 and gen.seq.params.max_new_tokens == 32, alias
+    assert run({"max_gen_toks": 5, "max_tokens": 40}).max_tokens == 5  # lm-eval's priority
+    assert not [w for w in dllm_warnings() if "ignores" in w]
+    short = llada.generate_until([request("generate_until", context, {"max_new_tokens": 5})], True)
+    assert short == llada.generate_until([request("generate_until", context, {"max_gen_toks": 5})], True)
+
+
+def test_chat_template_continues_a_prefilled_answer(random_ckpt):
+    lm = DllmLM(random_ckpt)
+    prefilled = [{"role": "user", "content": "sort 3 1 2"}, {"role": "assistant", "content": "Answer:"}]
+    assert lm.apply_chat_template(prefilled, add_generation_prompt=False).endswith("Answer:")
+    assert lm.apply_chat_template(prefilled[:1]).endswith("assistant <|end_header_id|>")
+    # a template without a system role: lm-eval's HF model drops the system message and retries
+    lm.llm.tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                                      "{{ raise_exception('no system role') }}{% endif %}"
+                                      "[{{ m['role'] }}] {{ m['content'] }} {% endfor %}")
+    with_system = [{"role": "system", "content": "be brief"}, *prefilled]
+    assert lm.apply_chat_template(with_system, add_generation_prompt=False) == \
+        "[user] sort 3 1 2 [assistant] Answer:"
+
+
+def test_empty_inputs_as_lm_eval_s_hf_model(random_ckpt):
+    lm = DllmLM(random_ckpt, mc_num=4, mc_batch=4)
+    bos = lm.llm.tokenizer.bos_token_id
+    assert lm.loglikelihood([request("loglikelihood", "sort : 3 1 2", "")], True) == [(0.0, True)]
+    assert lm.loglikelihood_rolling([request("loglikelihood_rolling", "")], True) == [0.0]
+    gen = lm.generation("", {"until": [], "max_gen_toks": 4})
+    assert gen.seq.prompt_len == 1 and int(gen.seq.canvas[0]) == bos
+    [text] = lm.generate_until([request("generate_until", "", {"max_gen_toks": 4})], True)
+    assert isinstance(text, str)
+    # no BOS token: the EOS token is the prefix, as lm-eval's prefix_token_id
+    lm.llm.tokenizer.bos_token = None
+    eos = lm.llm.tokenizer.eos_token_id
+    assert lm.prefix_token_id == eos
+    ids = lm.llm.encode("1 2 3")
+    rolling = lm.loglikelihood_rolling([request("loglikelihood_rolling", "1 2 3")], True)
+    assert rolling == [lm.score([eos], ids)]
+    assert lm.loglikelihood([request("loglikelihood", "", "1 2 3")], True)[0][0] == lm.score([eos], ids)
+
+
+def test_an_unchecked_is_greedy_warns_once_per_run(random_ckpt, dllm_warnings):
+    lm = DllmLM(random_ckpt, mc_num=4, mc_batch=4)
+    req = request("loglikelihood", "sort : 3 1 2", " 1 2 3")
+    assert lm.loglikelihood([req], True)[0][1] is False and lm.loglikelihood([req], True)[0][1] is False
+    assert len([w for w in dllm_warnings() if "check_greedy" in w]) == 1
+
+
+def test_dllm_lm_eval_reports_not_implemented_in_one_line(own_tasks_only, monkeypatch, capsys):
+    def unsupported(self, requests, disable_tqdm=False):
+        raise NotImplementedError("no such request type here")
+    monkeypatch.setattr(DllmLM, "generate_until", unsupported)
+    args = f"pretrained={CHECKPOINTS / 'tiny-sdar'},method=block"
+    assert main(["lm-eval", "--model", "dllm", "--model_args", args, "--tasks", "dllm_sort", "--limit", "1",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "error: no such request type here" in err and "Traceback" not in err

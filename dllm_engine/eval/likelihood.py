@@ -116,10 +116,16 @@ def segment_loglikelihood(model: DiffusionLM, ids: Tensor, span: tuple[int, int]
 
 def loglikelihood(model: DiffusionLM, prompt_ids: list[int], continuation_ids: list[int], mask_id: int,
                   cfg: LikelihoodConfig = LikelihoodConfig()) -> Likelihood:
-    """Estimated log p(continuation | prompt); deterministic for a fixed ``cfg.seed`` (every call
-    starts its own generator, so the value does not depend on what was scored before)."""
+    """Estimated log p(continuation | prompt), both within the model's context; deterministic for a
+    fixed ``cfg.seed`` (every call starts its own generator, so the value does not depend on what
+    was scored before)."""
     if not prompt_ids or not continuation_ids:
         raise ValueError("loglikelihood needs a non-empty prompt and a non-empty continuation")
+    window = model.config.max_position_embeddings
+    if len(prompt_ids) + len(continuation_ids) > window:  # positions past it were never trained
+        raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and the continuation "
+                         f"({len(continuation_ids)}) exceed the model's context of {window} tokens; "
+                         f"cut the prompt on the left (as the lm-eval model does)")
     device = next(model.parameters()).device
     ids = torch.tensor(prompt_ids + continuation_ids, dtype=torch.long, device=device)
     generator = torch.Generator().manual_seed(cfg.seed)

@@ -6,9 +6,14 @@ imported: ``dllm lm-eval ...`` imports it and runs lm-eval's command line, and P
 
 - ``generate_until``: every request joins the engine's continuous batch (``batch_size`` sequences
   at a time; the engine's output does not depend on the batch), each with its own ``max_gen_toks``
-  and ``until`` strings; a sequence ends as soon as its finished blocks hold a stop string.
-- ``loglikelihood``: the masked-diffusion Monte-Carlo bound (``eval/likelihood.py``).
-- ``loglikelihood_rolling``: the same bound over the whole text, conditioned on BOS.
+  and ``until`` strings (its kwargs normalised by lm-eval's ``normalize_gen_kwargs``, as its HF
+  model); a sequence ends as soon as its finished blocks hold a stop string. A context too long for
+  the model's context beside the canvas keeps its last tokens; a sampled request's seed is the base
+  seed + its index in the call (lm-eval's ``repeats`` send one request several times).
+- ``loglikelihood``: the masked-diffusion Monte-Carlo bound (``eval/likelihood.py``), the context
+  cut on the left so context + continuation fit the model's context (as lm-eval's HF model).
+- ``loglikelihood_rolling``: the same bound over the whole text, conditioned on the prefix token
+  (BOS, else EOS: lm-eval's ``prefix_token_id``).
 """
 from __future__ import annotations
 
@@ -18,17 +23,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2
 import lm_eval.models  # noqa: F401  (lm-eval adds its own models only to an empty registry: first)
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import normalize_gen_kwargs
 from tqdm import tqdm
 
-from ..engine.llm import LLM
+from ..engine.llm import LLM, quiet_transformers
 from ..engine.sequence import Sequence, SequenceStats
 from ..engine.stop_strings import committed_end, committed_ids, find_stop, tokens_through_stop
 from ..eval.likelihood import LikelihoodConfig, loglikelihood
-from ..sampling_params import FIELD_TYPES, SamplingParams, convert, parse_spec
+from ..sampling_params import FIELD_TYPES, MAX_SEED, SamplingParams, convert, parse_spec
 
 log = logging.getLogger("lm_eval.models.dllm")  # under lm-eval's logger: its CLI prints these
 
@@ -104,9 +111,12 @@ class DllmLM(LM):
         # max_gen_toks can still apply (make_sequence resolves each request)
         resolved = self.llm.resolve(spec)
         self.params = spec.replace(method=resolved.method)
+        self.defaults = resolved  # a request's default max_gen_toks, the base seed, block_length
+        self.window = self.llm.model.config.max_position_embeddings
         self.likelihood = LikelihoodConfig(int(mc_num), int(mc_batch), float(mc_cfg_scale),
                                            seed=resolved.seed)
         self.check_greedy = bool(check_greedy)
+        self.warned_unchecked_greedy = False
         self.stats_path = Path(stats_path) if stats_path else None
         self.stats = RunStats()
         self._device = self.llm.device
@@ -131,14 +141,25 @@ class DllmLM(LM):
         return getattr(self.llm.tokenizer, "chat_template", None)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """As lm-eval's HF model: lm-eval asks for no generation prompt when the task prefills the
+        answer (``gen_prefix``), which then continues the final assistant message; a template that
+        refuses the system role gets the conversation without it."""
         if not self.chat_template():
             raise ValueError(f"{self.llm.path} has no chat template; run without --apply_chat_template")
-        return self.llm.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+
+        def render(messages: list[dict[str, str]]) -> str:
+            return self.llm.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt)
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            log.warning("the chat template failed; applying it again without the system role")
+            return render([m for m in chat_history if m["role"] != "system"])
 
     # -- generate_until -------------------------------------------------------------------------
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        gens = [self.generation(*req.args) for req in requests]
+        gens = [self.generation(*req.args, index=i) for i, req in enumerate(requests)]
         start = time.perf_counter()
         self.run(gens, disable_tqdm)
         seqs = [g.seq for g in gens]
@@ -148,38 +169,87 @@ class DllmLM(LM):
         self.report()
         return [g.text for g in gens]
 
-    def generation(self, context: str, gen_kwargs: dict) -> Generation:
-        """A sequence for one request: its own stop strings, token budget and temperature."""
-        kwargs = dict(gen_kwargs)
-        until = kwargs.pop("until", None) or []
-        stops = [until] if isinstance(until, str) else list(until)
-        max_tokens = self.params.max_new_tokens or kwargs.get("max_gen_toks")
+    def generation(self, context: str, gen_kwargs: dict, index: int = 0) -> Generation:
+        """A sequence for one request: its own stop strings, token budget and sampling.
+
+        ``gen_kwargs`` go through lm-eval's ``normalize_gen_kwargs``, as in its HF model:
+        ``do_sample=False`` is greedy whatever the temperature, ``temperature > 0`` alone samples,
+        and ``max_new_tokens`` / ``max_tokens`` / ``max_completion_tokens`` are aliases of
+        ``max_gen_toks`` (default: the checkpoint's ``max_new_tokens``). ``model_args`` win:
+        their ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``. A sampled request's seed is
+        the base seed + ``index``, its place in the call (lm-eval's ``repeats`` send the same
+        request several times), so the samples differ and a run repeats them; greedy requests keep
+        the base seed."""
+        kwargs = dict(normalize_gen_kwargs(dict(gen_kwargs or {}), self.defaults.max_new_tokens))
+        stops = [s for s in kwargs.pop("until") if isinstance(s, str) and s]
+        max_tokens = self.params.max_new_tokens or int(kwargs.pop("max_gen_toks"))
         kwargs.pop("max_gen_toks", None)
-        changes = {"max_new_tokens": self.canvas_tokens(max_tokens)} if max_tokens else {}
-        do_sample, temperature = kwargs.pop("do_sample", False), float(kwargs.pop("temperature", 0.0) or 0.0)
-        if do_sample or temperature > 0:  # greedy unless the task asks to sample (as HF generate)
-            changes["temperature"] = temperature or 1.0
+        changes = {"max_new_tokens": self.canvas_tokens(max_tokens)}
+        do_sample, temperature = bool(kwargs.pop("do_sample")), float(kwargs.pop("temperature", 0.0))
+        if self.params.temperature is None:  # greedy unless the task samples (as HF generate)
+            changes["temperature"] = (temperature or 1.0) if do_sample else 0.0
+        for name, kind in (("top_p", float), ("top_k", int)):
+            value = kwargs.pop(name, None)
+            if value is not None and getattr(self.params, name) is None:
+                changes[name] = kind(value)
         if kwargs:
             log.warning("dllm ignores generation kwargs %s", sorted(kwargs))
         params = self.params.replace(**changes)
-        seq = self.llm.make_sequence(self.prompt_ids(context, params), params)
-        return Generation(seq, [s for s in stops if s], max_tokens or seq.params.max_new_tokens)
+        resolved = self.llm.resolve(params)
+        if resolved.temperature > 0:  # sampled: a seed of its own
+            params = params.replace(seed=(resolved.seed + index) % MAX_SEED)
+            resolved = resolved.replace(seed=params.seed)
+        seq = self.llm.make_sequence(self.prompt_ids(context, resolved), params)
+        return Generation(seq, stops, max_tokens)
 
     def canvas_tokens(self, max_tokens: int) -> int:
         """Semi-AR decoders need whole blocks: round ``max_tokens`` up (the answer is cut back)."""
         if self.params.base_method == "block":
             return max_tokens
-        block = self.params.block_length or self.llm.generation_config.get("block_length", 32)
+        block = self.defaults.block_length
         return -(-max_tokens // block) * block
 
+    def room(self, params: SamplingParams) -> int:
+        """How many prompt tokens fit the model's context beside the canvas of ``params`` (resolved):
+        whole blocks after the prompt, and for block diffusion (blocks aligned to position 0) up to
+        the end of the block that holds the last new token. Below 1: none."""
+        room = self.window - params.generation_slots
+        if params.base_method == "block":
+            block = params.block_length
+            room = min(room, self.window // block * block - params.max_new_tokens)
+        return room
+
     def prompt_ids(self, context: str, params: SamplingParams) -> list[int]:
-        """The context's tokens, cut on the left to leave room for the canvas (as lm-eval's HF model)."""
-        ids = self.llm.encode(context)
-        room = self.llm.model.config.max_position_embeddings - (params.max_new_tokens or 0)
-        if params.max_new_tokens and len(ids) > room:
-            log.warning("context of %d tokens cut to its last %d to fit the model", len(ids), room)
+        """The context's tokens (the prefix token for an empty one), cut on the left to leave room
+        for the canvas of ``params`` (resolved), as lm-eval's HF model cuts for ``max_gen_toks``."""
+        ids = self.tokens(context) or [self.prefix_token_id]
+        room = self.room(params)
+        if room < 1:
+            raise ValueError(f"max_gen_toks {params.max_new_tokens} ({params.generation_slots} canvas "
+                             f"slots in blocks of {params.block_length}) leaves no room for a prompt in "
+                             f"the model's context of {self.window} tokens")
+        if len(ids) > room:
+            log.warning("context of %d tokens cut to its last %d to fit the model's context of %d "
+                        "tokens beside the canvas", len(ids), room, self.window)
             ids = ids[-room:]
         return ids
+
+    def tokens(self, text: str) -> list[int]:
+        """``text``'s token ids, no special tokens added ([] for an empty text)."""
+        if not text:
+            return []
+        with quiet_transformers():  # its "longer than the model" warning: the callers cut
+            ids = self.llm.tokenizer.encode(text, add_special_tokens=False)
+        return self.llm.check_ids(ids) if ids else []
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context becomes (lm-eval's ``prefix_token_id``): BOS, else EOS."""
+        tok = self.llm.tokenizer
+        for token in (tok.bos_token_id, tok.eos_token_id):
+            if token is not None:
+                return token
+        return self.llm.token_ids.eos_id
 
     def run(self, gens: list[Generation], disable_tqdm: bool = True) -> None:
         """Drive the engine until every request has its text."""
@@ -222,43 +292,72 @@ class DllmLM(LM):
 
     # -- log-likelihoods --------------------------------------------------------------------------
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        pairs = [self.encode_pair(*req.args) for req in requests]
+        """(log p, is_greedy) per request; an empty continuation is (0.0, True), as in lm-eval's HF
+        model. ``is_greedy`` is checked only with ``check_greedy=true`` (else False, with a
+        warning once per run)."""
+        pairs = self.fit([self.encode_pair(*req.args) for req in requests])
         start = time.perf_counter()
-        values = [self.score(prompt, target) for prompt, target in
+        values = [self.score(prompt, target) if target else 0.0 for prompt, target in
                   tqdm(pairs, desc="dllm loglikelihood", disable=disable_tqdm)]
-        greedy = self.greedy(pairs) if self.check_greedy else [False] * len(pairs)
+        if self.check_greedy:
+            greedy = self.greedy(pairs)
+        else:
+            greedy = [not target for _, target in pairs]
+            if not all(greedy):
+                self.warn_unchecked_greedy()
         self.stats.loglikelihood_seconds += time.perf_counter() - start
         self.stats.loglikelihood_requests += len(pairs)
         self.report()
         return list(zip(values, greedy))
 
+    def warn_unchecked_greedy(self) -> None:
+        if not self.warned_unchecked_greedy:
+            self.warned_unchecked_greedy = True
+            log.warning("dllm returns is_greedy=False for every non-empty continuation: it checks it only "
+                        "with check_greedy=true in --model_args (a greedy decode per request, LLaDA's "
+                        "check), so greedy-match metrics of this run mean nothing")
+
+    def fit(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
+        """Each (context, continuation) within the model's context: a context too long keeps its
+        last tokens (as lm-eval's HF model); a continuation that leaves no room for one context
+        token is an error."""
+        fitted, cut = [], 0
+        for prompt, target in pairs:
+            room = self.window - len(target)
+            if room < 1:
+                raise ValueError(f"a continuation of {len(target)} tokens does not fit the model's "
+                                 f"context of {self.window} tokens with a context token before it")
+            if len(prompt) > room:
+                prompt, cut = prompt[-room:], cut + 1
+            fitted.append((prompt, target))
+        if cut:
+            log.warning("%d of %d loglikelihood contexts cut to their last tokens to fit the model's "
+                        "context of %d tokens", cut, len(pairs), self.window)
+        return fitted
+
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
-        """The bound over the whole text given BOS (no windows: the text must fit the context)."""
-        bos = self.llm.tokenizer.bos_token_id
-        if bos is None:
-            raise NotImplementedError(f"loglikelihood_rolling scores a text given BOS, and {self.llm.path} "
-                                      f"has no bos_token")
-        texts = [self.llm.encode(req.args[0]) for req in requests]
-        limit = self.llm.model.config.max_position_embeddings - 1
+        """The bound over the whole text given the prefix token (BOS, else EOS); an empty text
+        scores 0.0 (no windows: the text must fit the context)."""
+        prefix = self.prefix_token_id
+        texts = [self.tokens(req.args[0]) for req in requests]
+        limit = self.window - 1
         if any(len(t) > limit for t in texts):
             raise NotImplementedError(f"loglikelihood_rolling over texts longer than the context "
                                       f"({limit} tokens): windowing a diffusion bound is not implemented")
-        return [self.score([bos], t) for t in tqdm(texts, desc="dllm loglikelihood_rolling",
-                                                   disable=disable_tqdm)]
+        return [self.score([prefix], t) if t else 0.0
+                for t in tqdm(texts, desc="dllm loglikelihood_rolling", disable=disable_tqdm)]
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """Token ids of context and continuation, split where the whole text's tokens split (trailing
-        spaces of the context move to the continuation, as LLaDA's and lm-eval's HF models do)."""
+        spaces of the context move to the continuation, as LLaDA's and lm-eval's HF models do). An
+        empty context is the prefix token (lm-eval's rule: unless the text starts with it)."""
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
-        tok = self.llm.tokenizer
-        prompt = tok.encode(context, add_special_tokens=False) if context else []
-        whole = tok.encode(context + continuation, add_special_tokens=False)
+        prompt, whole = self.tokens(context), self.tokens(context + continuation)
         if not prompt:
-            if tok.bos_token_id is None:
-                raise ValueError(f"an empty context needs a BOS token, and {self.llm.path} has none")
-            return [tok.bos_token_id], whole
+            prefix = self.prefix_token_id
+            return (whole[:1], whole[1:]) if whole[:1] == [prefix] else ([prefix], whole)
         return prompt, whole[len(prompt):]
 
     def score(self, prompt: list[int], target: list[int]) -> float:
@@ -267,12 +366,29 @@ class DllmLM(LM):
         return result.value
 
     def greedy(self, pairs: list[tuple[list[int], list[int]]]) -> list[bool]:
-        """Whether one-token-per-step greedy decoding (LLaDA's check) writes exactly the target."""
-        gens = [Generation(self.llm.make_sequence(prompt, self.greedy_params(len(target))), [], len(target))
-                for prompt, target in pairs]
+        """Whether one-token-per-step greedy decoding (LLaDA's check) writes exactly the target (an
+        empty one: True). The prompt keeps its last tokens if the check's canvas needs more room
+        (block diffusion: whole blocks); a target whose canvas leaves none is not greedy."""
+        checked, gens, unfit = [], [], 0
+        for i, (prompt, target) in enumerate(pairs):
+            if not target:
+                continue
+            params = self.greedy_params(len(target))
+            room = self.room(self.llm.resolve(params))
+            if room < 1:
+                unfit += 1
+                continue
+            checked.append(i)
+            gens.append(Generation(self.llm.make_sequence(prompt[-room:], params), [], len(target)))
         self.run(gens)
-        return [g.seq.canvas[g.seq.prompt_len: g.seq.prompt_len + len(t)].tolist() == t
-                for g, (_, t) in zip(gens, pairs)]
+        results = [not target for _, target in pairs]
+        for i, g in zip(checked, gens):
+            target = pairs[i][1]
+            results[i] = g.seq.canvas[g.seq.prompt_len: g.seq.prompt_len + len(target)].tolist() == target
+        if unfit:
+            log.warning("is_greedy left False for %d continuations whose greedy canvas does not fit the "
+                        "model's context of %d tokens", unfit, self.window)
+        return results
 
     def greedy_params(self, n: int) -> SamplingParams:
         """One token per step over an ``n``-token canvas (block diffusion: the family's blocks)."""
