@@ -14,7 +14,10 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     """--model (default: the embedded tiny-llada), --dtype, --device: shared by every command."""
     if model:
         p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: tiny-llada)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (default: the checkpoint's own, config.json's torch_dtype, else its "
+                        "weights': bfloat16 for the released models, float32 for the embedded ones), "
+                        "float32, bfloat16, float16")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU: let glibc reuse freed activations instead of returning them to the OS "
@@ -547,7 +550,8 @@ def run_lm_eval(argv: list[str]) -> int:
         sys.argv = ["lm-eval", *argv, *extra]
         try:
             cli_evaluate()
-        except ValueError as e:  # bad model_args of dllm, an unknown task, ...: one line, as elsewhere
+        except (ValueError, OSError, NotImplementedError) as e:  # bad model_args of dllm, an unknown
+            # task, a request type a model cannot answer, ...: one line, as the other commands
             print(f"error: {e}", file=sys.stderr)
             return 2
     return 0

@@ -7,11 +7,14 @@ method means the same thing everywhere, and ``describe`` prints what will run.""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import numbers
 from dataclasses import dataclass, field
 
 from .strategies.registry import REGISTRY
+
+log = logging.getLogger(__name__)
 
 BASE_METHODS = ("reference", "prefix-cache", "dual-cache", "block")
 REMASKING = ("low_confidence", "maskgit_plus", "random", "topk_margin", "entropy")
@@ -32,6 +35,7 @@ COMMIT_FIELDS = ("threshold", "factor", "steps")
 # generation_config.json keys that are SamplingParams defaults (HF's own names where they exist)
 GENERATION_CONFIG_FIELDS = ("method", "max_new_tokens", "block_length", "temperature", "top_p",
                             "top_k", *COMMIT_FIELDS)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k")  # applied only with "do_sample": true
 
 
 class ParamError(ValueError):
@@ -278,9 +282,26 @@ def default_method(methods: tuple[str, ...]) -> str:
 
 
 def generation_defaults(generation_config: dict | None) -> dict:
-    """The SamplingParams defaults a checkpoint's generation_config.json sets, validated."""
-    gen = {k: v for k, v in (generation_config or {}).items()
-           if k in GENERATION_CONFIG_FIELDS and v is not None}
+    """The SamplingParams defaults a checkpoint's generation_config.json sets, validated.
+
+    Keys transformers also reads mean what they mean there: temperature / top_p / top_k apply
+    only with ``do_sample`` true (absent means greedy, transformers' default; Qwen3-derived SDAR
+    files carry 0.6 / 0.95 / 20 beside greedy decoding), and then temperature defaults to 1.0.
+    ``steps`` is this engine's steps per block only when the file also sets ``block_length``,
+    as the engine's own exports do; alone it is another sampler's count (Dream's 512 are the
+    whole answer's steps) and is ignored. Null values count as absent."""
+    raw = generation_config or {}
+    gen = {k: v for k, v in raw.items() if k in GENERATION_CONFIG_FIELDS and v is not None}
+    if raw.get("do_sample") is True:
+        gen.setdefault("temperature", 1.0)
+    else:
+        ignored = {k: gen.pop(k) for k in SAMPLING_FIELDS if k in gen}
+        if ignored:
+            log.debug("generation_config.json: %s ignored: do_sample is not true (greedy)", ignored)
+    if "steps" in gen and "block_length" not in gen:
+        steps = gen.pop("steps")
+        log.debug("generation_config.json: steps=%r ignored: without block_length it is not "
+                  "this engine's steps per block", steps)
     try:
         SamplingParams(**gen)
     except ValueError as e:

@@ -47,13 +47,13 @@ def test_the_commit_rule_is_chosen_as_a_whole():
 
 
 def test_generation_config_comes_between_the_request_and_the_defaults():
-    gen = {"max_new_tokens": 64, "block_length": 16, "threshold": 0.7, "temperature": 0.5,
+    gen = {"max_new_tokens": 64, "block_length": 16, "threshold": 0.7, "temperature": 0.5, "do_sample": True,
            "eos_token_id": 3, "transformers_version": "4.53"}  # keys that are not options are ignored
     p = resolve_params(SamplingParams(), FULL, gen)
     assert (p.max_new_tokens, p.block_length, p.threshold, p.temperature) == (64, 16, 0.7, 0.5)
     p = resolve_params(SamplingParams(max_new_tokens=32, threshold=0.95, temperature=0.0), FULL, gen)
     assert (p.max_new_tokens, p.block_length, p.threshold, p.temperature) == (32, 16, 0.95, 0.0)
-    assert resolve_params(SamplingParams(method="reference"), FULL, {"steps": 4}).steps == 4
+    assert resolve_params(SamplingParams(method="reference"), FULL, {"steps": 4, "block_length": 32}).steps == 4
 
 
 def test_a_bad_generation_config_value_names_the_file():

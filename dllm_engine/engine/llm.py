@@ -15,6 +15,7 @@ from ..models import load_model
 from ..models.compiled import check_compile, compile_model
 from ..models.loader import parse_device, read_generation_config
 from ..sampling_params import ParamError, SamplingParams, check_prompt, resolve_params
+from ..tokenizer import load_tokenizer
 from .engine import Engine
 from . import host_memory
 from .sequence import Sequence, SequenceStats, TokenIds
@@ -49,6 +50,13 @@ def ids_list(value) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
+def valid_id(value) -> int | None:
+    """``value`` when it is a token id (an integer >= 0), else None (null, negative, not a number)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        return None
+    return int(value)
+
+
 @contextmanager
 def quiet_transformers():
     """transformers' warnings off for the block (its "sequence length is longer than the
@@ -63,11 +71,15 @@ def quiet_transformers():
 
 
 class LLM:
-    def __init__(self, model: str | Path, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model: str | Path, dtype: str = "auto", device: str = "cpu",
                  max_num_seqs: int = 256, keep_freed_memory: bool = False,
                  tensor_parallel_size: int = 1, compile: bool = False, fixed_shapes: bool = False,
                  compile_step: bool = False) -> None:
-        """``keep_freed_memory``: on CPU, tune this process's glibc allocator to reuse freed
+        """``dtype``: ``"auto"`` (default) is the checkpoint's own: config.json's ``torch_dtype``,
+        else the dtype its weights are stored in (bf16 for the released models, float32 for the
+        embedded ones; ``models/loader.resolve_dtype``); or float32 / bfloat16 / float16.
+
+        ``keep_freed_memory``: on CPU, tune this process's glibc allocator to reuse freed
         activations (faster, keeps the peak heap; process-wide: see ``engine/host_memory.py``).
 
         ``tensor_parallel_size`` N > 1: the model is split over N processes, one per device
@@ -125,33 +137,51 @@ class LLM:
         self.close()
 
     def load_tokenizer(self):
-        if not (self.path / "tokenizer.json").is_file() and not (self.path / "tokenizer_config.json").is_file():
-            return None  # token-id prompts still work
-        from transformers import AutoTokenizer, PretrainedConfig
-        try:
-            # an empty config: the tokenizer files name their class, and transformers would otherwise
-            # read config.json and warn that it does not know the engine's model_type
-            return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True,
-                                                 config=PretrainedConfig())
-        except Exception as e:  # tokenizers / transformers raise many types for a broken file
-            raise ValueError(f"{self.path}: the tokenizer files cannot be loaded "
-                             f"({type(e).__name__}: {e})") from None
+        """The checkpoint's tokenizer (``tokenizer.load_tokenizer``: never its remote code); None
+        when the folder has no tokenizer files or they cannot be loaded (one warning says why):
+        token-id prompts still work."""
+        files = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+        if not any((self.path / name).is_file() for name in files):
+            return None
+        return load_tokenizer(self.path)
+
+    def token_by_name(self, name: str | None) -> int | None:
+        """The tokenizer's id of token ``name``; None without a tokenizer or when it does not
+        know the token (``convert_tokens_to_ids`` gives the unknown token's id, or None, then)."""
+        tok = self.tokenizer
+        if tok is None or name is None:
+            return None
+        i = valid_id(tok.convert_tokens_to_ids(name))
+        return None if i is None or i == tok.unk_token_id else i
 
     def resolve_ids(self) -> TokenIds:
-        """mask / eos / stop ids from config.json, generation_config.json, then the tokenizer."""
-        cfg, gen, tok = self.model.config, self.generation_config, self.tokenizer
-        mask = cfg.mask_token_id if cfg.mask_token_id >= 0 else gen.get("mask_token_id", -1)
-        if mask < 0 and tok is not None and getattr(tok, "mask_token_id", None) is not None:
-            mask = tok.mask_token_id
-        if mask is None or mask < 0:
+        """mask / eos / stop ids from config.json, generation_config.json, then the tokenizer (a
+        null or negative id counts as absent). The mask id falls back to the family's mask token
+        looked up by name (LLaDA2.0 declares none); the stop ids are every eos id plus the family's
+        end-of-turn token when the tokenizer has it (a chat answer ends with it)."""
+        cfg, gen, tok, family = self.model.config, self.generation_config, self.tokenizer, self.model.family
+        candidates = (cfg.mask_token_id, gen.get("mask_token_id"),
+                      getattr(tok, "mask_token_id", None) if tok is not None else None,
+                      self.token_by_name(family.mask_token))
+        mask = next((i for i in map(valid_id, candidates) if i is not None), None)
+        if mask is None:
+            by_name = f" (nor a {family.mask_token} token)" if family.mask_token else ""
             raise ValueError(f"{self.path}: no mask_token_id in config.json, generation_config.json "
-                             f"or the tokenizer")
-        stops = ids_list(gen.get("eos_token_id")) + ([cfg.eos_token_id] if cfg.eos_token_id >= 0 else [])
-        if tok is not None and tok.eos_token_id is not None:
+                             f"or the tokenizer{by_name}")
+        if mask >= cfg.vocab_size:
+            raise ValueError(f"{self.path}: mask token id {mask} is outside the model's vocabulary "
+                             f"of {cfg.vocab_size}")
+        stops = [i for i in map(valid_id, ids_list(gen.get("eos_token_id"))) if i is not None]
+        if cfg.eos_token_id >= 0:
+            stops.append(cfg.eos_token_id)
+        if tok is not None and valid_id(tok.eos_token_id) is not None:
             stops.append(tok.eos_token_id)
         if not stops:
             raise ValueError(f"{self.path}: no eos_token_id in config.json or the tokenizer")
         eos = cfg.eos_token_id if cfg.eos_token_id >= 0 else stops[0]
+        end_of_turn = self.token_by_name(family.end_of_turn_token)
+        if end_of_turn is not None:
+            stops.append(end_of_turn)
         return TokenIds(mask_id=mask, eos_id=eos, stop_ids=frozenset(stops))
 
     # -- prompts ---------------------------------------------------------------------------

@@ -17,4 +17,4 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 FAMILY = Family("Dream", config_from_hf, config_to_hf, qwen_checkpoint_name,
-                FULL_ATTENTION_METHODS)
+                FULL_ATTENTION_METHODS, mask_token="<|mask|>", end_of_turn_token="<|im_end|>")

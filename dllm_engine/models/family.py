@@ -14,6 +14,10 @@ class Family:
     config_to_hf: Callable[[ModelConfig], dict]  # ModelConfig -> config.json (real keys)
     checkpoint_name: Callable[[str], str]  # our module name -> the checkpoint's tensor name
     methods: tuple[str, ...]  # base decoders the attention pattern supports
+    # the tokenizer's names of the mask token and the end-of-turn token: looked up when the
+    # config, generation_config.json and the tokenizer's mask_token leave the id out
+    mask_token: str | None = None
+    end_of_turn_token: str | None = None
 
 
 FULL_ATTENTION_METHODS = ("reference", "prefix-cache", "dual-cache")
@@ -25,6 +29,56 @@ def first_id(value: int | list[int] | None) -> int | None:
     if isinstance(value, list):
         return value[0] if value else None
     return value
+
+
+def token_id(value, missing: int | None = -1) -> int | None:
+    """An id from a config (its first when a list); ``missing`` for null, absent or negative."""
+    value = first_id(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return missing
+    return value
+
+
+def rope_settings(hf: dict) -> dict:
+    """The RoPE settings: transformers 5's ``rope_parameters`` (rope_theta inside), else the
+    top-level keys of older configs."""
+    params = hf.get("rope_parameters")
+    return params if isinstance(params, dict) else {}
+
+
+def rope_theta(hf: dict, default: float = 10000.0) -> float:
+    theta = hf.get("rope_theta")
+    if theta is None:
+        theta = rope_settings(hf).get("rope_theta")
+    return float(theta) if theta is not None else default
+
+
+# keys of a rope_scaling / rope_parameters dict that plain RoPE has too
+PLAIN_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+
+
+def check_rope(hf: dict, model_type: str) -> None:
+    """Refuse RoPE variants the engine does not implement (linear / dynamic / YaRN / llama3 ...
+    scaling): it computes plain RoPE only, and would otherwise run the model with the wrong
+    positions."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = hf.get(key)
+        if not value:
+            continue
+        kind = value.get("rope_type", value.get("type", "default")) if isinstance(value, dict) else value
+        scaled = key == "rope_scaling" and isinstance(value, dict) and set(value) - PLAIN_ROPE_KEYS
+        if kind not in (None, "default") or scaled:
+            raise ValueError(f"{key} {value!r} is not supported for {model_type}: the engine "
+                             f"implements plain RoPE only (rope_type 'default')")
+
+
+def check_unsupported(hf: dict, model_type: str, refused: dict[str, Callable[[object], bool]]) -> None:
+    """Refuse a config that sets a feature the engine does not implement: ``refused`` maps a key
+    to the test its value fails (absent keys pass)."""
+    for key, unsupported in refused.items():
+        if key in hf and unsupported(hf[key]):
+            raise ValueError(f"{key}={hf[key]!r} is not supported for {model_type} (the engine "
+                             f"does not implement it)")
 
 
 def renamed_checkpoint_names(layer_prefix: str, layer_names: dict[str, str], top_names: dict[str, str],
@@ -50,6 +104,9 @@ def qwen_checkpoint_name(name: str) -> str:
 
 def qwen_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """Shared by Dream (Qwen2) and SDAR (Qwen3): the Qwen config keys."""
+    model_type = overrides.get("model_type", hf.get("model_type"))
+    check_rope(hf, model_type)
+    check_unsupported(hf, model_type, {"use_sliding_window": bool})
     fields = dict(
         model_type=hf["model_type"],
         vocab_size=hf["vocab_size"],
@@ -59,14 +116,14 @@ def qwen_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
         intermediate_size=hf["intermediate_size"],
         head_dim=hf.get("head_dim") or 0,
-        rope_theta=hf.get("rope_theta", 10000.0),
+        rope_theta=rope_theta(hf),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        mask_token_id=hf.get("mask_token_id", -1),
-        eos_token_id=first_id(hf.get("eos_token_id")) if hf.get("eos_token_id") is not None else -1,
-        pad_token_id=hf.get("pad_token_id") if hf.get("pad_token_id") is not None else -1,
-        bos_token_id=first_id(hf.get("bos_token_id")),
+        mask_token_id=token_id(hf.get("mask_token_id")),
+        eos_token_id=token_id(hf.get("eos_token_id")),
+        pad_token_id=token_id(hf.get("pad_token_id")),
+        bos_token_id=token_id(hf.get("bos_token_id"), None),
     )
     fields.update(overrides)
     return ModelConfig(**fields)

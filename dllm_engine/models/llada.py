@@ -3,7 +3,8 @@ full bidirectional attention, no logit shift, untied head."""
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .family import FULL_ATTENTION_METHODS, Family, first_id, renamed_checkpoint_names
+from .family import (FULL_ATTENTION_METHODS, Family, check_rope, check_unsupported,
+                     renamed_checkpoint_names, rope_theta, token_id)
 
 # our module name (inside a layer) -> LLaDA block tensor name
 _BLOCK_NAMES = {
@@ -21,9 +22,24 @@ _TOP_NAMES = {"embed_tokens": "model.transformer.wte", "norm": "model.transforme
               "lm_head": "model.transformer.ff_out"}
 checkpoint_name = renamed_checkpoint_names("model.transformer.blocks", _BLOCK_NAMES, _TOP_NAMES)
 
+# OLMo-style options of the LLaDA config that change the math, and the values the engine
+# implements (those of every released LLaDA): any other value is refused, not ignored
+_REFUSED = {
+    "block_type": lambda v: v != "llama",
+    "attention_layer_norm": bool,  # q/k LayerNorm
+    "scale_logits": bool,  # logits * 1/sqrt(d_model)
+    "clip_qkv": lambda v: v is not None,
+    "alibi": bool,
+    "rope": lambda v: v is False,
+    "layer_norm_type": lambda v: v != "rms",
+    "activation_type": lambda v: v != "silu",
+    "input_emb_norm": bool,
+}
+
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    eos = first_id(hf.get("eos_token_id"))
+    check_rope(hf, "llada")
+    check_unsupported(hf, "llada", _REFUSED)
     return ModelConfig(
         model_type="llada",
         vocab_size=hf.get("embedding_size") or hf["vocab_size"],
@@ -32,15 +48,15 @@ def config_from_hf(hf: dict) -> ModelConfig:
         num_heads=hf["n_heads"],
         num_kv_heads=hf.get("n_kv_heads") or hf["n_heads"],
         intermediate_size=hf["mlp_hidden_size"],
-        rope_theta=hf.get("rope_theta", 10000.0),
+        rope_theta=rope_theta(hf),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
         qkv_bias=bool(hf.get("include_qkv_bias") or hf.get("include_bias")),
-        tie_word_embeddings=hf.get("weight_tying", False),
+        tie_word_embeddings=bool(hf.get("weight_tying", False)),
         max_position_embeddings=hf.get("max_sequence_length", 4096),
-        mask_token_id=hf.get("mask_token_id", -1),
-        eos_token_id=eos if eos is not None else -1,
-        pad_token_id=hf.get("pad_token_id") if hf.get("pad_token_id") is not None else -1,
-        bos_token_id=first_id(hf.get("bos_token_id")),
+        mask_token_id=token_id(hf.get("mask_token_id")),
+        eos_token_id=token_id(hf.get("eos_token_id")),
+        pad_token_id=token_id(hf.get("pad_token_id")),
+        bos_token_id=token_id(hf.get("bos_token_id"), None),
     )
 
 
@@ -65,4 +81,4 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 FAMILY = Family("llada", config_from_hf, config_to_hf, checkpoint_name,
-                FULL_ATTENTION_METHODS)
+                FULL_ATTENTION_METHODS, mask_token="<|mdm_mask|>", end_of_turn_token="<|eot_id|>")

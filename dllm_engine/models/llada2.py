@@ -10,7 +10,8 @@ file only maps config keys and tensor names.
 from __future__ import annotations
 
 from ..config import ModelConfig, MoEConfig
-from .family import BLOCK_METHODS, Family, qwen_config_from_hf, qwen_config_to_hf, renamed_checkpoint_names
+from .family import (BLOCK_METHODS, Family, check_unsupported, qwen_config_from_hf, qwen_config_to_hf,
+                     renamed_checkpoint_names, rope_settings)
 
 DEFAULT_BLOCK_SIZE = 32  # the released models' block length (dFactory / SGLang defaults)
 
@@ -47,13 +48,12 @@ def moe_from_hf(hf: dict) -> MoEConfig | None:
 
 def rotary_dim_from_hf(hf: dict) -> int:
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    return hf.get("rotary_dim") or int(head_dim * hf.get("partial_rotary_factor", 1.0))
+    factor = hf.get("partial_rotary_factor") or rope_settings(hf).get("partial_rotary_factor") or 1.0
+    return hf.get("rotary_dim") or int(head_dim * factor)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    if hf.get("rope_scaling"):
-        raise ValueError(f"rope_scaling {hf['rope_scaling']!r} is not supported for llada2_moe; "
-                         f"remove it from config.json (the released models use null)")
+    check_unsupported(hf, "llada2_moe", {"norm_head": bool})  # a normalised LM head: not implemented
     return qwen_config_from_hf(
         hf, model_type="llada2_moe", qkv_bias=hf.get("use_qkv_bias", False),
         attn_out_bias=hf.get("use_bias", False), qk_norm=hf.get("use_qk_norm", True),
@@ -85,4 +85,4 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 FAMILY = Family("llada2_moe", config_from_hf, config_to_hf, checkpoint_name,
-                BLOCK_METHODS)
+                BLOCK_METHODS, mask_token="<|mask|>", end_of_turn_token="<|role_end|>")

@@ -4,6 +4,7 @@ family's own names. The same code loads a real 8B checkpoint and the embedded ti
 from __future__ import annotations
 
 import json
+import math
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -12,12 +13,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .family import Family
-from .layers import DiffusionLM
+from .layers import DiffusionLM, Router
 from .parallel import Shard, check_shardable, read_slices
 from .registry import get_family
 from ..config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO = "auto"  # config.json's torch_dtype (see resolve_dtype)
+# other spellings configs use for the same dtypes
+DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
+                 "fp16": "float16"}
+STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # safetensors' names
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -25,8 +31,42 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} not supported; use one of {', '.join(DTYPES)}")
+        raise ValueError(f"dtype {dtype!r} not supported; use one of {AUTO}, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf: dict, folder: Path) -> torch.dtype:
+    """``dtype``, where ``"auto"`` is the checkpoint's own: config.json's ``torch_dtype``
+    (``dtype`` in transformers 5), else the dtype most of the weights are stored in (a config
+    without the key, e.g. LLaDA-8B's, as transformers' ``dtype="auto"`` does), else float32."""
+    if isinstance(dtype, torch.dtype) or dtype != AUTO:
+        return parse_dtype(dtype)
+    declared = hf.get("torch_dtype") or hf.get("dtype")
+    if declared is None:
+        return stored_dtype(folder) or torch.float32
+    name = str(declared).removeprefix("torch.")
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"{folder / 'config.json'}: torch_dtype {declared!r} is not supported; "
+                         f"pass a dtype ({', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def stored_dtype(folder: Path) -> torch.dtype | None:
+    """The floating dtype holding most elements of the first weight file (headers only); None
+    when there is none or the files cannot be read (loading reports that)."""
+    try:
+        files = weight_files(folder)
+        counts: dict[torch.dtype, int] = {}
+        with open_weights(files[0]) as f:
+            for name in f.keys():
+                tensor_slice = f.get_slice(name)
+                dtype = STORED_DTYPES.get(tensor_slice.get_dtype())
+                if dtype is not None:
+                    counts[dtype] = counts.get(dtype, 0) + math.prod(tensor_slice.get_shape())
+    except (OSError, ValueError):
+        return None
+    return max(counts, key=counts.get) if counts else None
 
 
 def parse_device(device: str | torch.device) -> torch.device:
@@ -105,15 +145,6 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in weight_files(folder):
-        with open_weights(file) as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    return tensors
-
-
 @contextmanager
 def open_weights(file: Path):
     try:
@@ -122,31 +153,6 @@ def open_weights(file: Path):
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{file}: not a readable safetensors file ({e}); "
                          f"is it truncated or still downloading?") from None
-
-
-def read_shard(folder: Path, model: DiffusionLM, family: Family) -> tuple[dict[str, torch.Tensor], int]:
-    """This rank's part of every tensor (``parallel.mark``), reading only those bytes from the
-    memory-mapped files; returns the state dict and the bytes read."""
-    names = expected_names(model, family)
-    params = named_tensors(model)
-    state, nbytes = {}, 0
-    with ExitStack() as stack:
-        handles = [stack.enter_context(open_weights(f)) for f in weight_files(folder)]
-        where = {name: h for h in handles for name in h.keys()}
-        with torch.device("meta"):  # the whole model's names: other ranks' experts are expected too
-            whole = expected_names(DiffusionLM(model.config), family)
-        check_names(set(where), whole, family, folder)
-        for ckpt, ours in names.items():
-            tensor_slice = where[ckpt].get_slice(ckpt)
-            param = params[ours]
-            full = tuple(getattr(param, "full_shape", param.shape))
-            if tuple(tensor_slice.get_shape()) != full:
-                raise ValueError(f"tensor {ckpt} has shape {tuple(tensor_slice.get_shape())} but "
-                                 f"the config implies {full}")
-            slices = getattr(param, "load_slices", None)
-            state[ours] = read_slices(tensor_slice, slices, param.shape[0] if slices else None)
-            nbytes += read_bytes(state[ours], slices)
-    return state, nbytes
 
 
 def named_tensors(model: DiffusionLM) -> dict[str, torch.Tensor]:
@@ -170,6 +176,14 @@ def read_bytes(tensor: torch.Tensor, slices) -> int:
     return rows * (tensor.numel() // max(tensor.shape[0], 1)) * tensor.element_size()
 
 
+def ignored_tensor(name: str, family: Family, cfg: ModelConfig) -> bool:
+    """Tensors a checkpoint may hold that the model has no place for and does not need: RoPE's
+    ``inv_freq`` (recomputed from rope_theta) and, in a tied model, a stored copy of the head
+    (the head is the embedding)."""
+    return name.endswith("inv_freq") or (cfg.tie_word_embeddings
+                                          and name == family.checkpoint_name("lm_head.weight"))
+
+
 def check_names(found: set[str], names: dict[str, str], family: Family, folder: Path) -> None:
     missing = sorted(set(names) - found)
     extra = sorted(found - set(names))
@@ -178,15 +192,68 @@ def check_names(found: set[str], names: dict[str, str], family: Family, folder: 
                          f"({family.model_type}): missing tensors {missing[:8]}, unexpected tensors {extra[:8]}")
 
 
-def check_tensors(tensors: dict, model: DiffusionLM, family: Family, folder: Path) -> dict:
-    names = expected_names(model, family)
-    check_names(set(tensors), names, family, folder)
+# (checkpoint name, our name, the parts of the tensor this process holds (None: all of it))
+LoadItem = tuple[str, str, list | None]
+
+
+def load_plan(folder: Path, model: DiffusionLM, family: Family) -> dict[Path, list[LoadItem]]:
+    """What to read from each weight file into ``model`` (still on the meta device), after
+    checking every name and shape against the config from the file headers alone. With a shard,
+    only this rank's part of every tensor (``parallel.mark``)."""
     params = named_tensors(model)
-    for ckpt, ours in names.items():
-        if tuple(tensors[ckpt].shape) != tuple(params[ours].shape):
-            raise ValueError(f"tensor {ckpt} has shape {tuple(tensors[ckpt].shape)} but the config "
-                             f"implies {tuple(params[ours].shape)}")
-    return {ours: tensors[ckpt] for ckpt, ours in names.items()}
+    names = expected_names(model, family)
+    with ExitStack() as stack:
+        files = weight_files(folder)
+        handles = {file: stack.enter_context(open_weights(file)) for file in files}
+        where = {name: file for file, h in handles.items() for name in h.keys()}
+        whole = names
+        if model.shard is not None:  # the whole model's names: other ranks' experts are expected too
+            with torch.device("meta"):
+                whole = expected_names(DiffusionLM(model.config), family)
+        found = {n for n in where if not ignored_tensor(n, family, model.config)}
+        check_names(found, whole, family, folder)
+        plan: dict[Path, list[LoadItem]] = {file: [] for file in files}
+        for ckpt, ours in names.items():
+            param = params[ours]
+            shape = tuple(handles[where[ckpt]].get_slice(ckpt).get_shape())
+            full = tuple(getattr(param, "full_shape", param.shape))
+            if shape != full:
+                raise ValueError(f"tensor {ckpt} has shape {shape} but the config implies {full}")
+            plan[where[ckpt]].append((ckpt, ours, getattr(param, "load_slices", None)))
+    return plan
+
+
+def read_weights(model: DiffusionLM, plan: dict[Path, list[LoadItem]]) -> int:
+    """Copy the planned tensors into ``model``'s (allocated) parameters, one file and one tensor
+    at a time, converting to each parameter's dtype as it goes: at most one tensor of the
+    checkpoint is in memory besides the model. Returns the bytes read."""
+    params = named_tensors(model)
+    nbytes = 0
+    with torch.no_grad():
+        for file, items in plan.items():
+            if not items:
+                continue
+            with open_weights(file) as f:
+                for ckpt, ours, slices in items:
+                    param = params[ours]
+                    if slices is None:
+                        tensor = f.get_tensor(ckpt)
+                    else:
+                        tensor = read_slices(f.get_slice(ckpt), slices, param.shape[0])
+                    nbytes += read_bytes(tensor, slices)
+                    param.copy_(tensor)
+                    del tensor
+    return nbytes
+
+
+def cast_model(model: DiffusionLM, dtype: torch.dtype) -> DiffusionLM:
+    """Every parameter and buffer in ``dtype``, except a router's ``expert_bias``, kept in fp32 as
+    SGLang does: it only chooses experts, and bf16 rounding would change the choice."""
+    model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, Router) and module.expert_bias is not None:
+            module.expert_bias = module.expert_bias.float()
+    return model
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
@@ -195,28 +262,32 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
     weights are not read: the model has its config and shapes only (an HTTP front that
     tokenizes and validates for replicas elsewhere needs nothing more).
 
+    ``dtype``: float32 / bfloat16 / float16, or ``"auto"``: the checkpoint's (``resolve_dtype``).
+    The model is built on the meta device, cast there, allocated once in ``dtype`` on ``device``,
+    then filled tensor by tensor: the checkpoint is never held in memory whole, nor the model in
+    a wider dtype.
+
     ``shard``: build and read only this tensor-parallel rank's slices (``model.loaded_bytes``
     says how many bytes of weights it read)."""
     folder = Path(path)
     device = parse_device(device)
-    dtype = parse_dtype(dtype)
-    _, family, cfg = read_config(folder)
+    hf, family, cfg = read_config(folder)
+    dtype = resolve_dtype(dtype, hf, folder)
     if shard is not None:
         check_shardable(cfg, shard.size)
     with torch.device("meta"):
         model = DiffusionLM(cfg, shard)
     model.family = family
     if device.type == "meta":
-        return model.to(dtype).eval()
-    if shard is None:
-        state = check_tensors(read_tensors(folder), model, family, folder)
-    else:
-        state, model.loaded_bytes = read_shard(folder, model, family)
-    model.to_empty(device=device)
-    model.load_state_dict(state, strict=False, assign=False)
+        return cast_model(model, dtype).eval()
+    plan = load_plan(folder, model, family)
+    cast_model(model, dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.to(parse_dtype(dtype)).eval()
+    nbytes = read_weights(model, plan)
+    if shard is not None:
+        model.loaded_bytes = nbytes
+    return model.eval()
 
 
 def save_model(model: DiffusionLM, path: str | Path, family: Family,
@@ -228,7 +299,11 @@ def save_model(model: DiffusionLM, path: str | Path, family: Family,
     folder.mkdir(parents=True, exist_ok=True)
     for stale in [*folder.glob("*.safetensors"), folder / INDEX_FILE]:
         stale.unlink(missing_ok=True)
-    (folder / "config.json").write_text(json.dumps(family.config_to_hf(model.config), indent=2) + "\n")
+    hf = family.config_to_hf(model.config)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is not None:  # what the weights are stored in (dtype "auto" loads it back)
+        hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     state = {family.checkpoint_name(n): p.detach().contiguous().cpu()
              for n, p in named_tensors(model).items()}
     if max_shard_bytes is None:

@@ -19,4 +19,4 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 FAMILY = Family("sdar", config_from_hf, config_to_hf, qwen_checkpoint_name,
-                BLOCK_METHODS)
+                BLOCK_METHODS, mask_token="<|MASK|>", end_of_turn_token="<|im_end|>")
