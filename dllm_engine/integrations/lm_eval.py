@@ -96,7 +96,7 @@ def engine_batch(batch_size: int | str | None, max_batch_size: int | None) -> in
 
 @register_model("dllm")
 class DllmLM(LM):
-    def __init__(self, pretrained: str, method: str | None = None, dtype: str = "float32",
+    def __init__(self, pretrained: str, method: str | None = None, dtype: str = "auto",
                  device: str = "cpu", batch_size: int | str | None = 1, max_batch_size: int | None = None,
                  mc_num: int = 128, mc_batch: int = 32, mc_cfg_scale: float = 0.0, check_greedy: bool = False,
                  stats_path: str | None = None, **sampling) -> None:

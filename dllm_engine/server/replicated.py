@@ -58,7 +58,7 @@ NORMAL_PRIORITY = {"runtime_env": {"env_vars": {"RAY_worker_niceness": "0"}}}
 class ReplicaOptions:
     """What each replica process loads and how it runs."""
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     max_num_seqs: int = 256
     max_queue: int = 256
