@@ -40,7 +40,9 @@ SDAR_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %} <|im_start|> assistant{% endif %}")
 
-FAMILIES: dict[str, dict[str, str]] = {
+# family -> its tokenizer_config.json fields that differ (mask token, chat template); not
+# models.FAMILIES, which maps a model_type to its Family (config mapping, names, methods)
+FAMILY_TOKENIZER_CONFIG: dict[str, dict[str, str]] = {
     "llada": {"mask_token": LLADA_MASK, "chat_template": LLADA_CHAT_TEMPLATE},
     "sdar": {"mask_token": SDAR_MASK, "chat_template": SDAR_CHAT_TEMPLATE},
 }
@@ -67,15 +69,16 @@ def build_tokenizer() -> Tokenizer:
 
 def tokenizer_config(family: str) -> dict:
     """The ``tokenizer_config.json`` contents for ``family`` ("llada" or "sdar")."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown tokenizer family {family!r}; known: {sorted(FAMILIES)}")
+    if family not in FAMILY_TOKENIZER_CONFIG:
+        raise ValueError(f"unknown tokenizer family {family!r}; "
+                         f"known: {sorted(FAMILY_TOKENIZER_CONFIG)}")
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
         "eos_token": EOS,
         "pad_token": EOS,  # both real models pad with eos
         "unk_token": UNK,
-        **FAMILIES[family],
+        **FAMILY_TOKENIZER_CONFIG[family],
         "model_max_length": MODEL_MAX_LENGTH,
         # transformers would otherwise glue " ," and " ?" onto the previous word.
         "clean_up_tokenization_spaces": False,

@@ -8,8 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from dllm_engine.tasks import load_split
-from dllm_engine.tokenizer import (FAMILIES, SPECIAL_TOKENS, build_tokenizer, save_tokenizer,
-                                   tokenizer_config, vocabulary)
+from dllm_engine.tokenizer import (FAMILY_TOKENIZER_CONFIG, SPECIAL_TOKENS, build_tokenizer,
+                                   save_tokenizer, tokenizer_config, vocabulary)
 
 MESSAGES = [{"role": "system", "content": "sort : 1"},
             {"role": "user", "content": "lookup : a = 3 , b = 4 ? a b a b"}]
@@ -30,7 +30,8 @@ MASKS = {"llada": "<|mdm_mask|>", "sdar": "<|MASK|>"}
 def hf_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Both families saved to disk and reloaded through AutoTokenizer."""
     root = tmp_path_factory.mktemp("tok")
-    return {fam: AutoTokenizer.from_pretrained(save_tokenizer(root / fam, fam)) for fam in FAMILIES}
+    return {fam: AutoTokenizer.from_pretrained(save_tokenizer(root / fam, fam))
+            for fam in FAMILY_TOKENIZER_CONFIG}
 
 
 def test_vocab_is_small_and_ids_are_fixed() -> None:
@@ -56,7 +57,7 @@ def test_unknown_word_maps_to_unk() -> None:
     assert tok.encode("sort : banana").tokens == ["sort", ":", "<|unk|>"]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILY_TOKENIZER_CONFIG))
 def test_saved_files(tmp_path: Path, family: str) -> None:
     save_tokenizer(tmp_path, family)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -67,7 +68,7 @@ def test_saved_files(tmp_path: Path, family: str) -> None:
     assert "chat_template" in config and config["model_max_length"] > 0
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILY_TOKENIZER_CONFIG))
 def test_autotokenizer_special_ids(hf_tokenizers: dict, family: str) -> None:
     tok = hf_tokenizers[family]
     assert tok.mask_token == MASKS[family]
@@ -78,7 +79,7 @@ def test_autotokenizer_special_ids(hf_tokenizers: dict, family: str) -> None:
     assert tok.get_vocab() == hf_tokenizers["llada"].get_vocab()  # same ids in every family
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILY_TOKENIZER_CONFIG))
 def test_chat_template_token_ids(hf_tokenizers: dict, family: str) -> None:
     tok = hf_tokenizers[family]
     expected_ids = tok.convert_tokens_to_ids(EXPECTED[family])
@@ -90,7 +91,7 @@ def test_chat_template_token_ids(hf_tokenizers: dict, family: str) -> None:
     assert text == " ".join(EXPECTED[family]) == tok.decode(ids)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILY_TOKENIZER_CONFIG))
 def test_autotokenizer_decode(hf_tokenizers: dict, family: str) -> None:
     tok = hf_tokenizers[family]
     for ex in load_split(limit=10):

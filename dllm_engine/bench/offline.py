@@ -201,7 +201,7 @@ def check_prompts(llm: LLM, params: dict[str, SamplingParams], examples: list[Ex
     longest = max(lengths)
     for spec, p in params.items():
         try:
-            llm.resolve_params(p, longest)
+            llm.resolve_for_prompt(p, longest)
         except ValueError as e:
             raise ValueError(f"spec {spec!r} on the longest prompt (task {lengths[longest].task}, "
                              f"{longest} tokens): {e}") from None

@@ -26,13 +26,16 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 2**20  # glibc refuses more (HEAP_MAX_SIZE / 2 on 64-bit)
 TRIM_THRESHOLD = 2**30
 
-_applied = False
+# Process-wide because the thing it records is: mallopt sets the thresholds of the one glibc
+# allocator the process has, so no object could own them. Only ``keep_freed_memory`` sets it, from
+# False to True, once; it changes speed and peak heap, never a result.
+_thresholds_applied = False
 
 
 def keep_freed_memory() -> bool:
     """Apply the thresholds once per process; True when they are in effect."""
-    global _applied
-    if _applied:
+    global _thresholds_applied
+    if _thresholds_applied:
         return True
     if not sys.platform.startswith("linux"):
         return False
@@ -42,10 +45,11 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    return _applied
+    _thresholds_applied = (bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+                           and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
+    return _thresholds_applied
 
 
 def is_kept() -> bool:
     """Whether this process applied the thresholds."""
-    return _applied
+    return _thresholds_applied

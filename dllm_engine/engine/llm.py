@@ -224,7 +224,7 @@ class LLM:
         return resolve_params(params or SamplingParams(), self.model.family.methods,
                               self.generation_config, self.model.config.logit_shift)
 
-    def resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+    def resolve_for_prompt(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """``resolve``, then checked against a prompt of ``prompt_len`` tokens."""
         p = self.resolve(params)
         check_prompt(p, prompt_len, self.model.config.max_position_embeddings)
@@ -235,7 +235,7 @@ class LLM:
         return p
 
     def make_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        p = self.resolve_params(params, len(prompt_ids))
+        p = self.resolve_for_prompt(params, len(prompt_ids))
         ids = self.token_ids
         if p.stop_token_ids:
             ids = TokenIds(ids.mask_id, ids.eos_id, ids.stop_ids | frozenset(p.stop_token_ids))

@@ -15,6 +15,8 @@ against eager on the test fixtures. Off by default: measure before turning it on
 """
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -29,17 +31,23 @@ def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-_kernels: dict[str, object] = {}
+KERNELS: dict[str, Callable[..., Tensor]] = {"rms_norm": rms_norm, "swiglu": swiglu}  # eager originals
+
+# Process-wide on purpose: one compiled function per kernel serves every layer of every model in
+# the process (weights are arguments, shapes dynamic), so a second LLM or a re-``compile_model``
+# reuses the compilation instead of paying it again. Filled lazily, never cleared or replaced;
+# an entry depends only on its name (dynamo's guards pick the graph per dtype / device), so
+# sharing it never changes results.
+_compiled_kernels: dict[str, Callable[..., Tensor]] = {}
 
 
-def kernel(name: str):
+def kernel(name: str) -> Callable[..., Tensor]:
     """The compiled function ``name`` (compiled once per process, lazily: the first call traces)."""
-    if name not in _kernels:
-        fn = {"rms_norm": rms_norm, "swiglu": swiglu}[name]
+    if name not in _compiled_kernels:
         # not fullgraph: under a TorchDispatchMode (dllm profile counting syncs) dynamo skips
         # the frame, and the call must then run eager rather than raise
-        _kernels[name] = torch.compile(fn, dynamic=True)
-    return _kernels[name]
+        _compiled_kernels[name] = torch.compile(KERNELS[name], dynamic=True)
+    return _compiled_kernels[name]
 
 
 def on_rows(fn, x: Tensor, *args, **kwargs) -> Tensor:
@@ -69,7 +77,7 @@ def check_compile(compile: bool, tensor_parallel_size: int, compile_step: bool =
                              "tensor-parallel all-reduce); drop it or use tensor_parallel_size 1")
 
 
-STEP_GRAPHS = 64  # compiled step graphs kept per process: one per (rows, tokens, keys) bucket
+STEP_GRAPHS = 64  # compiled step graphs dynamo may keep: one per (rows, tokens, keys) bucket
 
 
 def compile_step(model: DiffusionLM):
@@ -84,11 +92,23 @@ def compile_step(model: DiffusionLM):
     if model.config.moe is not None:
         raise ValueError("compile_step cannot capture MoE layers (each expert's matmul is sized by "
                          "its token count, read from the device); use fixed_shapes without compile_step")
-    import torch._dynamo
-    # dynamo keeps a bounded number of graphs per function; a run needs one per bucket
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, STEP_GRAPHS)
     cuda = next(model.parameters()).device.type == "cuda"
-    return torch.compile(model.forward_layers, dynamic=False, mode="reduce-overhead" if cuda else None)
+    return torch.compile(model.forward_layers, dynamic=False, mode="reduce-overhead" if cuda else None,
+                         **step_recompile_limit())
+
+
+def step_recompile_limit() -> dict[str, int]:
+    """Room for one graph per bucket: dynamo keeps a bounded number of graphs per function
+    (``recompile_limit``, default 8). Where ``torch.compile`` takes the limit per call (torch
+    2.13+) it is set for the step's function alone; older torch has only the process-wide
+    setting, which is then raised (never lowered: other compiled code keeps at least its limit;
+    a higher limit only keeps more graphs, it never changes a result)."""
+    import torch._dynamo
+    limit = max(torch._dynamo.config.recompile_limit, STEP_GRAPHS)
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return {"recompile_limit": limit}
+    torch._dynamo.config.recompile_limit = limit
+    return {}
 
 
 def compile_model(model: DiffusionLM) -> None:

@@ -67,7 +67,7 @@ class Server:
             if params.seed is None:  # as OpenAI: a request without a seed gets a fresh sample
                 params = params.replace(seed=secrets.randbelow(MAX_SEED))
             for ids in prompts:
-                self.llm.resolve_params(params, len(ids))
+                self.llm.resolve_for_prompt(params, len(ids))
         except ValueError as e:
             raise value_error(e) from None
         return GenerateRequest(request_id, prompts, params, body.stop_strings(), body.stream, body.n)

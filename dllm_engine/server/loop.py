@@ -41,6 +41,8 @@ class Event:
 
 class Job:
     """One HTTP request: a sequence per prompt and the queue its events arrive on."""
+    # shared by every Job of the process on purpose: job_id only labels log lines, where unique
+    # within the process is enough (a request's own id, unique across replicas, is separate)
     ids = itertools.count()
 
     def __init__(self, seqs: list[Sequence], stops: list[str], stream: bool) -> None:
