@@ -169,6 +169,14 @@ def test_prompts_of_the_wrong_type_are_refused(llada, prompts, msg):
         llada.generate(prompts, SamplingParams(max_new_tokens=8, block_length=8))
 
 
+def test_a_prompt_holding_the_mask_token_is_refused(llada):
+    """Block diffusion would fill a mask in the prompt's last block (and count it decoded)."""
+    mask = llada.token_ids.mask_id
+    with pytest.raises(ValueError, match=rf"prompt holds the mask token \(id {mask}\)"):
+        llada.generate([[5, mask, 6]], SamplingParams(max_new_tokens=8, block_length=8))
+    assert not llada.engine.has_work()
+
+
 def test_params_must_be_sampling_params_and_stop_ids_in_the_vocabulary(llada):
     with pytest.raises(ValueError, match=r"params must be a SamplingParams, got dict \(SamplingParams\(\*\*params\)\)"):
         llada.generate([[1, 2]], {"max_new_tokens": 8})

@@ -208,6 +208,9 @@ class LLM:
                              + ", ".join(sorted({type(i).__name__ for i in ids})))
         if any(i < 0 or i >= vocab for i in ids):
             raise ValueError(f"prompt has token ids outside [0, {vocab}), the model's vocabulary")
+        if self.token_ids.mask_id in ids:  # block diffusion would fill it in the prompt's last block
+            raise ValueError(f"prompt holds the mask token (id {self.token_ids.mask_id}): the decoders "
+                             "fill masks after the prompt only (infilling is not supported)")
         return [int(i) for i in ids]
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
