@@ -130,7 +130,7 @@ class SamplingParams:
                 raise ParamError(f.name, f"{f.name} must be a finite number, got {value!r}")
 
     def check_method(self) -> None:
-        if self.method is not None and (not isinstance(self.method, str) or not self.method):
+        if self.method == "":  # its type is checked in check_types
             raise ParamError("method", "method must be a non-empty string such as 'dual-cache'")
         if self.method is not None and self.base_method not in BASE_METHODS:
             raise ParamError("method", f"unknown method {self.base_method!r}; base decoders: "
@@ -151,7 +151,7 @@ class SamplingParams:
     def check_counts(self) -> None:
         for name in ("max_new_tokens", "block_length", "steps", "prompt_refresh", "block_refresh"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and value < 1:
                 raise ParamError(name, f"{name} must be a positive integer, got {value!r}")
         if self.seed is not None and not 0 <= self.seed < MAX_SEED:
             raise ParamError("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
@@ -175,7 +175,7 @@ class SamplingParams:
             raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+        if self.top_k is not None and self.top_k < 0:
             raise ParamError("top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ParamError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from ..models import load_model
 from ..models.compiled import check_compile, compile_model
+from ..models.family import token_id
 from ..models.loader import parse_device, read_generation_config
 from ..sampling_params import ParamError, SamplingParams, check_prompt, resolve_params
 from ..tokenizer import load_tokenizer
@@ -48,13 +49,6 @@ def ids_list(value) -> list[int]:
     if value is None:
         return []
     return [value] if isinstance(value, int) else list(value)
-
-
-def valid_id(value) -> int | None:
-    """``value`` when it is a token id (an integer >= 0), else None (null, negative, not a number)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        return None
-    return int(value)
 
 
 @contextmanager
@@ -151,7 +145,7 @@ class LLM:
         tok = self.tokenizer
         if tok is None or name is None:
             return None
-        i = valid_id(tok.convert_tokens_to_ids(name))
+        i = token_id(tok.convert_tokens_to_ids(name), None)
         return None if i is None or i == tok.unk_token_id else i
 
     def resolve_ids(self) -> TokenIds:
@@ -163,7 +157,7 @@ class LLM:
         candidates = (cfg.mask_token_id, gen.get("mask_token_id"),
                       getattr(tok, "mask_token_id", None) if tok is not None else None,
                       self.token_by_name(family.mask_token))
-        mask = next((i for i in map(valid_id, candidates) if i is not None), None)
+        mask = next((i for i in (token_id(c, None) for c in candidates) if i is not None), None)
         if mask is None:
             by_name = f" (nor a {family.mask_token} token)" if family.mask_token else ""
             raise ValueError(f"{self.path}: no mask_token_id in config.json, generation_config.json "
@@ -171,10 +165,10 @@ class LLM:
         if mask >= cfg.vocab_size:
             raise ValueError(f"{self.path}: mask token id {mask} is outside the model's vocabulary "
                              f"of {cfg.vocab_size}")
-        stops = [i for i in map(valid_id, ids_list(gen.get("eos_token_id"))) if i is not None]
+        stops = [i for i in (token_id(x, None) for x in ids_list(gen.get("eos_token_id"))) if i is not None]
         if cfg.eos_token_id >= 0:
             stops.append(cfg.eos_token_id)
-        if tok is not None and valid_id(tok.eos_token_id) is not None:
+        if tok is not None and token_id(tok.eos_token_id, None) is not None:
             stops.append(tok.eos_token_id)
         if not stops:
             raise ValueError(f"{self.path}: no eos_token_id in config.json or the tokenizer")

@@ -1,6 +1,7 @@
 """What a model family is to the engine: config keys, tensor names, attention pattern."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,11 +33,12 @@ def first_id(value: int | list[int] | None) -> int | None:
 
 
 def token_id(value, missing: int | None = -1) -> int | None:
-    """An id from a config (its first when a list); ``missing`` for null, absent or negative."""
+    """A token id from a config or a tokenizer (the first when a list), as an int; ``missing``
+    for null, absent, negative or not an integer."""
     value = first_id(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         return missing
-    return value
+    return int(value)
 
 
 def rope_settings(hf: dict) -> dict:
