@@ -221,6 +221,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--block-length", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--out", required=True, help="folder for results.json and throughput.png")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="timed rounds of every spec, in turn, per batch size; each row keeps its "
+                        "fastest pass and the table the range of the rounds' speed-ups (a shared machine)")
     add_model_args(p)
 
 
@@ -228,6 +231,8 @@ def run_bench(args: argparse.Namespace) -> None:
     from .bench.offline import HEADER, check_prompts, check_specs, run_bench as bench, table
     from .models.compiled import check_compile
     from .tasks import load_split
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     set_threads(args.threads)
     examples = load_split(args.tasks, limit=args.limit)  # a typo fails before the model loads
     args.tasks = list(dict.fromkeys(e.task for e in examples))
@@ -244,10 +249,10 @@ def run_bench(args: argparse.Namespace) -> None:
         print(f"method: {spec} = {params.describe()}")
     from .engine.host_memory import is_kept
     print(f"model: {args.model}  prompts: {len(examples)}  tasks: {','.join(args.tasks)}  device: {args.device}  "
-          f"keep_freed_memory: {'on' if is_kept() else 'off'}")
+          f"keep_freed_memory: {'on' if is_kept() else 'off'}  repeats: {args.repeats}")
     print(HEADER)
     records = bench(llm, args.methods, args.batch_sizes, examples, args.out, defaults,
-                    compare_compiled=args.compile, variants=variants)
+                    compare_compiled=args.compile, variants=variants, repeats=args.repeats)
     print()
     print(table(records))
     print(f"\nwrote {args.out}/results.json and {args.out}/throughput.png")
@@ -288,6 +293,8 @@ def run_profile(args: argparse.Namespace) -> None:
     if args.compile_step:  # its floor would time the eager modules, not the compiled graph
         raise ValueError("dllm profile replays each module eagerly, so it cannot time a compiled "
                          "step; use --fixed-shapes here, and dllm bench --compile-step for its speed")
+    if args.repeats < 1:  # before the weights load
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     set_threads(args.threads)
     llm = load_llm(args)  # as dllm bench: freed host memory kept unless --no-keep-freed-memory
     examples = load_split("copy", limit=args.limit)

@@ -248,6 +248,78 @@ def test_bench_spec_failing_mid_run_keeps_the_rows_and_names_the_spec(ckpt, tmp_
     assert [(r["method"], r["batch_size"]) for r in data] == [("reference", 1), ("dual-cache", 1)]
 
 
+def scripted_seconds(monkeypatch, seconds: list[float]) -> list:
+    """``bench_one`` runs for real, then reports the next of ``seconds`` as its pass's time;
+    returns the (spec, batch size) of each call, in order."""
+    from dllm_engine.bench import offline
+    real, calls, times = offline.bench_one, [], iter(seconds)
+
+    def bench_one(llm, spec, params, examples, batch_size, *args, **kw):
+        calls.append((spec, batch_size))
+        record = real(llm, spec, params, examples, batch_size, *args, **kw)
+        record.seconds = next(times)
+        record.runs_seconds = [record.seconds]
+        record.throughput = round(record.output_tokens / record.seconds, 2)
+        return record
+    monkeypatch.setattr(offline, "bench_one", bench_one)
+    return calls
+
+
+def test_bench_repeats_run_rounds_in_turn_and_keep_each_rows_fastest_pass(ckpt, tmp_path, monkeypatch):
+    from dllm_engine.bench.offline import table
+    calls = scripted_seconds(monkeypatch, [2.0, 4.0, 1.0, 5.0, 3.0, 2.0,   # batch 1: rounds of (ref, dc)
+                                           1.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # batch 2
+    specs = ["reference", "dual-cache:threshold=0.9"]
+    records = run_bench(LLM(ckpt), specs, [1, 2], load_split(["sort"], limit=2), tmp_path,
+                        dict(max_new_tokens=8, block_length=8), progress=lambda _: None, repeats=3)
+    assert calls == [(s, b) for b in (1, 2) for _ in range(3) for s in specs]  # round-robin per batch size
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["method"], r["batch_size"]) for r in data] == [(s, b) for b in (1, 2) for s in specs]
+    ref, dc = data[0], data[1]
+    assert ref["runs_seconds"] == [2.0, 1.0, 3.0] and ref["seconds"] == 1.0
+    assert dc["runs_seconds"] == [4.0, 5.0, 2.0] and dc["seconds"] == 2.0
+    assert dc["throughput"] == round(dc["output_tokens"] / 2.0, 2)
+    # speed-up from the fastest passes; the rounds column: each round against the same round
+    per_round = [(dc["output_tokens"] / t) / (ref["output_tokens"] / u) for t, u in ((4, 2), (5, 1), (2, 3))]
+    row = table(records).splitlines()[3]
+    speedup = dc["throughput"] / ref["throughput"]
+    assert f"| {speedup:.2f}× | {min(per_round):.2f}–{max(per_round):.2f}× |" in row
+    assert table(records).splitlines()[0].startswith("| method | batch | accuracy | throughput (tok/s) | speed-up | rounds |")
+
+
+def test_bench_with_one_round_has_no_rounds_column(ckpt, tmp_path):
+    from dllm_engine.bench.offline import table
+    records = run_bench(LLM(ckpt), ["reference"], [1], load_split(["sort"], limit=1), tmp_path,
+                        dict(max_new_tokens=8, block_length=8), progress=lambda _: None)
+    assert "rounds" not in table(records) and len(records[0].runs_seconds) == 1
+
+
+def test_bench_repeats_ctrl_c_mid_round_keeps_the_finished_batch_sizes(ckpt, tmp_path, capsys, monkeypatch):
+    """Rows are written once their last round ends: Ctrl-C in batch size 2's second round keeps
+    batch size 1's two rows, each with its two passes."""
+    out = tmp_path / "out"
+    stop_at_call(monkeypatch, 7, KeyboardInterrupt())  # batch 1: 4 passes; batch 2: round 2's first
+    assert main(["bench", "--model", str(ckpt), "--methods", "reference", "dual-cache", *BENCH_ARGS,
+                 "--repeats", "2", "--out", str(out)]) == 130
+    assert capsys.readouterr().err == f"interrupted: 2 rows written to {out / 'results.json'}\n"
+    data = json.loads((out / "results.json").read_text())
+    assert [(r["method"], r["batch_size"], len(r["runs_seconds"])) for r in data] == [
+        ("reference", 1, 2), ("dual-cache", 1, 2)]
+
+
+def test_bench_and_profile_refuse_repeats_below_one_before_loading(ckpt, tmp_path, capsys, monkeypatch):
+    import dllm_engine.cli as cli
+    monkeypatch.setattr(cli, "load_llm", lambda *_, **__: pytest.fail("loaded the model"))
+    assert main(["bench", "--model", str(ckpt), "--methods", "reference", *BENCH_ARGS, "--repeats", "0",
+                 "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == "error: --repeats must be >= 1, got 0\n"
+    assert main(["profile", "--model", str(ckpt), "--methods", "dual-cache", "--repeats", "0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == "error: --repeats must be >= 1, got 0\n" and captured.out == ""
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        run_bench(LLM(ckpt), ["reference"], [1], load_split(["sort"], limit=1), tmp_path, repeats=0)
+
+
 def test_bench_refuses_a_spec_too_long_for_the_longest_prompt_before_any_run(tmp_path, capsys, monkeypatch):
     """A canvas that fits the shortest prompt but not the longest: refused up front, naming the
     spec, before the first spec runs (it used to fail mid-run, after the rows before it)."""

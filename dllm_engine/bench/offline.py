@@ -3,7 +3,9 @@
 A spec is ``method[:field=value,...]`` setting SamplingParams fields (``parse_spec``), e.g.
 ``dual-cache:threshold=0.9`` or ``dual-cache+early-skip:keep_fractions=1/0.5/0.25``
 (list values are separated by ``/``). Specs run interleaved per batch size on the same prompts,
-so drift of a shared machine hits every method alike."""
+so drift of a shared machine hits every method alike; with ``repeats`` every spec's timed pass
+runs that many rounds (round-robin over the specs) and keeps its fastest, and the table gives the
+range of the speed-ups the rounds measured one by one."""
 from __future__ import annotations
 
 import dataclasses
@@ -79,6 +81,17 @@ class BenchRecord:
     tasks: list[str]  # the workload: task names of the prompts, in order
     # tensor parallel: each rank's peak resident memory (VmHWM) during the run, rank 0 first
     peak_memory_mb_per_rank: list[float] | None = None
+    # every timed pass's seconds, round by round (``repeats``); ``seconds`` is the fastest
+    runs_seconds: list[float] = dataclasses.field(default_factory=list)
+
+    def add_run(self, other: "BenchRecord") -> None:
+        """Fold a later round's pass of the same spec in: its time joins ``runs_seconds``,
+        ``seconds`` and ``throughput`` become the fastest pass's; the counts stay the first
+        pass's (the same prompts and seeds decode the same tokens)."""
+        self.runs_seconds.append(other.seconds)
+        self.seconds = min(self.runs_seconds)
+        self.throughput = round(self.output_tokens / self.seconds, 2) if self.seconds else 0.0
+        self.peak_memory_mb = max(self.peak_memory_mb, other.peak_memory_mb)
 
     @property
     def stop_share(self) -> float:
@@ -105,7 +118,7 @@ def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Exampl
                        output_tokens=s.output_tokens, processed_tokens=round(s.processed_tokens, 1),
                        redundancy=round(s.redundancy, 3), prefill_tokens=s.prefill_tokens,
                        peak_memory_mb=mem.mb, tasks=list(dict.fromkeys(e.task for e in examples)),
-                       peak_memory_mb_per_rank=per_rank)
+                       peak_memory_mb_per_rank=per_rank, runs_seconds=[round(s.seconds, 3)])
 
 
 def set_step_shapes(fixed: bool, compiled: bool = False):
@@ -131,17 +144,21 @@ def variant_of(method: str) -> tuple[str, str | None]:
 
 def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
               out_dir: str | Path, defaults: dict | None = None, progress=print,
-              compare_compiled: bool = False, variants: list[str] | None = None) -> list[BenchRecord]:
+              compare_compiled: bool = False, variants: list[str] | None = None,
+              repeats: int = 1) -> list[BenchRecord]:
     """Run every spec at every batch size (interleaved); results.json is rewritten after every
     row, throughput.png at the end. Ctrl-C raises ``BenchInterrupted`` and a spec failing
     mid-run a ValueError naming it, both after plotting the rows so far.
     ``variants`` (names of ``VARIANTS``; ``compare_compiled`` adds "compiled"): each spec runs
     as loaded, then under each variant (a record named ``SPEC [variant]``), so they share the
-    machine's state."""
+    machine's state. ``repeats``: each batch size runs that many rounds of every spec (and
+    variant) in turn; a row keeps its fastest pass and is written when its last round ends."""
     if not specs:
         raise ValueError("give at least one method spec")
     if any(b < 1 for b in batch_sizes) or not batch_sizes:
         raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     variants = (["compiled"] if compare_compiled else []) + list(variants or [])
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -157,18 +174,20 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
     results, records, running = out / "results.json", [], ""
     try:
         for bs in batch_sizes:
-            for spec in specs:
-                running = f"spec {spec!r} at batch size {bs}"
-                save(records, bench_one(llm, spec, params[spec], examples, bs), results, progress)
-                for name in variants:
-                    running = f"spec {spec!r} [{name}] at batch size {bs}"
-                    apply, undo, warm_all = VARIANTS[name]
-                    apply(llm)
-                    try:
-                        record = bench_one(llm, f"{spec} [{name}]", params[spec], examples, bs, warm_all)
-                    finally:
-                        undo(llm)
-                    save(records, record, results, progress)
+            rows: dict[str, BenchRecord] = {}  # this batch size's rows, measured so far
+            for round_ in range(1, repeats + 1):
+                for spec in specs:
+                    for name in [None, *variants]:
+                        label = spec if name is None else f"{spec} [{name}]"
+                        running = f"spec {label!r} at batch size {bs}" + (
+                            f", round {round_} of {repeats}" if repeats > 1 else "")
+                        record = bench_variant(llm, spec, name, params[spec], examples, bs)
+                        if label in rows:
+                            rows[label].add_run(record)
+                        else:
+                            rows[label] = record
+                        if round_ == repeats:
+                            save(records, rows[label], results, progress)
     except (KeyboardInterrupt, ValueError) as e:  # keep what was measured: the plot of the rows so far
         if records:
             plot(records, out / "throughput.png")
@@ -177,6 +196,19 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
         raise ValueError(f"{running}: {e} ({saved(len(records), 'row', results)})") from None
     plot(records, out / "throughput.png")
     return records
+
+
+def bench_variant(llm: LLM, spec: str, name: str | None, params: SamplingParams,
+                  examples: list[Example], batch_size: int) -> BenchRecord:
+    """One timed pass of ``spec`` as loaded (``name`` None) or under the variant ``name``."""
+    if name is None:
+        return bench_one(llm, spec, params, examples, batch_size)
+    apply, undo, warm_all = VARIANTS[name]
+    apply(llm)
+    try:
+        return bench_one(llm, f"{spec} [{name}]", params, examples, batch_size, warm_all)
+    finally:
+        undo(llm)
 
 
 def save(records: list[BenchRecord], record: BenchRecord, path: Path, progress) -> None:
@@ -227,7 +259,14 @@ HEADER = (f"{'method':<48} {'batch':>5} {'acc':>6} {'tok/s':>8} {'nfe':>6} {'tok
 def format_row(r: BenchRecord) -> str:
     return (f"{r.method:<48} {r.batch_size:>5} {r.accuracy:>6.1%} {r.throughput:>8.1f} {r.nfe:>6} "
             f"{r.decoded_tokens / max(1, r.nfe):>8.2f} {r.redundancy:>7.2f} {r.stop_share:>6.1%} {r.prefill_tokens:>8} "
-            f"{r.peak_memory_mb:>7.0f}" + per_rank_memory(r))
+            f"{r.peak_memory_mb:>7.0f}" + per_rank_memory(r) + rounds(r))
+
+
+def rounds(r: BenchRecord) -> str:
+    """More than one round: ``  rounds 1.23/1.31/1.27 s`` (each pass's seconds, in order)."""
+    if len(r.runs_seconds) < 2:
+        return ""
+    return "  rounds " + "/".join(f"{t:.2f}" for t in r.runs_seconds) + " s"
 
 
 def per_rank_memory(r: BenchRecord) -> str:
@@ -239,21 +278,34 @@ def per_rank_memory(r: BenchRecord) -> str:
 
 def table(records: list[BenchRecord]) -> str:
     """Markdown table with each method's speed-up over the first spec at the same batch size
-    (a variant's row, ``SPEC [compiled]``: over ``SPEC`` as loaded)."""
+    (a variant's row, ``SPEC [compiled]``: over ``SPEC`` as loaded), from the fastest passes.
+    With several rounds, a ``rounds`` column gives the lowest and highest speed-up of one round
+    against the same round of the reference: what the machine's drift did to the ratio."""
     base = {r.batch_size: r for r in records if r.method == records[0].method}
     eager = {(r.method, r.batch_size): r for r in records}
-    lines = ["| method | batch | accuracy | throughput (tok/s) | speed-up | nfe | tokens/step | redundancy | stop share | prefill tokens | peak MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    repeated = any(len(r.runs_seconds) > 1 for r in records)
+    lines = ["| method | batch | accuracy | throughput (tok/s) | speed-up |" + (" rounds |" if repeated else "")
+             + " nfe | tokens/step | redundancy | stop share | prefill tokens | peak MB |",
+             "|---|---|---|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|"]
     for r in records:
         ref = base.get(r.batch_size)
         spec, variant = variant_of(r.method)
         if variant is not None:  # a variant's row: its speed-up over the same spec as loaded
             ref = eager.get((spec, r.batch_size), ref)
         speedup = r.throughput / ref.throughput if ref and ref.throughput else float("nan")
+        spread = f" {round_speedups(r, ref)} |" if repeated else ""
         lines.append(f"| `{r.method}` | {r.batch_size} | {r.accuracy:.1%} | {r.throughput:.1f} | "
-                     f"{speedup:.2f}× | {r.nfe} | {r.decoded_tokens / max(1, r.nfe):.2f} | "
+                     f"{speedup:.2f}× |{spread} {r.nfe} | {r.decoded_tokens / max(1, r.nfe):.2f} | "
                      f"{r.redundancy:.2f} | {r.stop_share:.1%} | {r.prefill_tokens} | {r.peak_memory_mb:.0f} |")
     return "\n".join(lines)
+
+
+def round_speedups(r: BenchRecord, ref: BenchRecord | None) -> str:
+    """``low–high×``: the speed-up of each round's pass over the same round's pass of ``ref``."""
+    if ref is None or len(r.runs_seconds) != len(ref.runs_seconds) or not all(r.runs_seconds):
+        return "–"
+    ratios = [(r.output_tokens / t) / (ref.output_tokens / u) for t, u in zip(r.runs_seconds, ref.runs_seconds)]
+    return f"{min(ratios):.2f}–{max(ratios):.2f}×"
 
 
 def plot(records: list[BenchRecord], path: Path) -> None:
@@ -263,7 +315,11 @@ def plot(records: list[BenchRecord], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method in dict.fromkeys(r.method for r in records):
         rows = [r for r in records if r.method == method]
-        ax.plot([r.batch_size for r in rows], [r.throughput for r in rows], marker="o", label=method)
+        line, = ax.plot([r.batch_size for r in rows], [r.throughput for r in rows], marker="o", label=method)
+        if any(len(r.runs_seconds) > 1 for r in rows):  # rounds: a bar down to the slowest pass
+            slowest = [r.output_tokens / max(r.runs_seconds) if max(r.runs_seconds) else 0.0 for r in rows]
+            ax.vlines([r.batch_size for r in rows], slowest, [r.throughput for r in rows],
+                      color=line.get_color(), alpha=0.5)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("throughput (output tokens / s)")
