@@ -139,10 +139,14 @@ def test_bench_runs_each_spec_as_loaded_then_with_fixed_shapes(llms, tmp_path):
     llm = llms["llada"][0]
     examples = load_split(["sort"], limit=2)
     records = run_bench(llm, ["dual-cache:threshold=0.9"], [2], examples, tmp_path, defaults={"max_new_tokens": 16},
-                        progress=lambda row: None, variants=["fixed shapes"])
+                        progress=lambda row: None, variants=["fixed shapes"], repeats=2)
     assert [r.method for r in records] == ["dual-cache:threshold=0.9", "dual-cache:threshold=0.9 [fixed shapes]"]
     assert records[0].output_tokens == records[1].output_tokens and not llm.engine.runner.fixed_shapes
+    assert [len(r.runs_seconds) for r in records] == [2, 2]  # each round: as loaded, then the variant
     ratio = records[1].throughput / records[0].throughput
-    assert f"{ratio:.2f}×" in table(records).splitlines()[-1]  # over the same spec as loaded
+    per_round = [(records[1].output_tokens / t) / (records[0].output_tokens / u)
+                 for t, u in zip(records[1].runs_seconds, records[0].runs_seconds)]
+    row = table(records).splitlines()[-1]  # over the same spec as loaded, round by round too
+    assert f"| {ratio:.2f}× | {min(per_round):.2f}–{max(per_round):.2f}× |" in row
     with pytest.raises(ValueError, match="unknown bench variant 'captured'; choose from compiled, fixed shapes"):
         run_bench(llm, ["dual-cache"], [1], examples, tmp_path, variants=["captured"])
