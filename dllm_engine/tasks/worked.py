@@ -62,7 +62,7 @@ class ColumnAddTask(WorkedTask):
     """``add : 4 7 5 + 3 8 9`` -> ``5 + 9 + 0 = 1 4 , 7 + 8 + 1 = 1 6 , 4 + 3 + 1 = 0 8 ,
     answer : 8 6 4``.
 
-    School addition of two n-digit numbers (2-14 digits, 24-170 answer tokens), right to left;
+    School addition of two n-digit numbers (2-14 digits, 22-143 answer tokens), right to left;
     each column writes ``a + b + carry = carry' digit``. The answer is the digits read back
     from the last column to the first, with the final carry in front when it is 1.
     """
@@ -87,7 +87,7 @@ class InsertionSortTask(WorkedTask):
     """``insert : 3 1 4`` -> ``3 : 3 | 1 : 1 3 | 4 : 1 3 4 , answer : 1 3 4``.
 
     Insertion sort, one pass per prompt digit: the digit taken, then the sorted prefix after
-    inserting it. 4-12 digits (25-131 answer tokens).
+    inserting it. 4-12 digits (28-128 answer tokens).
     """
 
     name = "insert"
