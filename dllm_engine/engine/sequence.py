@@ -11,8 +11,8 @@ from ..sampling_params import SamplingParams
 
 
 def stop_share(output_tokens: int, decoded_tokens: int) -> float:
-    """Share of the decoded tokens the user never receives: stop tokens (EOS padding) and anything
-    after the first one."""
+    """Share of the decoded tokens the user never receives: stop tokens (EOS padding), anything
+    after the first one, and slots past ``max_new_tokens`` that a whole last block decoded."""
     return 1 - output_tokens / decoded_tokens if decoded_tokens else 0.0
 
 
