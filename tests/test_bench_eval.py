@@ -99,6 +99,29 @@ def test_evaluate_counts_every_prompt(ckpt):
         evaluate(LLM(ckpt), SamplingParams(), tasks=["sort"], limit=1, batch_size=0)
 
 
+def test_eval_reports_the_final_answer_grade_of_worked_tasks():
+    """A reference answer with a wrong step but the right result: the model's right trace fails
+    the whole-answer grade and passes the final-answer one; a copy task has no final grade."""
+    import dataclasses
+    from dllm_engine import SamplingParams
+    from dllm_engine.cli import DEFAULT_MODEL
+    llm = LLM(DEFAULT_MODEL)  # the embedded tiny-llada
+    params = SamplingParams(method="dual-cache", threshold=0.9)
+    examples = load_split(["sum", "sort"], limit=1)
+    right = evaluate(llm, params, examples=examples, batch_size=2, use_tqdm=False)
+    assert right.tasks["sum"].accuracy == 1.0 and right.tasks["sort"].accuracy == 1.0  # the premise
+    words = examples[0].answer.split()
+    words[0] = str((int(words[0]) + 1) % 10)  # the first clause's left operand: a wrong trace
+    report = evaluate(llm, params, examples=[dataclasses.replace(examples[0], answer=" ".join(words)),
+                                             examples[1]], batch_size=2, use_tqdm=False)
+    rows = {r["task"]: r for r in report.as_dict()["tasks"]}
+    assert (rows["sum"]["accuracy"], rows["sum"]["final_accuracy"]) == (0.0, 1.0)
+    assert (rows["sort"]["accuracy"], rows["sort"]["final_accuracy"]) == (1.0, None)
+    assert report.final_accuracy == 1.0 and report.as_dict()["final_accuracy"] == 1.0
+    sum_line, sort_line = report.table().splitlines()[1:3]
+    assert sum_line.split()[2:4] == ["0.0%", "100.0%"] and sort_line.split()[2:4] == ["100.0%", "–"]
+
+
 def test_cli_reports_errors_without_traceback(capsys, ckpt):
     assert main(["eval", "--model", str(ckpt), "--tasks", "nope", "--limit", "1"]) == 2
     assert "unknown task" in capsys.readouterr().err
@@ -165,8 +188,8 @@ def test_eval_table_prints_every_figure_with_two_decimals(ckpt):
     report = evaluate(LLM(ckpt), SamplingParams(max_new_tokens=16, block_length=8), tasks=["sort", "count"],
                       limit=3, use_tqdm=False)
     for line in report.table().splitlines()[1:-1]:  # task rows: out_len, tok/step, redundancy
-        _, _, _, out_len, nfe, per_step, redundancy, *_ = line.split()
-        assert nfe.isdigit() and all(re.fullmatch(r"\d+\.\d\d", x) for x in (out_len, per_step, redundancy)), line
+        _, _, _, final, out_len, nfe, per_step, redundancy, *_ = line.split()
+        assert final == "–" and nfe.isdigit() and all(re.fullmatch(r"\d+\.\d\d", x) for x in (out_len, per_step, redundancy)), line
 
 
 def test_threads_flag_sets_torch_threads(ckpt, capsys):

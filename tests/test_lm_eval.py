@@ -75,6 +75,17 @@ def test_simple_evaluate_equals_dllm_eval(llada, task_manager):
     assert stats["requests"] == len(examples) and stats["nfe"] == outs.stats.nfe
 
 
+def test_worked_tasks_report_the_final_answer_grade_as_dllm_eval(llada, task_manager):
+    results = run_suite(llada, task_manager, tasks=("dllm_worked",))
+    report = evaluate(llada.llm, llada.params, tasks="worked", limit=LIMIT, batch_size=8, use_tqdm=False)
+    for task, result in report.tasks.items():
+        row = results["results"][f"dllm_{task}"]
+        assert (row["exact_match,none"], row["final_answer,none"]) == (result.accuracy, result.final_accuracy), task
+    group = results["results"]["dllm_worked"]
+    assert group["final_answer,none"] == pytest.approx(report.final_accuracy)
+    assert group["exact_match,none"] == pytest.approx(report.accuracy)
+
+
 def test_tasks_follow_the_split_files(tmp_path):
     split = tmp_path / "split"
     split.mkdir()
@@ -86,6 +97,8 @@ def test_tasks_follow_the_split_files(tmp_path):
     family = yaml.safe_load((tmp_path / "out" / "dllm_copy.yaml").read_text())
     assert family["task"] == ["dllm_sort"]  # families group the files they have
     assert not (tmp_path / "out" / "dllm_worked.yaml").exists()
+    sort = (tmp_path / "out" / "dllm_sort.yaml").read_text()  # a copy task: no final answer to grade
+    assert '"metric": "exact_match"' in sort and "final_answer" not in sort
     assert str((split / "zeta.jsonl").resolve()) in (tmp_path / "out" / "dllm_zeta.yaml").read_text()
 
 

@@ -176,6 +176,23 @@ def test_final_answer_grader(task: str) -> None:
     assert TASKS[task].final_answer("no final line") == ""
 
 
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_final_answer_grade(task: str) -> None:
+    """A worked answer's final-only grade passes a wrong trace with the right result and fails the
+    right trace with a wrong or missing one; a copy task has no final grade (None)."""
+    from dllm_engine.tasks import grade_final
+    ex = load_split([task], limit=1)[0]
+    if task not in TASK_FAMILIES["worked"]:
+        assert grade_final(ex, ex.answer) is None and not TASKS[task].has_final_answer
+        return
+    head, _, final = ex.answer.rpartition("answer :")
+    wrong_trace = "9 + 9 = 9 , answer :" + final
+    assert grade_final(ex, ex.answer) and grade_final(ex, wrong_trace) and not grade(ex, wrong_trace)
+    other = str((int(final.split()[-1]) + 1) % 10)
+    assert not grade_final(ex, head + "answer : " + " ".join([*final.split()[:-1], other]))
+    assert not grade_final(ex, head) and not grade_final(ex, ex.answer + " 0")
+
+
 def test_resolve_tasks() -> None:
     assert resolve_tasks("all") == TASK_NAMES == resolve_tasks(None)
     assert resolve_tasks("worked") == ["sum", "add", "insert", "story"]

@@ -10,7 +10,7 @@ from ..engine.llm import LLM
 from ..engine.sequence import SequenceStats
 from ..sampling_params import SamplingParams
 from ..strategies.base import merge_diagnostics
-from ..tasks import Example, grade, load_split
+from ..tasks import Example, grade, grade_final, load_split
 
 
 @dataclass
@@ -19,18 +19,29 @@ class TaskResult:
     num_prompts: int = 0
     correct: int = 0
     stats: SequenceStats = field(default_factory=SequenceStats)  # summed over the task's prompts
+    final_correct: int | None = None  # final-answer-only grade; None for a task without one
 
     @property
     def accuracy(self) -> float:
         return self.correct / self.num_prompts if self.num_prompts else 0.0
 
-    def add(self, ok: bool, stats: SequenceStats) -> None:
+    @property
+    def final_accuracy(self) -> float | None:
+        if self.final_correct is None:
+            return None
+        return self.final_correct / self.num_prompts if self.num_prompts else 0.0
+
+    def add(self, ok: bool, stats: SequenceStats, final_ok: bool | None = None) -> None:
         self.num_prompts += 1
         self.correct += int(ok)
+        if final_ok is not None:
+            self.final_correct = (self.final_correct or 0) + int(final_ok)
         self.stats.add(stats)
 
     def row(self) -> dict:
+        final = self.final_accuracy
         return {"task": self.task, "num_prompts": self.num_prompts, "accuracy": round(self.accuracy, 4),
+                "final_accuracy": None if final is None else round(final, 4),
                 "mean_output_tokens": round(self.stats.output_tokens / max(1, self.num_prompts), 2),
                 "nfe": self.stats.nfe, "tokens_per_step": round(self.stats.tokens_per_step, 3),
                 "redundancy": round(self.stats.redundancy, 3),
@@ -64,11 +75,19 @@ class EvalReport:
         return sum(t.accuracy for t in self.tasks.values()) / max(1, len(self.tasks))
 
     @property
+    def final_accuracy(self) -> float | None:
+        """Mean of the final-answer grades of the tasks that have one (None if none has)."""
+        finals = [t.final_accuracy for t in self.tasks.values() if t.final_accuracy is not None]
+        return sum(finals) / len(finals) if finals else None
+
+    @property
     def throughput(self) -> float:
         return self.stats.output_tokens / self.stats.seconds if self.stats.seconds else 0.0
 
     def as_dict(self) -> dict:
+        final = self.final_accuracy
         return {"method": self.method, "accuracy": round(self.accuracy, 4),
+                "final_accuracy": None if final is None else round(final, 4),
                 "throughput": round(self.throughput, 2), **self.stats.as_dict(),
                 "stop_share": round(self.stats.stop_share, 4),
                 "steps_by_commits": commit_histogram(self.stats),
@@ -77,15 +96,17 @@ class EvalReport:
 
     def table(self) -> str:
         buckets = list(commit_histogram(self.stats))
-        lines = [f"{'task':<10} {'n':>4} {'acc':>7} {'out_len':>8} {'nfe':>6} {'tok/step':>9} {'redund':>7} "
+        lines = [f"{'task':<10} {'n':>4} {'acc':>7} {'final':>7} {'out_len':>8} {'nfe':>6} {'tok/step':>9} {'redund':>7} "
                  f"{'stop%':>6} | steps committing " + " ".join(f"{b:>5}" for b in buckets) + " tokens"]
         for t in self.tasks.values():
             r = t.row()
-            lines.append(f"{t.task:<10} {t.num_prompts:>4} {t.accuracy:>7.1%} {r['mean_output_tokens']:>8.2f} "
+            final = "–" if t.final_accuracy is None else f"{t.final_accuracy:.1%}"
+            lines.append(f"{t.task:<10} {t.num_prompts:>4} {t.accuracy:>7.1%} {final:>7} {r['mean_output_tokens']:>8.2f} "
                          f"{r['nfe']:>6} {r['tokens_per_step']:>9.2f} {r['redundancy']:>7.2f} {r['stop_share']:>6.1%}"
                          f" | {'':>16} " + " ".join(f"{v:>5.0%}" for v in r["steps_by_commits"].values()))
         s = self.stats
         lines.append(f"{'mean':<10} {sum(t.num_prompts for t in self.tasks.values()):>4} {self.accuracy:>7.1%}"
+                     f" {'' if self.final_accuracy is None else f'{self.final_accuracy:.1%}':>7}"
                      f"   throughput {self.throughput:.1f} tok/s, redundancy {s.redundancy:.2f}, "
                      f"tokens/step {s.tokens_per_step:.2f}, stop share {s.stop_share:.1%}, {s.seconds:.1f} s")
         if self.diagnostics:
@@ -114,7 +135,8 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
         outs = llm.chat([chat_prompt(e) for e in chunk], params)
         report.method, records = outs.method, records + [outs.diagnostics]
         for ex, out in zip(chunk, outs):
-            report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(grade(ex, out.text), out.stats)
+            report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(grade(ex, out.text), out.stats,
+                                                                      grade_final(ex, out.text))
             all_stats.append(out.stats)
         bar.update(len(chunk))
     bar.close()

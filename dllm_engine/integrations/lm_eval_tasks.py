@@ -5,18 +5,25 @@ folder, ``dllm_<family>.yaml`` grouping each task family's files (``dllm_copy``,
 ``dllm_suite.yaml`` grouping them all; ``lm_eval --include_path DIR --tasks dllm_suite`` then runs
 offline (the rows are read by the ``datasets`` json loader). Each answer is graded by the task's own
 grader (``tasks.grade``, the one ``dllm eval`` uses), so both report the same accuracy; a group's
-score is the mean of its tasks' scores, as ``dllm eval``'s.
+score is the mean of its tasks' scores, as ``dllm eval``'s. A task with a final result (the worked
+family) also reports ``final_answer`` (``tasks.grade_final``), and ``dllm_worked`` its mean.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ..tasks import TASK_FAMILIES, Example, grade
+from ..tasks import TASK_FAMILIES, TASKS, Example, grade, grade_final
 from ..tasks.splits import DATA_DIR
 
 GROUP = "dllm_suite"
 PREFIX = "dllm_"
+
+
+def metrics(stem: str) -> list[str]:
+    """The metrics of the split file ``stem``: exact match, and the final answer where its task has one."""
+    task = TASKS.get(stem)
+    return ["exact_match"] + (["final_answer"] if task is not None and task.has_final_answer else [])
 
 
 def task_yaml(name: str, data_file: Path) -> str:
@@ -31,7 +38,8 @@ def task_yaml(name: str, data_file: Path) -> str:
         "doc_to_target": "{{answer}}",
         # no max_gen_toks: the model's own default (the checkpoint's generation_config) applies
         "generation_kwargs": {"until": [], "do_sample": False},
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+        "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
+                        for m in metrics(data_file.stem)],
         "metadata": {"version": 1.0},
     }
     lines = [f"{key}: {json.dumps(value)}" for key, value in config.items()]
@@ -40,9 +48,12 @@ def task_yaml(name: str, data_file: Path) -> str:
 
 
 def group_yaml(group: str, tasks: list[str]) -> str:
+    """A group's mean of every metric all its tasks report."""
+    stems = [t.removeprefix(PREFIX) for t in tasks]
+    shared = [m for m in ("exact_match", "final_answer") if all(m in metrics(s) for s in stems)]
     config = {"group": group, "task": tasks,
-              "aggregate_metric_list": [{"metric": "exact_match", "aggregation": "mean",
-                                         "weight_by_size": False}],
+              "aggregate_metric_list": [{"metric": m, "aggregation": "mean", "weight_by_size": False}
+                                        for m in shared],
               "metadata": {"version": 1.0}}
     return "\n".join(f"{key}: {json.dumps(value)}" for key, value in config.items()) + "\n"
 
@@ -71,6 +82,9 @@ def groups(stems: list[str]) -> dict[str, list[str]]:
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
-    """lm-eval hook: grade the first response with the task's own grader."""
+    """lm-eval hook: grade the first response with the task's own grader (and its final-answer
+    grader where it has one)."""
     example = Example(doc["task"], doc["prompt"], doc["answer"], id=doc.get("id"))
-    return {"exact_match": float(grade(example, results[0]))}
+    final = grade_final(example, results[0])
+    return {"exact_match": float(grade(example, results[0])),
+            **({} if final is None else {"final_answer": float(final)})}

@@ -51,6 +51,7 @@ class Task(ABC):
     """
 
     name: ClassVar[str]
+    has_final_answer: ClassVar[bool] = False  # ``grade_final`` grades (the worked family)
 
     def generate(self, rng: random.Random) -> Example:
         """Draw one example using only ``rng``, so equal seeds give equal examples."""
@@ -61,6 +62,11 @@ class Task(ABC):
     def grade(self, output_text: str, example: Example) -> bool:
         """Exact match; only surrounding whitespace is forgiven (decoders may add it)."""
         return output_text.strip() == example.answer
+
+    def grade_final(self, output_text: str, example: Example) -> bool | None:
+        """The final-answer-only grade, for a task whose answer ends in a final result (the
+        worked family); None for a task that has none."""
+        return None
 
     @abstractmethod
     def _sample(self, rng: random.Random) -> tuple[list[str], list[str]]:

@@ -141,3 +141,8 @@ def _train_stream(rng: random.Random, rounds: list[str], blocked: frozenset[str]
 def grade(example: Example, output_text: str) -> bool:
     """Grade ``output_text`` with the grader of ``example.task``."""
     return TASKS[resolve_tasks([example.task])[0]].grade(output_text, example)
+
+
+def grade_final(example: Example, output_text: str) -> bool | None:
+    """The final-answer-only grade of ``example.task`` (None for a task without a final result)."""
+    return TASKS[resolve_tasks([example.task])[0]].grade_final(output_text, example)

@@ -29,10 +29,16 @@ WORKED_WORDS: tuple[str, ...] = (
 class WorkedTask(Task):
     """A task whose answer is a worked solution; ``final_answer`` extracts the final result."""
 
+    has_final_answer = True
+
     def final_answer(self, text: str) -> str:
         """The final result: the words after the last ``answer :``."""
         head, sep, tail = text.rpartition("answer :")
         return tail.strip() if sep else ""
+
+    def grade_final(self, output_text: str, example: Example) -> bool:
+        """The final result alone, exactly: a wrong trace with the right result passes."""
+        return self.final_answer(output_text) == self.final_answer(example.answer)
 
     def results(self, answer: str) -> int:
         """The intermediate results ``answer`` writes, each from the one before it: here the
