@@ -274,7 +274,9 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
                        "everything else, and host synchronisations per step")
     p.add_argument("--methods", nargs="+", required=True, help="specs as in dllm bench")
     p.add_argument("--batch-sizes", type=split_ints, default=[1, 64])
-    p.add_argument("--limit", type=int, default=2, help="prompts per task of the copy suite")
+    p.add_argument("--tasks", default="copy",
+                   help="'copy' (default), 'worked', 'all' or comma-separated task names, as in dllm bench")
+    p.add_argument("--limit", type=int, default=2, help="prompts per task")
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed and floor passes, alternating; each keeps its fastest (a shared machine)")
@@ -295,11 +297,12 @@ def run_profile(args: argparse.Namespace) -> None:
                          "step; use --fixed-shapes here, and dllm bench --compile-step for its speed")
     if args.repeats < 1:  # before the weights load
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    examples = load_split(args.tasks, limit=args.limit)  # a typo fails before the model loads
     set_threads(args.threads)
     llm = load_llm(args)  # as dllm bench: freed host memory kept unless --no-keep-freed-memory
-    examples = load_split("copy", limit=args.limit)
     defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
-    print(f"model: {args.model}  prompts: {len(examples)}  device: {args.device}  "
+    tasks = ",".join(dict.fromkeys(e.task for e in examples))
+    print(f"model: {args.model}  prompts: {len(examples)}  tasks: {tasks}  device: {args.device}  "
           f"compile: {'on' if args.compile else 'off'}  fixed shapes: {'on' if args.fixed_shapes else 'off'}  "
           f"repeats: {args.repeats}  clock: {args.clock}")
     print(HEADER)

@@ -55,6 +55,12 @@ def test_chain_probe_counts_every_result_token(tmp_path, family):
                                                   row.block_masked))
 
 
+def test_a_model_without_the_worked_words_is_refused_by_name(tmp_path):
+    llm = LLM(write_checkpoint(tmp_path / "llada", "llada"))  # 96 ids: the copy suite's only
+    with pytest.raises(ValueError, match=r"a prompt of task sum: prompt has token ids outside \[0, 96\)"):
+        chain_probe(llm, load_split(["sum"], limit=1))
+
+
 def test_block_masked_is_right_masked_for_a_block_causal_family():
     """SDAR's own attention is the block-causal view (its config's block size, not the
     argument's): the shipped tiny-sdar, which gets most results right, counts the same."""

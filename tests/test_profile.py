@@ -87,6 +87,18 @@ def test_profile_command_prints_the_table(tmp_path, capsys):
                  "--batch-sizes", "1,2", "--limit", "1", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "| `block:threshold=0.9` | 1 |" in out and "| `block:threshold=0.9` | 2 |" in out
+    assert "prompts: 6  tasks: sort,reverse,spell,lookup,dedup,count  " in out  # the copy suite by default
+    assert main(["profile", "--model", str(ckpt), "--methods", "block:threshold=0.9", "--tasks", "sort,count",
+                 "--batch-sizes", "1", "--limit", "1", "--max-new-tokens", "8"]) == 0
+    assert "prompts: 2  tasks: sort,count  " in capsys.readouterr().out
+    # this random checkpoint's 96 ids predate the worked words: refused by name, not an IndexError
+    assert main(["profile", "--model", str(ckpt), "--methods", "block", "--tasks", "sum", "--limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: a prompt of task sum: prompt has token ids outside [0, 96)"), err
+    assert main(["profile", "--model", str(ckpt), "--methods", "block:threshold=2", "--limit", "1"]) == 2
+    assert capsys.readouterr().err.startswith("error: spec 'block:threshold=2': ")
+    assert main(["profile", "--model", str(ckpt / "missing"), "--methods", "block", "--tasks", "nope"]) == 2
+    assert "unknown task" in capsys.readouterr().err  # before the (missing) model is looked for
 
 
 @pytest.fixture(scope="module")

@@ -305,7 +305,14 @@ def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: li
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if clock not in CLOCKS:
         raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
-    params = {spec: parse_spec(spec, **(defaults or {})) for spec in specs}  # validate all first
+    from .offline import check_prompts
+    params = {}
+    for spec in specs:  # validate all first, and every prompt against each (as dllm bench)
+        try:
+            params[spec] = llm.resolve(parse_spec(spec, **(defaults or {})))
+        except ValueError as e:
+            raise ValueError(f"spec {spec!r}: {e}") from None
+    check_prompts(llm, params, examples)
     prompts = [llm.apply_chat_template(chat_prompt(e)) for e in examples]
     records = []
     for bs in batch_sizes:

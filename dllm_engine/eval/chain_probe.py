@@ -110,6 +110,10 @@ def chain_probe(llm: LLM, examples: list[Example], open_word: str = "=",
         prompt = list(tok.apply_chat_template(chat_prompt(ex), add_generation_prompt=True,
                                               tokenize=True, return_dict=False))
         answer = tok.encode(ex.answer, add_special_tokens=False)
+        try:  # a model whose vocabulary predates the task's words: by name, not an IndexError
+            llm.check_ids(prompt + answer)
+        except ValueError as e:
+            raise ValueError(f"a prompt of task {ex.task}: {e}") from None
         targets = [len(prompt) + i for i in result_positions(answer, open_id, close_id)]
         row = rows.setdefault(ex.task, ChainProbeRow(ex.task))
         if not targets:
