@@ -5,6 +5,10 @@ import argparse
 import sys
 from importlib.metadata import version
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the command line imports the engine lazily, per command
+    from .sampling_params import SamplingParams
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 DEFAULT_MODEL = CHECKPOINTS / "tiny-llada"
