@@ -317,6 +317,61 @@ def test_bench_with_one_round_has_no_rounds_column(ckpt, tmp_path):
     assert "rounds" not in table(records) and len(records[0].runs_seconds) == 1
 
 
+def test_bench_a_spec_given_twice_is_two_rows_in_every_round(ckpt, tmp_path, monkeypatch):
+    """``--methods a a`` (an A/A check of the machine) is two rows, each with its own passes, as
+    it was before rounds: not one row folding both in and written twice."""
+    from dllm_engine.bench.offline import table
+    llm, examples, defaults = LLM(ckpt), load_split(["sort"], limit=1), dict(max_new_tokens=8, block_length=8)
+    scripted_seconds(monkeypatch, [1.0, 2.0])
+    records = run_bench(llm, ["reference", "reference"], [1], examples, tmp_path / "one", defaults,
+                        progress=lambda _: None)
+    assert records[0] is not records[1] and [r.runs_seconds for r in records] == [[1.0], [2.0]]
+    assert "rounds" not in table(records) and table(records).splitlines()[3].count("| 0.50× |") == 1
+    monkeypatch.undo()
+    scripted_seconds(monkeypatch, [1.0, 2.0, 3.0, 1.0])  # rounds of (first, second)
+    records = run_bench(llm, ["reference", "reference"], [1], examples, tmp_path / "two", defaults,
+                        progress=lambda _: None, repeats=2)
+    data = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert [r["runs_seconds"] for r in data] == [[1.0, 3.0], [2.0, 1.0]]
+    first, second = table(records).splitlines()[2:]
+    assert "| 1.00× | 1.00–1.00× |" in first  # the first spec's row is its own reference
+    assert "| 1.00× | 0.50–3.00× |" in second  # round by round against the first row's rounds
+
+
+def scripted_passes(monkeypatch, passes: list[tuple[float, int]]) -> None:
+    """``bench_one`` runs for real, then reports the next (unrounded seconds, extra output
+    tokens) of ``passes`` as its pass, the way ``bench_one`` records one."""
+    from dllm_engine.bench import offline
+    real, script = offline.bench_one, iter(passes)
+
+    def bench_one(*args, **kw):
+        record = real(*args, **kw)
+        seconds, extra = next(script)
+        record.output_tokens += extra
+        record.seconds, record.runs_seconds = round(seconds, 3), [round(seconds, 3)]
+        record.throughput = round(record.output_tokens / seconds, 2)
+        return record
+    monkeypatch.setattr(offline, "bench_one", bench_one)
+
+
+def test_bench_repeats_keep_the_fastest_pass_own_throughput(ckpt, tmp_path, monkeypatch):
+    """A row's throughput is its fastest pass's own: a pass under half a millisecond (0.000 s
+    once rounded) is not 0 tok/s, and a pass that decoded other tokens is not divided into the
+    first pass's count."""
+    llm, examples, defaults = LLM(ckpt), load_split(["sort"], limit=1), dict(max_new_tokens=8, block_length=8)
+    scripted_passes(monkeypatch, [(0.002, 0), (0.0004, 0)])
+    row = run_bench(llm, ["reference"], [1], examples, tmp_path / "a", defaults, progress=lambda _: None,
+                    repeats=2)[0]
+    assert row.runs_seconds == [0.002, 0.0] and row.seconds == 0.0
+    assert row.throughput == round(row.output_tokens / 0.0004, 2) > 0
+    monkeypatch.undo()
+    scripted_passes(monkeypatch, [(2.0, 0), (1.0, 4), (1.5, 0)])
+    row = run_bench(llm, ["reference"], [1], examples, tmp_path / "b", defaults, progress=lambda _: None,
+                    repeats=3)[0]
+    assert row.runs_seconds == [2.0, 1.0, 1.5] and row.seconds == 1.0
+    assert row.throughput == round(row.output_tokens + 4, 2)  # the second pass's tokens over its second
+
+
 def test_bench_repeats_ctrl_c_mid_round_keeps_the_finished_batch_sizes(ckpt, tmp_path, capsys, monkeypatch):
     """Rows are written once their last round ends: Ctrl-C in batch size 2's second round keeps
     batch size 1's two rows, each with its two passes."""

@@ -102,6 +102,31 @@ def test_tasks_follow_the_split_files(tmp_path):
     assert str((split / "zeta.jsonl").resolve()) in (tmp_path / "out" / "dllm_zeta.yaml").read_text()
 
 
+def test_metrics_declared_are_the_ones_process_results_reports(tmp_path):
+    """Each row is graded by its own ``task``, whatever the file's name: worked rows in a file that
+    is no task's name declare ``final_answer`` (lm-eval otherwise reports it undeclared, with a
+    warning and no direction), copy rows under a worked task's name do not, and the family group
+    averages only what all its files declare."""
+    from dllm_engine.integrations.lm_eval_tasks import process_results
+    from dllm_engine.tasks.splits import DATA_DIR
+    split = tmp_path / "split"
+    split.mkdir()
+    worked_row = (DATA_DIR / "test" / "sum.jsonl").read_text().splitlines()[0]
+    copy_row = (DATA_DIR / "test" / "sort.jsonl").read_text().splitlines()[0]
+    files = {"mysum": worked_row, "add": copy_row, "insert": worked_row}
+    for stem, row in files.items():
+        (split / f"{stem}.jsonl").write_text(row + "\n")
+    write_tasks(tmp_path / "out", split)
+    for stem, row in files.items():
+        config = yaml.safe_load((tmp_path / "out" / f"dllm_{stem}.yaml").read_text()
+                                .replace("!function", "#"))  # the hook's tag aside
+        doc = json.loads(row)
+        assert {m["metric"] for m in config["metric_list"]} == set(process_results(doc, [doc["answer"]])), stem
+    group = yaml.safe_load((tmp_path / "out" / "dllm_worked.yaml").read_text())
+    assert group["task"] == ["dllm_add", "dllm_insert"]
+    assert [m["metric"] for m in group["aggregate_metric_list"]] == ["exact_match"]
+
+
 def test_missing_split_folder_is_reported(tmp_path):
     with pytest.raises(FileNotFoundError, match="no .*jsonl split files in"):
         write_tasks(tmp_path / "out", tmp_path)

@@ -81,16 +81,17 @@ class BenchRecord:
     tasks: list[str]  # the workload: task names of the prompts, in order
     # tensor parallel: each rank's peak resident memory (VmHWM) during the run, rank 0 first
     peak_memory_mb_per_rank: list[float] | None = None
-    # every timed pass's seconds, round by round (``repeats``); ``seconds`` is the fastest
+    # every timed pass's seconds, round by round (``repeats``); ``seconds`` is the fastest pass's
     runs_seconds: list[float] = dataclasses.field(default_factory=list)
 
     def add_run(self, other: "BenchRecord") -> None:
         """Fold a later round's pass of the same spec in: its time joins ``runs_seconds``,
-        ``seconds`` and ``throughput`` become the fastest pass's; the counts stay the first
-        pass's (the same prompts and seeds decode the same tokens)."""
+        ``seconds`` and ``throughput`` become the fastest pass's (its own throughput, measured
+        on its unrounded time and its own output tokens); the counts stay the first pass's
+        (the same prompts and seeds decode the same tokens)."""
         self.runs_seconds.append(other.seconds)
-        self.seconds = min(self.runs_seconds)
-        self.throughput = round(self.output_tokens / self.seconds, 2) if self.seconds else 0.0
+        if (other.throughput, -other.seconds) > (self.throughput, -self.seconds):
+            self.seconds, self.throughput = other.seconds, other.throughput
         self.peak_memory_mb = max(self.peak_memory_mb, other.peak_memory_mb)
 
     @property
@@ -174,20 +175,22 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
     results, records, running = out / "results.json", [], ""
     try:
         for bs in batch_sizes:
-            rows: dict[str, BenchRecord] = {}  # this batch size's rows, measured so far
+            # this batch size's rows, measured so far, by (position of the spec, variant): a
+            # spec given twice is two rows, as in one round
+            rows: dict[tuple[int, str | None], BenchRecord] = {}
             for round_ in range(1, repeats + 1):
-                for spec in specs:
+                for i, spec in enumerate(specs):
                     for name in [None, *variants]:
                         label = spec if name is None else f"{spec} [{name}]"
                         running = f"spec {label!r} at batch size {bs}" + (
                             f", round {round_} of {repeats}" if repeats > 1 else "")
                         record = bench_variant(llm, spec, name, params[spec], examples, bs)
-                        if label in rows:
-                            rows[label].add_run(record)
+                        if (i, name) in rows:
+                            rows[i, name].add_run(record)
                         else:
-                            rows[label] = record
+                            rows[i, name] = record
                         if round_ == repeats:
-                            save(records, rows[label], results, progress)
+                            save(records, rows[i, name], results, progress)
     except (KeyboardInterrupt, ValueError) as e:  # keep what was measured: the plot of the rows so far
         if records:
             plot(records, out / "throughput.png")
@@ -281,8 +284,11 @@ def table(records: list[BenchRecord]) -> str:
     (a variant's row, ``SPEC [compiled]``: over ``SPEC`` as loaded), from the fastest passes.
     With several rounds, a ``rounds`` column gives the lowest and highest speed-up of one round
     against the same round of the reference: what the machine's drift did to the ratio."""
-    base = {r.batch_size: r for r in records if r.method == records[0].method}
-    eager = {(r.method, r.batch_size): r for r in records}
+    base: dict[int, BenchRecord] = {}  # the first spec's row at each batch size (the first, if given twice)
+    for r in records:
+        if r.method == records[0].method:
+            base.setdefault(r.batch_size, r)
+    eager: dict[tuple[str, int], BenchRecord] = {}  # a spec's as-loaded row before its variants'
     repeated = any(len(r.runs_seconds) > 1 for r in records)
     lines = ["| method | batch | accuracy | throughput (tok/s) | speed-up |" + (" rounds |" if repeated else "")
              + " nfe | tokens/step | redundancy | stop share | prefill tokens | peak MB |",
@@ -290,7 +296,9 @@ def table(records: list[BenchRecord]) -> str:
     for r in records:
         ref = base.get(r.batch_size)
         spec, variant = variant_of(r.method)
-        if variant is not None:  # a variant's row: its speed-up over the same spec as loaded
+        if variant is None:
+            eager[spec, r.batch_size] = r
+        else:  # a variant's row: its speed-up over the same spec as loaded
             ref = eager.get((spec, r.batch_size), ref)
         speedup = r.throughput / ref.throughput if ref and ref.throughput else float("nan")
         spread = f" {round_speedups(r, ref)} |" if repeated else ""

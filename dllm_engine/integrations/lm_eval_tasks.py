@@ -20,14 +20,19 @@ GROUP = "dllm_suite"
 PREFIX = "dllm_"
 
 
-def metrics(stem: str) -> list[str]:
-    """The metrics of the split file ``stem``: exact match, and the final answer where its task has one."""
-    task = TASKS.get(stem)
-    return ["exact_match"] + (["final_answer"] if task is not None and task.has_final_answer else [])
+def metrics(data_file: Path) -> list[str]:
+    """The metrics ``process_results`` reports on the rows of ``data_file``: exact match, and
+    the final answer where a row's task has one (each row is graded by its own ``task``, which
+    the file's name need not be)."""
+    tasks = {json.loads(line).get("task") for line in data_file.read_text(encoding="utf-8").splitlines()
+             if line.strip()}
+    final = any(TASKS[t].has_final_answer for t in tasks if t in TASKS)
+    return ["exact_match"] + (["final_answer"] if final else [])
 
 
-def task_yaml(name: str, data_file: Path) -> str:
-    """One generate_until task over ``data_file`` (JSON is valid YAML: values are JSON-quoted)."""
+def task_yaml(name: str, data_file: Path, task_metrics: list[str] | None = None) -> str:
+    """One generate_until task over ``data_file`` (JSON is valid YAML: values are JSON-quoted);
+    ``task_metrics``: ``metrics(data_file)`` when already read."""
     config = {
         "task": name,
         "dataset_path": "json",
@@ -39,7 +44,7 @@ def task_yaml(name: str, data_file: Path) -> str:
         # no max_gen_toks: the model's own default (the checkpoint's generation_config) applies
         "generation_kwargs": {"until": [], "do_sample": False},
         "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
-                        for m in metrics(data_file.stem)],
+                        for m in (task_metrics or metrics(data_file))],
         "metadata": {"version": 1.0},
     }
     lines = [f"{key}: {json.dumps(value)}" for key, value in config.items()]
@@ -47,10 +52,9 @@ def task_yaml(name: str, data_file: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def group_yaml(group: str, tasks: list[str]) -> str:
-    """A group's mean of every metric all its tasks report."""
-    stems = [t.removeprefix(PREFIX) for t in tasks]
-    shared = [m for m in ("exact_match", "final_answer") if all(m in metrics(s) for s in stems)]
+def group_yaml(group: str, tasks: list[str], task_metrics: dict[str, list[str]]) -> str:
+    """A group's mean of every metric all its tasks report (``task_metrics``: task name -> metrics)."""
+    shared = [m for m in ("exact_match", "final_answer") if all(m in task_metrics[t] for t in tasks)]
     config = {"group": group, "task": tasks,
               "aggregate_metric_list": [{"metric": m, "aggregation": "mean", "weight_by_size": False}
                                         for m in shared],
@@ -67,10 +71,11 @@ def write_tasks(out_dir: str | Path, split_dir: str | Path | None = None) -> lis
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = [PREFIX + f.stem for f in files]
+    task_metrics = {name: metrics(path) for name, path in zip(names, files)}
     for name, path in zip(names, files):
-        (out / f"{name}.yaml").write_text(task_yaml(name, path), encoding="utf-8")
+        (out / f"{name}.yaml").write_text(task_yaml(name, path, task_metrics[name]), encoding="utf-8")
     for group, members in groups([f.stem for f in files]).items():
-        (out / f"{group}.yaml").write_text(group_yaml(group, members), encoding="utf-8")
+        (out / f"{group}.yaml").write_text(group_yaml(group, members, task_metrics), encoding="utf-8")
     return names
 
 
