@@ -354,6 +354,16 @@ def scripted_passes(monkeypatch, passes: list[tuple[float, int]]) -> None:
     monkeypatch.setattr(offline, "bench_one", bench_one)
 
 
+def test_a_rows_per_rank_memory_is_each_ranks_peak_over_its_passes(ckpt):
+    from dllm_engine.bench.offline import BenchRecord
+    def record(seconds, mb, ranks):
+        return BenchRecord("m", 1, 1, 1.0, 10 / seconds, seconds, 1, 10, 10, 10.0, 1.0, 1, mb, ["sort"],
+                           ranks, [seconds])
+    row = record(2.0, 300.0, [300.0, 280.0])
+    row.add_run(record(1.0, 310.0, [290.0, 310.0]))
+    assert (row.seconds, row.peak_memory_mb, row.peak_memory_mb_per_rank) == (1.0, 310.0, [300.0, 310.0])
+
+
 def test_bench_repeats_keep_the_fastest_pass_own_throughput(ckpt, tmp_path, monkeypatch):
     """A row's throughput is its fastest pass's own: a pass under half a millisecond (0.000 s
     once rounded) is not 0 tok/s, and a pass that decoded other tokens is not divided into the

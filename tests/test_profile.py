@@ -101,6 +101,12 @@ def test_profile_command_prints_the_table(tmp_path, capsys):
     assert "unknown task" in capsys.readouterr().err  # before the (missing) model is looked for
 
 
+def test_profile_refuses_no_prompts(sdar):
+    from dllm_engine.bench.profile import run_profile
+    with pytest.raises(ValueError, match="no prompts to profile"):  # was a ZeroDivisionError
+        run_profile(sdar, ["block"], [1], [])
+
+
 @pytest.fixture(scope="module")
 def sdar(tmp_path_factory):
     return LLM(write_checkpoint(tmp_path_factory.mktemp("sdar"), "sdar", block_size=8))

@@ -93,6 +93,9 @@ class BenchRecord:
         if (other.throughput, -other.seconds) > (self.throughput, -self.seconds):
             self.seconds, self.throughput = other.seconds, other.throughput
         self.peak_memory_mb = max(self.peak_memory_mb, other.peak_memory_mb)
+        if self.peak_memory_mb_per_rank and other.peak_memory_mb_per_rank:  # each rank's peak over the passes
+            self.peak_memory_mb_per_rank = [max(a, b) for a, b in zip(self.peak_memory_mb_per_rank,
+                                                                     other.peak_memory_mb_per_rank)]
 
     @property
     def stop_share(self) -> float:

@@ -305,6 +305,8 @@ def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: li
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if clock not in CLOCKS:
         raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    if not examples:
+        raise ValueError("no prompts to profile")
     from .offline import check_prompts
     params = {}
     for spec in specs:  # validate all first, and every prompt against each (as dllm bench)
