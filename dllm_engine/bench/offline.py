@@ -168,12 +168,7 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
     if unknown:
         raise ValueError(f"unknown bench variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     out = prepare_out_dir(out_dir)
-    params = {}
-    for spec in specs:  # validate all first
-        try:
-            params[spec] = llm.resolve(parse_spec(spec, **(defaults or {})))
-        except ValueError as e:
-            raise ValueError(f"spec {spec!r}: {e}") from None
+    params = resolve_specs(specs, llm.resolve, defaults)  # validate all first
     check_prompts(llm, params, examples)
     results, records, running = out / "results.json", [], ""
     try:
@@ -225,17 +220,19 @@ def save(records: list[BenchRecord], record: BenchRecord, path: Path, progress) 
     progress(format_row(record))
 
 
-def check_prompts(llm: LLM, params: dict[str, SamplingParams], examples: list[Example]) -> None:
+def check_prompts(llm: LLM, params: dict[str, SamplingParams], examples: list[Example]) -> list[list[int]]:
     """Each spec against the longest prompt as ``evaluate`` sends it (chat template applied):
-    a canvas that does not fit the model's context fails here, before any run, naming the spec."""
+    a canvas that does not fit the model's context fails here, before any run, naming the spec.
+    Returns the prompts' token ids, checked, in order."""
     if not examples:
-        return
-    lengths = {}
+        return []
+    prompts, lengths = [], {}
     for e in examples:
         try:
-            lengths[len(llm.check_ids(llm.apply_chat_template(chat_prompt(e))))] = e
+            prompts.append(llm.check_ids(llm.apply_chat_template(chat_prompt(e))))
         except ValueError as error:
             raise ValueError(f"a prompt of task {e.task}: {error}") from None
+        lengths[len(prompts[-1])] = e
     longest = max(lengths)
     for spec, p in params.items():
         try:
@@ -243,19 +240,26 @@ def check_prompts(llm: LLM, params: dict[str, SamplingParams], examples: list[Ex
         except ValueError as e:
             raise ValueError(f"spec {spec!r} on the longest prompt (task {lengths[longest].task}, "
                              f"{longest} tokens): {e}") from None
+    return prompts
+
+
+def resolve_specs(specs: list[str], resolve, defaults: dict | None = None) -> dict[str, SamplingParams]:
+    """Each spec parsed (``defaults`` for the fields it leaves out) and passed to ``resolve``;
+    a spec that fails names itself."""
+    resolved = {}
+    for spec in specs:
+        try:
+            resolved[spec] = resolve(parse_spec(spec, **(defaults or {})))
+        except ValueError as e:
+            raise ValueError(f"spec {spec!r}: {e}") from None
+    return resolved
 
 
 def check_specs(model: str | Path, specs: list[str], defaults: dict | None = None) -> dict[str, SamplingParams]:
     """Resolve every spec against the checkpoint's config alone, before any weights load."""
     _, family, _ = read_config(model)
     gen = read_generation_config(Path(model))
-    resolved = {}
-    for spec in specs:
-        try:
-            resolved[spec] = resolve_params(parse_spec(spec, **(defaults or {})), family.methods, gen)
-        except ValueError as e:
-            raise ValueError(f"spec {spec!r}: {e}") from None
-    return resolved
+    return resolve_specs(specs, lambda p: resolve_params(p, family.methods, gen), defaults)
 
 
 HEADER = (f"{'method':<48} {'batch':>5} {'acc':>6} {'tok/s':>8} {'nfe':>6} {'tok/step':>8} "

@@ -34,7 +34,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine.llm import LLM
-from ..eval.evaluate import chat_prompt
 from ..sampling_params import SamplingParams
 from ..tasks import Example
 
@@ -298,7 +297,6 @@ def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: li
                 defaults: dict | None = None, progress=print, repeats: int = 1,
                 clock: str = "wall") -> list[ProfileRecord]:
     """Profile every spec at every batch size (interleaved, as ``dllm bench`` does)."""
-    from ..sampling_params import parse_spec
     if not specs or not batch_sizes or any(b < 1 for b in batch_sizes):
         raise ValueError(f"give at least one method spec and batch sizes >= 1, got {specs} / {batch_sizes}")
     if repeats < 1:
@@ -307,15 +305,9 @@ def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: li
         raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     if not examples:
         raise ValueError("no prompts to profile")
-    from .offline import check_prompts
-    params = {}
-    for spec in specs:  # validate all first, and every prompt against each (as dllm bench)
-        try:
-            params[spec] = llm.resolve(parse_spec(spec, **(defaults or {})))
-        except ValueError as e:
-            raise ValueError(f"spec {spec!r}: {e}") from None
-    check_prompts(llm, params, examples)
-    prompts = [llm.apply_chat_template(chat_prompt(e)) for e in examples]
+    from .offline import check_prompts, resolve_specs
+    params = resolve_specs(specs, llm.resolve, defaults)  # validate all first, and every prompt
+    prompts = check_prompts(llm, params, examples)  # against each, as dllm bench does
     records = []
     for bs in batch_sizes:
         for spec in specs:

@@ -30,9 +30,9 @@ def metrics(data_file: Path) -> list[str]:
     return ["exact_match"] + (["final_answer"] if final else [])
 
 
-def task_yaml(name: str, data_file: Path, task_metrics: list[str] | None = None) -> str:
-    """One generate_until task over ``data_file`` (JSON is valid YAML: values are JSON-quoted);
-    ``task_metrics``: ``metrics(data_file)`` when already read."""
+def task_yaml(name: str, data_file: Path, task_metrics: list[str]) -> str:
+    """One generate_until task over ``data_file`` reporting ``task_metrics`` (``metrics``; JSON
+    is valid YAML: values are JSON-quoted)."""
     config = {
         "task": name,
         "dataset_path": "json",
@@ -44,7 +44,7 @@ def task_yaml(name: str, data_file: Path, task_metrics: list[str] | None = None)
         # no max_gen_toks: the model's own default (the checkpoint's generation_config) applies
         "generation_kwargs": {"until": [], "do_sample": False},
         "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
-                        for m in (task_metrics or metrics(data_file))],
+                        for m in task_metrics],
         "metadata": {"version": 1.0},
     }
     lines = [f"{key}: {json.dumps(value)}" for key, value in config.items()]
