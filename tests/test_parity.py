@@ -149,6 +149,27 @@ def test_ragged_attention_runs_narrow_rows_apart_with_the_same_result():
     assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)
 
 
+@pytest.mark.parametrize("in_sdpa", [True, False])
+def test_grouped_kv_heads_attend_as_if_repeated(monkeypatch, in_sdpa):
+    """K/V with fewer heads than Q (GQA 4/2): SDPA reading them in place (torch >= 2.5) and the
+    older repeat give what attention over explicitly repeated heads gives, in one call and in
+    row groups."""
+    from dllm_engine.models import layers
+    from dllm_engine.models.context import row_groups
+    monkeypatch.setattr(layers, "GQA_IN_SDPA", in_sdpa and layers.GQA_IN_SDPA)
+    torch.manual_seed(1)
+    b, t, s, d = 3, 8, 12, 8
+    q, k, v = torch.randn(b, 4, t, d), torch.randn(b, 2, s, d), torch.randn(b, 2, s, d)
+    mask = (torch.arange(s)[None, None, None] < torch.tensor([12, 5, 9])[:, None, None, None]).expand(b, 1, t, s)
+    rk, rv = k[:, [0, 0, 1, 1]], v[:, [0, 0, 1, 1]]  # query heads 0, 1 read K/V head 0; 2, 3 head 1
+    want = torch.nn.functional.scaled_dot_product_attention(q, rk, rv, attn_mask=mask)
+    assert torch.allclose(layers.ragged_attention(q, k, v, mask, None), want, atol=1e-6)
+    live = [8, 2, 7]
+    got = layers.ragged_attention(q, k, v, mask, row_groups(live, t))
+    valid = torch.arange(t)[None] < torch.tensor(live)[:, None]
+    assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)
+
+
 def test_rotary_table_equals_computing_cos_sin():
     """The cached RoPE table gives each position exactly what ``rope_cos_sin`` computes, grows
     when a step reaches past it, and reads the largest position itself when given no bound."""

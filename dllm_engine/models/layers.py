@@ -15,6 +15,11 @@ from .context import ForwardContext
 from .parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
                        VocabParallelEmbedding, kv_heads_of)
 
+# SDPA reads grouped K/V heads itself from torch 2.5 (``enable_gqa``); before, each layer copies
+# every K/V head ``num_heads / num_kv_heads`` times first (at batch 64 the copy cost more than
+# the attention it fed)
+GQA_IN_SDPA = torch.__version__ >= "2.5"
+
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Normalise in fp32, cast back, then scale (LLaDA and Qwen agree on this order); also the
@@ -89,13 +94,24 @@ def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     A batch that mixes rows computing a whole canvas with rows computing one block (a sequence at
     its block's first step beside sequences mid-block; FOCUS or ES rows that kept few tokens)
     would pay the widest row's attention in every row; each group runs only as wide as its widest
-    row. Each row's result is the same either way."""
+    row. Each row's result is the same either way.
+
+    k, v may hold fewer heads than q (grouped-query attention: query head h reads K/V head
+    h // (H / Hkv)); SDPA reads them in place (``GQA_IN_SDPA``), older torch gets them repeated."""
+    gqa = {}
+    if k.shape[1] != q.shape[1]:
+        if GQA_IN_SDPA:
+            gqa = {"enable_gqa": True}
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if groups is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
     out = q.new_zeros(q.shape[:3] + v.shape[-1:])
     for rows, width in groups:
         out[rows, :, :width] = F.scaled_dot_product_attention(
-            q[rows, :, :width], k[rows], v[rows], attn_mask=None if mask is None else mask[rows, :, :width])
+            q[rows, :, :width], k[rows], v[rows], attn_mask=None if mask is None else mask[rows, :, :width],
+            **gqa)
     return out
 
 
@@ -171,9 +187,6 @@ class Attention(nn.Module):
         if ctx.cache is not None:
             k, v = ctx.cache.read(self.layer_idx, ctx.num_keys())
         mask = ctx.attention_mask(k.shape[2])
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = ragged_attention(q, k, v, mask, ctx.attention_rows())  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
         return ctx.unpack(self.o_proj(ctx.pack(out))), (keep.index if keep is not None else None)
