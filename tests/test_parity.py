@@ -136,17 +136,31 @@ def test_ragged_attention_runs_narrow_rows_apart_with_the_same_result():
     from dllm_engine.models.context import row_groups
     from dllm_engine.models.layers import ragged_attention
     torch.manual_seed(0)
-    b, h, t, s, d = 4, 2, 16, 20, 8
+    b, h, t, s, d = 4, 2, 96, 20, 8
     q, k, v = torch.randn(b, h, t, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d)
-    live = torch.tensor([16, 3, 4, 10])  # rows 1 and 2 are narrow (<= 16 // 4)
+    live = torch.tensor([96, 3, 20, 50])  # rows 1 and 2 are narrow (<= 96 // 4), 76 tokens narrower
     valid = torch.arange(t)[None] < live[:, None]
     mask = (torch.arange(s)[None, None, None] < torch.tensor([20, 9, 12, 15])[:, None, None, None]
             ).expand(b, 1, t, s)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     groups = row_groups(live.tolist(), t)
-    assert [(rows.tolist(), width) for rows, width in groups] == [([1, 2], 4), ([0, 3], 16)]
+    assert [(rows.tolist(), width) for rows, width in groups] == [([1, 2], 20), ([0, 3], 96)]
     got = ragged_attention(q, k, v, mask, groups)
     assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)
+
+
+def test_row_groups_split_only_when_the_narrow_rows_shed_enough_width():
+    """Narrow rows (at most a quarter of the width) get their own call only when it makes them
+    at least SPLIT_SAVING query tokens narrower: a 300-token canvas beside 32-token blocks
+    splits; rows of a few tokens beside a 32-token block do not (the gather costs more)."""
+    from dllm_engine.models.context import SPLIT_SAVING, row_groups
+    groups = row_groups([300, 32, 290, 20], 300)
+    assert [(rows.tolist(), width) for rows, width in groups] == [([1, 3], 32), ([0, 2], 300)]
+    assert row_groups([32, 4, 8, 30], 32) is None
+    assert row_groups([32, 32], 32) is None and row_groups([4, 8], 32) is None  # no mix
+    n = SPLIT_SAVING
+    assert [(rows.tolist(), w) for rows, w in row_groups([n + 1, 1], n + 1)] == [([1], 1), ([0], n + 1)]
+    assert row_groups([n, 1], n) is None  # sheds n - 1 tokens
 
 
 @pytest.mark.parametrize("in_sdpa", [True, False])
@@ -158,14 +172,16 @@ def test_grouped_kv_heads_attend_as_if_repeated(monkeypatch, in_sdpa):
     from dllm_engine.models.context import row_groups
     monkeypatch.setattr(layers, "GQA_IN_SDPA", in_sdpa and layers.GQA_IN_SDPA)
     torch.manual_seed(1)
-    b, t, s, d = 3, 8, 12, 8
+    b, t, s, d = 3, 80, 12, 8
     q, k, v = torch.randn(b, 4, t, d), torch.randn(b, 2, s, d), torch.randn(b, 2, s, d)
     mask = (torch.arange(s)[None, None, None] < torch.tensor([12, 5, 9])[:, None, None, None]).expand(b, 1, t, s)
     rk, rv = k[:, [0, 0, 1, 1]], v[:, [0, 0, 1, 1]]  # query heads 0, 1 read K/V head 0; 2, 3 head 1
     want = torch.nn.functional.scaled_dot_product_attention(q, rk, rv, attn_mask=mask)
     assert torch.allclose(layers.ragged_attention(q, k, v, mask, None), want, atol=1e-6)
-    live = [8, 2, 7]
-    got = layers.ragged_attention(q, k, v, mask, row_groups(live, t))
+    live = [80, 2, 70]
+    groups = row_groups(live, t)
+    assert groups is not None
+    got = layers.ragged_attention(q, k, v, mask, groups)
     valid = torch.arange(t)[None] < torch.tensor(live)[:, None]
     assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)
 

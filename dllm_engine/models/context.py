@@ -14,7 +14,8 @@ from torch import Tensor
 
 PACK_BELOW = 0.75  # pack live tokens for the per-token layers when more than 1/4 is row padding
 
-NARROW_ROWS = 4  # rows with at most 1/4 of the padded width run attention as their own call
+NARROW_ROWS = 4  # rows with at most 1/4 of the padded width run attention as their own call ...
+SPLIT_SAVING = 64  # ... when that makes them at least this many query tokens narrower
 
 
 def row_groups(lengths: list[int], width: int, device: torch.device | str = "cpu"
@@ -22,15 +23,19 @@ def row_groups(lengths: list[int], width: int, device: torch.device | str = "cpu
     """Rows of a [B, ``width``] batch whose live tokens are left-packed (``lengths`` per row)
     split into (row index, width) groups for attention: the narrow rows (at most
     1/NARROW_ROWS of ``width`` live) and the rest, each group as wide as its widest row. None
-    when one call over all rows is as good (no mix). Host arithmetic only."""
+    when one call over all rows is as good: no mix, or the narrow rows would shed fewer than
+    SPLIT_SAVING query tokens each. A separate call gathers its rows' K/V and mask; on CPU that
+    pays for a full canvas beside one-block rows (tiny-llada, ~290 against 32 wide), not for
+    rows a few tokens wide beside a 32-token block (tiny-sdar with FOCUS at batch 64, where
+    one call took 0.80-0.92x the split's attention time). Host arithmetic only."""
     narrow = [n <= width // NARROW_ROWS for n in lengths]
     if all(narrow) or not any(narrow):
         return None
-    groups = []
-    for flag in (True, False):
-        rows = [i for i, f in enumerate(narrow) if f == flag]
-        groups.append((torch.tensor(rows, device=device), max(lengths[i] for i in rows)))
-    return groups
+    widths = [max(n for n, f in zip(lengths, narrow) if f == flag) for flag in (True, False)]
+    if widths[1] - widths[0] < SPLIT_SAVING:
+        return None
+    return [(torch.tensor([i for i, f in enumerate(narrow) if f == flag], device=device), w)
+            for flag, w in zip((True, False), widths)]
 
 
 class Kept(NamedTuple):
