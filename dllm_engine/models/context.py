@@ -23,11 +23,12 @@ def row_groups(lengths: list[int], width: int, device: torch.device | str = "cpu
     """Rows of a [B, ``width``] batch whose live tokens are left-packed (``lengths`` per row)
     split into (row index, width) groups for attention: the narrow rows (at most
     1/NARROW_ROWS of ``width`` live) and the rest, each group as wide as its widest row. None
-    when one call over all rows is as good: no mix, or the narrow rows would shed fewer than
-    SPLIT_SAVING query tokens each. A separate call gathers its rows' K/V and mask; on CPU that
-    pays for a full canvas beside one-block rows (tiny-llada, ~290 against 32 wide), not for
-    rows a few tokens wide beside a 32-token block (tiny-sdar with FOCUS at batch 64, where
-    one call took 0.80-0.92x the split's attention time). Host arithmetic only."""
+    when one call over all rows is as good: no mix, or the narrow group would be fewer than
+    SPLIT_SAVING query tokens narrower than the rest. A separate call gathers its rows' K/V and
+    mask; on CPU that pays for a full canvas beside one-block rows (tiny-llada, ~290 against 32
+    wide), not for rows a few tokens wide beside a 32-token block (tiny-sdar with FOCUS or its
+    delayed cache at batch 8 and 64, where one call took 0.78-0.89x the split's attention
+    time). Host arithmetic only."""
     narrow = [n <= width // NARROW_ROWS for n in lengths]
     if all(narrow) or not any(narrow):
         return None
