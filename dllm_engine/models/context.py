@@ -32,11 +32,11 @@ def row_groups(lengths: list[int], width: int, device: torch.device | str = "cpu
     narrow = [n <= width // NARROW_ROWS for n in lengths]
     if all(narrow) or not any(narrow):
         return None
-    widths = [max(n for n, f in zip(lengths, narrow) if f == flag) for flag in (True, False)]
+    rows = [[i for i, f in enumerate(narrow) if f == flag] for flag in (True, False)]
+    widths = [max(lengths[i] for i in group) for group in rows]
     if widths[1] - widths[0] < SPLIT_SAVING:
         return None
-    return [(torch.tensor([i for i, f in enumerate(narrow) if f == flag], device=device), w)
-            for flag, w in zip((True, False), widths)]
+    return [(torch.tensor(group, device=device), w) for group, w in zip(rows, widths)]
 
 
 class Kept(NamedTuple):
