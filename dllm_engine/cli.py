@@ -164,8 +164,8 @@ def check_json_path(path: str | None) -> None:
 def add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="accuracy and speed of one method on the held-out task split")
     p.add_argument("--tasks", default="all",
-                   help="'all', a family ('copy': short answers, 'worked': step-by-step answers) "
-                        "or comma-separated task names")
+                   help="'all', a family ('copy': short answers, 'worked': step-by-step answers in "
+                        "one template, 'phrased': in free phrasing) or comma-separated task names")
     p.add_argument("--limit", type=int, default=None, help="prompts per task")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--json", default=None, help="write the report as JSON here")
@@ -220,7 +220,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="specs method[:field=value,...], e.g. dual-cache:threshold=0.9")
     p.add_argument("--batch-sizes", type=split_ints, default=[1, 8, 32])
     p.add_argument("--tasks", default="all",
-                   help="'all', a family ('copy', 'worked') or comma-separated task names")
+                   help="'all', a family ('copy', 'worked', 'phrased') or comma-separated task names")
     p.add_argument("--limit", type=int, default=None, help="prompts per task")
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--block-length", type=int, default=None, help="for every spec that does not set it")
@@ -279,7 +279,8 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", nargs="+", required=True, help="specs as in dllm bench")
     p.add_argument("--batch-sizes", type=split_ints, default=[1, 64])
     p.add_argument("--tasks", default="copy",
-                   help="'copy' (default), 'worked', 'all' or comma-separated task names, as in dllm bench")
+                   help="'copy' (default), 'worked', 'phrased', 'all' or comma-separated task names, "
+                        "as in dllm bench")
     p.add_argument("--limit", type=int, default=2, help="prompts per task")
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--repeats", type=int, default=1,
@@ -497,7 +498,7 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--concurrency", type=split_ints, default=[1, 8, 32, 64])
     p.add_argument("--num-requests", type=int, default=64, help="requests per concurrency level")
-    p.add_argument("--tasks", default="all", help="'all', a family ('copy', 'worked') or task names")
+    p.add_argument("--tasks", default="all", help="'all', a family ('copy', 'worked', 'phrased') or task names")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--length-mix", default=None,
                    help="per-request max_tokens, e.g. 64x200,960x10 (sets the number of requests; "

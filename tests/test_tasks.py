@@ -15,6 +15,8 @@ from dllm_engine.tasks import splits
 from dllm_engine.tasks.suite import answer_stats, main as suite_main
 
 COMMITTED = Path(splits.DATA_DIR) / "test"
+# the tasks with one right answer, graded by exact match (phrased tasks: tests/test_phrased.py)
+EXACT = TASK_FAMILIES["copy"] + TASK_FAMILIES["worked"]
 DIGIT_WORDS = "zero one two three four five six seven eight nine".split()
 
 
@@ -95,14 +97,14 @@ def test_registry() -> None:
     assert all(TASKS[n].name == n for n in TASK_NAMES)
 
 
-@pytest.mark.parametrize("task", TASK_NAMES)
+@pytest.mark.parametrize("task", EXACT)
 def test_generated_answers_are_correct(task: str) -> None:
     for ex in _samples(task):
         assert ex.task == task
         assert ex.answer == _solve(task, ex.prompt)
 
 
-@pytest.mark.parametrize("task", TASK_NAMES)
+@pytest.mark.parametrize("task", EXACT)
 def test_grader_accepts_right_rejects_wrong(task: str) -> None:
     for ex in _samples(task, 50):
         assert TASKS[task].grade(ex.answer, ex)
@@ -121,7 +123,7 @@ def test_generator_is_deterministic(task: str) -> None:
 
 
 # family -> (longest prompt, shortest and longest answer) in words
-BOUNDS = {"copy": (40, 4, 120), "worked": (80, 15, 180)}
+BOUNDS = {"copy": (40, 4, 120), "worked": (80, 15, 180), "phrased": (64, 4, 200)}
 
 
 @pytest.mark.parametrize("task", TASK_NAMES)
@@ -176,7 +178,7 @@ def test_final_answer_grader(task: str) -> None:
     assert TASKS[task].final_answer("no final line") == ""
 
 
-@pytest.mark.parametrize("task", TASK_NAMES)
+@pytest.mark.parametrize("task", EXACT)
 def test_final_answer_grade(task: str) -> None:
     """A worked answer's final-only grade passes a wrong trace with the right result and fails the
     right trace with a wrong or missing one; a copy task has no final grade (None)."""
@@ -219,7 +221,8 @@ def test_committed_split_loads() -> None:
         assert (COMMITTED / f"{task}.jsonl").is_file()
         prompts = [e.prompt for e in rows if e.task == task]
         assert len(set(prompts)) == 100
-    assert all(e.answer == _solve(e.task, e.prompt) for e in rows)
+    assert all(e.answer == _solve(e.task, e.prompt) for e in rows if e.task in EXACT)
+    assert all(grade(e, e.answer) for e in rows)
 
 
 def test_load_split_subset_and_limit() -> None:
@@ -265,10 +268,11 @@ def test_worked_results_follow_the_prompt() -> None:
 
 
 def test_answer_stats() -> None:
-    st = answer_stats("sum", ["3 + 5 = 8 , answer : 8", "3 + 5 = 8 , 8 + 2 = 0 , answer : 0"])
+    st = answer_stats("sum", [Example("sum", "sum : 3 5", "3 + 5 = 8 , answer : 8"),
+                              Example("sum", "sum : 3 5 2", "3 + 5 = 8 , 8 + 2 = 0 , answer : 0")])
     assert st == {"answers": 2, "median_tokens": 12.0, "mean_tokens": 12.0, "max_tokens": 15,
                   "mean_results": 1.5, "tokens_per_result": 8.0}
-    assert answer_stats("spell", ["3 = three , 1 = one"])["mean_results"] == 0  # copy: no chain
+    assert answer_stats("spell", [Example("spell", "spell : 3 1", "3 = three , 1 = one")])["mean_results"] == 0  # copy: no chain
 
 
 def test_cli_stats_covers_every_task(capsys: pytest.CaptureFixture[str]) -> None:
@@ -329,7 +333,7 @@ def _write_split_file(root: Path, task: str, lines: list[str]) -> None:
 
 
 def test_load_split_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"unknown task 'nope'; use 'all', a family \(copy, worked\) or task names: sort"):
+    with pytest.raises(ValueError, match=r"unknown task 'nope'; use 'all', a family \(copy, worked, phrased\) or task names: sort"):
         load_split(["sort", "nope"])
     with pytest.raises(ValueError, match="limit must be >= 1"):
         load_split(limit=0)

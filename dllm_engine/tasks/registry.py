@@ -1,23 +1,26 @@
 """Every task by name, the task families, and the vocabulary they share.
 
-Two families: ``copy`` (``generators``: short answers a model can write nearly at once, the quick
-demo) and ``worked`` (``worked``: long step-by-step answers, the workload that looks like a real
-dLLM's). ``--tasks`` of ``dllm eval`` / ``dllm bench`` takes a family, ``all`` or task names.
+Three families: ``copy`` (``generators``: short answers a model can write nearly at once, the quick
+demo), ``worked`` (``worked``: long step-by-step answers in one fixed template) and ``phrased``
+(``phrased``: worked solutions and descriptions in free phrasing, the workload that decodes like a
+real dLLM's). ``--tasks`` of ``dllm eval`` / ``dllm bench`` takes a family, ``all`` or task names.
 """
 from __future__ import annotations
 
 from .generators import COPY_TASKS, COPY_VOCAB, Task
+from .phrased import PHRASED_TASKS, PHRASED_WORDS
 from .worked import WORKED_TASKS, WORKED_WORDS
 
-# Tokenizer ids follow this order: the worked words come after the copy suite's, so a checkpoint
-# trained on the copy suite keeps its ids when the vocabulary grows.
-VOCAB: tuple[str, ...] = COPY_VOCAB + WORKED_WORDS
+# Tokenizer ids follow this order: each family's new words come after the families before it, so
+# a checkpoint trained on the earlier families keeps its ids when the vocabulary grows.
+VOCAB: tuple[str, ...] = tuple(dict.fromkeys(COPY_VOCAB + WORKED_WORDS + PHRASED_WORDS))
 
-TASKS: dict[str, Task] = {t.name: t for t in (*COPY_TASKS, *WORKED_TASKS)}
+TASKS: dict[str, Task] = {t.name: t for t in (*COPY_TASKS, *WORKED_TASKS, *PHRASED_TASKS)}
 TASK_NAMES: list[str] = list(TASKS)
 TASK_FAMILIES: dict[str, list[str]] = {
     "copy": [t.name for t in COPY_TASKS],
     "worked": [t.name for t in WORKED_TASKS],
+    "phrased": [t.name for t in PHRASED_TASKS],
 }
 
 
@@ -29,7 +32,7 @@ def resolve_tasks(spec: str | list[str] | None) -> list[str]:
         return list(TASK_NAMES)
     words = [w.strip() for w in (spec.split(",") if isinstance(spec, str) else spec) if w.strip()]
     if not words:
-        raise ValueError("no tasks given; use 'all', a family (copy, worked) or task names")
+        raise ValueError("no tasks given; use 'all', a family (copy, worked, phrased) or task names")
     names: list[str] = []
     for word in words:
         group = TASK_NAMES if word == "all" else TASK_FAMILIES.get(word, [word])

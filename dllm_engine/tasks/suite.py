@@ -12,23 +12,33 @@ from pathlib import Path
 
 from .registry import TASK_NAMES, TASKS
 from .splits import DATA_DIR, load_split, write_split
-from .worked import WorkedTask
+from .generators import Example
+from .phrased import PhrasedTask
 
 
-def answer_stats(task: str, answers: list[str]) -> dict[str, float]:
+def result_count(example: Example) -> int:
+    """The intermediate results ``example``'s answer writes: a worked answer's clauses
+    (``WorkedTask.results``), a phrased problem's steps before its final line, a description's
+    items; 0 for the ``copy`` tasks."""
+    gen = TASKS[example.task]
+    if isinstance(gen, PhrasedTask):
+        return len(gen.steps_of(example)) - 1
+    return gen.results(example.answer) if hasattr(gen, "results") else 0
+
+
+def answer_stats(task: str, examples: list[Example]) -> dict[str, float]:
     """Length and result figures of ``task``'s answers (word tokens, as the tokenizer counts them).
 
-    ``results`` counts a worked answer's intermediate results, each written from the one before it
-    (``WorkedTask.results``): a decoder that commits one of them per step, with the copies and
+    ``results`` counts an answer's intermediate results (``result_count``), each written from the
+    one before it: a decoder that commits one of them per step, with the copies and
     template words around it, commits ``tokens_per_result`` tokens per step. The ``copy`` tasks
     have none (0).
     """
-    gen = TASKS[task]
-    lengths = [len(a.split()) for a in answers]
-    results = sum(gen.results(a) for a in answers) if isinstance(gen, WorkedTask) else 0
-    return {"answers": len(answers), "median_tokens": statistics.median(lengths),
+    lengths = [len(ex.answer.split()) for ex in examples]
+    results = sum(result_count(ex) for ex in examples)
+    return {"answers": len(examples), "median_tokens": statistics.median(lengths),
             "mean_tokens": statistics.fmean(lengths), "max_tokens": max(lengths),
-            "mean_results": results / len(answers),
+            "mean_results": results / len(examples),
             "tokens_per_result": sum(lengths) / results if results else 0.0}
 
 
@@ -45,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.stats:
         print("task     answers  median  mean   max  results  tokens/result")
         for name in TASK_NAMES:
-            st = answer_stats(name, [ex.answer for ex in load_split([name])])
+            st = answer_stats(name, load_split([name]))
             per = f"{st['tokens_per_result']:.2f}" if st["mean_results"] else "-"
             print(f"{name:<8} {st['answers']:>7}  {st['median_tokens']:>6g}  {st['mean_tokens']:>5.1f}"
                   f"  {st['max_tokens']:>4}  {st['mean_results']:>7.2f}  {per:>13}")

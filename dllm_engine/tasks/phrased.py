@@ -1,0 +1,393 @@
+"""Phrased tasks: worked solutions and short descriptions in free phrasing, as chat answers are.
+
+The ``worked`` family writes every step in one fixed template, so the position of every word is
+known from the prompt and a trained model commits template words far ahead of the frontier. Real
+chain-of-thought text does not: a step can be written in several ways of different lengths, with
+or without a connective, so a slot ten tokens right of the frontier may hold any word until the
+words before it are fixed. Each task here samples, for every step, a connective and a phrasing at
+random (``PhrasedTask.STEPS``), so the training stream has that entropy.
+
+Grading is a trace checker, not an exact match: ``check_trace`` accepts every phrasing the
+generator can produce and checks every step's result in order and the final answer; ``accuracy``
+is the whole trace valid, ``final`` the final answer right however the trace reads. ``describe``
+is open-ended (items with counts, in any order and phrasing) and graded by a constraint checker.
+
+Arithmetic stays on single digits (one token each), as in ``worked``: running values are kept
+between 0 and 9 by the generators.
+"""
+from __future__ import annotations
+
+import functools
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .generators import DIGIT_WORDS, DIGITS, NOUNS, Example, Task
+from .worked import ITEMS, NAMES
+
+# Slot names in templates: a word in braces is filled from the step's values.
+Template = tuple[str, ...]
+CONNECTIVES: tuple[Template, ...] = ((), (), ("so",), ("then",), ("next", ","))
+FIRST_CONNECTIVES: tuple[Template, ...] = ((), ("first", ","))
+SEPARATORS: tuple[str, ...] = (",", ".")  # chosen once per answer: a writer keeps one style
+
+# Items of ``describe`` (plural nouns); counts 2-9 written as a digit or a word.
+THINGS: tuple[str, ...] = ("cats", "dogs", "birds", "cups", "hats", "keys", "books", "boxes")
+DESCRIBE_OPENERS: tuple[Template, ...] = (
+    ("there", "are"), ("i", "see"), ("we", "have"), ("the", "box", "holds"), ("you", "get"))
+DESCRIBE_CLOSERS: tuple[Template, ...] = ((), (), ("and", "that", "is", "all"), ("nothing", "else"))
+
+
+def _t(text: str) -> Template:
+    return tuple(text.split())
+
+
+# step kind -> its phrasings; every kind has >= 4 of different lengths.
+CALC_STEPS: dict[str, tuple[Template, ...]] = {
+    "plus": tuple(map(_t, ("{a} plus {b} is {c}", "adding {b} to {a} gives {c}", "{a} and {b} make {c}",
+                           "we get {c} from {a} + {b}", "{a} + {b} = {c}", "now {c}"))),
+    "minus": tuple(map(_t, ("{a} minus {b} is {c}", "taking {b} from {a} leaves {c}",
+                            "{a} take away {b} gives {c}", "we get {c} from {a} - {b}", "{a} - {b} = {c}",
+                            "now {c}"))),
+    "final": tuple(map(_t, ("answer : {c}", "so the answer is {c}", "the result is {c}", "we end with {c}"))),
+}
+SHOP_STEPS: dict[str, tuple[Template, ...]] = {
+    "start": tuple(map(_t, ("{who} starts with {c} {item}", "at first {who} has {c} {item}",
+                            "{who} has {c} {item}", "we begin with {c}"))),
+    "buy": tuple(map(_t, ("{who} buys {b} , so {a} + {b} = {c}", "after buying {b} {who} has {c} {item}",
+                          "{a} {item} and {b} more make {c}", "now {who} has {c} {item}", "buying {b} gives {c}"))),
+    "sell": tuple(map(_t, ("{who} sells {b} , so {a} - {b} = {c}", "after selling {b} {who} has {c} {item}",
+                           "{a} {item} less {b} leave {c}", "now {who} has {c} {item}", "selling {b} leaves {c}"))),
+    "final": tuple(map(_t, ("answer : {c}", "so {who} has {c} {item} now", "{who} ends with {c} {item}",
+                            "the answer is {c}"))),
+}
+BIGGEST_STEPS: dict[str, tuple[Template, ...]] = {
+    "start": tuple(map(_t, ("start with {c}", "first we have {c}", "{c} is the biggest so far", "take {c}"))),
+    "up": tuple(map(_t, ("{b} is bigger than {a} , so keep {c}", "{b} beats {a}", "{b} > {a} , now {c}",
+                         "{b} is more than {a} , the biggest is {c}", "new biggest {c}"))),
+    "down": tuple(map(_t, ("{b} is smaller than {a}", "{b} < {a} , still {c}", "{b} is not bigger , keep {c}",
+                           "{c} stays", "{b} does not beat {a}"))),
+    "same": tuple(map(_t, ("{b} is not bigger , keep {c}", "{c} stays", "{b} does not beat {a}",
+                           "{b} equals {a} , still {c}"))),
+    "final": tuple(map(_t, ("answer : {c}", "so the biggest is {c}", "the biggest is {c}", "{c} is the biggest"))),
+}
+TALLY_STEPS: dict[str, tuple[Template, ...]] = {
+    "hit": tuple(map(_t, ("{w} counts , that makes {c}", "another {w} , {c}", "{w} again , now {c}",
+                          "one more , {c}", "found {c}"))),
+    "miss": tuple(map(_t, ("skip {w}", "{w} does not count", "no , still {c}", "{w} , still {c}", "not {w}"))),
+    "final": tuple(map(_t, ("answer : {c}", "so there are {c}", "{c} in total", "the count is {c}"))),
+}
+
+# Words these tasks add to the vocabulary, appended after the worked family's in this fixed order
+# (a test checks every template word is in the vocabulary).
+PHRASED_WORDS: tuple[str, ...] = (
+    "calc", "shop", "biggest", "tally", "describe",
+    "plus", "is", "adding", "to", "and", "make", "we", "get", "from", "minus", "taking", "leaves",
+    "take", "so", "the", "result", "end", "with", "then", "next", "first",
+    "starts", "at", "begin", "buys", "buying", "after", "less", "leave", "sells", "selling", "ends",
+    "start", "bigger", "than", "keep", "beats", ">", "<", "still", "smaller", "not", "does", "beat",
+    "stays", "equals", "far", "new", "in", "counts", "that", "makes", "another", "again", "one", "no",
+    "found", "skip", "there", "are", "total", "count", "have",
+    "i", "see", "box", "holds", "you", "all", "nothing", "else", *THINGS)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a trace: its kind (a key of the task's ``STEPS``) and the slot values."""
+
+    kind: str
+    values: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, kind: str, **values: object) -> Step:
+        return cls(kind, tuple((k, str(v)) for k, v in values.items()))
+
+
+def connectives_of(kind: str, index: int) -> tuple[Template, ...]:
+    """The connectives a step may open with: none before a trace's start or final line,
+    ``first ,`` or none before a first operation, one of ``CONNECTIVES`` after it."""
+    if kind in ("start", "final"):
+        return ((),)
+    return FIRST_CONNECTIVES if index == 0 else CONNECTIVES
+
+
+def render(template: Template, values: dict[str, str]) -> list[str]:
+    """The template's words with every ``{slot}`` filled."""
+    return [values[w[1:-1]] if w.startswith("{") and w.endswith("}") and len(w) > 2 else w for w in template]
+
+
+def match(template: Template, words: list[str], pos: int, values: dict[str, str]) -> int | None:
+    """The end of ``template`` matched at ``words[pos:]`` with its slots equal to ``values``,
+    or None."""
+    want = render(template, values)
+    end = pos + len(want)
+    return end if words[pos:end] == want else None
+
+
+class PhrasedTask(Task):
+    """A worked solution in free phrasing: ``trace(args)`` gives the steps (and the final step),
+    ``STEPS`` their phrasings; the answer samples one phrasing and connective per step."""
+
+    has_final_answer = True
+    STEPS: ClassVar[dict[str, tuple[Template, ...]]]
+
+    def _sample(self, rng: random.Random) -> tuple[list[str], list[str]]:
+        args = self.problem(rng)
+        return args, self.phrase(self.trace(args), rng)
+
+    def problem(self, rng: random.Random) -> list[str]:
+        """The prompt words after ``name :``."""
+        raise NotImplementedError
+
+    def trace(self, args: list[str]) -> list[Step]:
+        """The steps that solve ``args``, the last of kind ``final``."""
+        raise NotImplementedError
+
+    def phrase(self, steps: list[Step], rng: random.Random) -> list[str]:
+        """One phrasing of ``steps``: a connective and a template drawn for every step."""
+        sep = rng.choice(SEPARATORS)
+        words: list[str] = []
+        for i, step in enumerate(steps):
+            if i:
+                words.append(sep)
+            words += rng.choice(connectives_of(step.kind, i))
+            words += render(rng.choice(self.STEPS[step.kind]), dict(step.values))
+        return words
+
+    # -- grading ----------------------------------------------------------------------------
+    def prompt_args(self, example: Example) -> list[str]:
+        head, sep, tail = example.prompt.partition(":")
+        return tail.split()
+
+    def grade(self, output_text: str, example: Example) -> bool:
+        """The whole trace valid: every step in order, with its result, in a phrasing the
+        generator can produce (``check_trace``)."""
+        return check_trace(self, tuple(self.trace(self.prompt_args(example))), tuple(output_text.split()))
+
+    def final_answer(self, text: str, values: dict[str, str] | None = None) -> str:
+        """The final result read from the last step's phrasing at the end of ``text`` ('' when
+        no final phrasing ends it)."""
+        words = text.split()
+        for template in self.STEPS["final"]:
+            n = len(template)
+            if len(words) < n:
+                continue
+            tail = words[-n:]
+            got: dict[str, str] = {}
+            for want, word in zip(template, tail):
+                if want.startswith("{"):
+                    if got.setdefault(want, word) != word:
+                        break
+                elif want != word:
+                    break
+            else:
+                if "{c}" in got and got["{c}"] in DIGITS:
+                    return got["{c}"]
+        return ""
+
+    def grade_final(self, output_text: str, example: Example) -> bool:
+        """The final result alone: a wrong trace with the right result passes."""
+        steps = self.trace(self.prompt_args(example))
+        return self.final_answer(output_text) == dict(steps[-1].values)["c"]
+
+    def steps_of(self, example: Example) -> list[Step]:
+        """The steps of ``example``'s problem (its trace, final step included)."""
+        return self.trace(self.prompt_args(example))
+
+
+@functools.lru_cache(maxsize=8192)
+def _check(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[str, ...], sep: str, k: int,
+           pos: int) -> bool:
+    """``words[pos:]`` phrases ``steps[k:]``, each after ``sep``."""
+    step = steps[k]
+    if k:
+        if pos >= len(words) or words[pos] != sep:
+            return False
+        pos += 1
+    for conn in dict.fromkeys(connectives_of(step.kind, k)):
+        after = pos + len(conn)
+        if words[pos:after] != conn:
+            continue
+        for template in task.STEPS[step.kind]:
+            end = match(template, list(words), after, dict(step.values))
+            if end is None:
+                continue
+            if k == len(steps) - 1:
+                if end == len(words):
+                    return True
+            elif _check(task, steps, words, sep, k + 1, end):
+                return True
+    return False
+
+
+def check_trace(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[str, ...]) -> bool:
+    """``words`` is a phrasing of ``steps`` the generator can produce: every step in order with
+    its values, one connective and one template each, one separator kind throughout."""
+    return any(_check(task, steps, words, sep, 0, 0) for sep in SEPARATORS)
+
+
+class CalcTask(PhrasedTask):
+    """``calc : 3 + 5 - 2`` -> e.g. ``3 plus 5 is 8 , then taking 2 from 8 leaves 6 , so the
+    answer is 6``: an expression evaluated left to right, one phrased step per operation
+    (2-24 operations; the running value stays between 0 and 9)."""
+
+    name = "calc"
+    STEPS = CALC_STEPS
+
+    def problem(self, rng: random.Random) -> list[str]:
+        value = rng.randint(0, 9)
+        words = [str(value)]
+        for _ in range(rng.randint(2, 24)):
+            plus = value < 9 and (value == 0 or rng.random() < 0.5)
+            b = rng.randint(1, 9 - value) if plus else rng.randint(1, value)
+            value = value + b if plus else value - b
+            words += ["+" if plus else "-", str(b)]
+        return words
+
+    def trace(self, args: list[str]) -> list[Step]:
+        value, steps = int(args[0]), []
+        for op, b in zip(args[1::2], args[2::2]):
+            new = value + int(b) if op == "+" else value - int(b)
+            steps.append(Step.of("plus" if op == "+" else "minus", a=value, b=b, c=new))
+            value = new
+        return [*steps, Step.of("final", c=value)]
+
+
+class ShopTask(PhrasedTask):
+    """``shop : ann has 3 pens . ann buys 4 . ann sells 2 . how many pens now ?`` -> e.g.
+    ``ann starts with 3 pens . after buying 4 ann has 7 pens . selling 2 leaves 5 . answer : 5``:
+    a word problem (2-12 purchases and sales, the stock between 0 and 9)."""
+
+    name = "shop"
+    STEPS = SHOP_STEPS
+
+    def problem(self, rng: random.Random) -> list[str]:
+        who, item, stock = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(1, 9)
+        words = [who, "has", str(stock), item, "."]
+        for _ in range(rng.randint(2, 12)):
+            buy = stock < 9 and (stock == 0 or rng.random() < 0.5)
+            b = rng.randint(1, 9 - stock) if buy else rng.randint(1, stock)
+            stock = stock + b if buy else stock - b
+            words += [who, "buys" if buy else "sells", str(b), "."]
+        return [*words, "how", "many", item, "now", "?"]
+
+    def trace(self, args: list[str]) -> list[Step]:
+        who, stock, item = args[0], int(args[2]), args[3]
+        steps = [Step.of("start", who=who, c=stock, item=item)]
+        events = args[5:-5]
+        for verb, b in zip(events[1::4], events[2::4]):
+            new = stock + int(b) if verb == "buys" else stock - int(b)
+            steps.append(Step.of("buy" if verb == "buys" else "sell", who=who, a=stock, b=b, c=new, item=item))
+            stock = new
+        return [*steps, Step.of("final", who=who, c=stock, item=item)]
+
+
+class BiggestTask(PhrasedTask):
+    """``biggest : 3 7 2 9`` -> e.g. ``start with 3 , 7 beats 3 , 2 < 7 , still 7 , new biggest 9 ,
+    the biggest is 9``: a running maximum, one phrased comparison per digit (4-16 digits)."""
+
+    name = "biggest"
+    STEPS = BIGGEST_STEPS
+
+    def problem(self, rng: random.Random) -> list[str]:
+        return [rng.choice(DIGITS) for _ in range(rng.randint(4, 16))]
+
+    def trace(self, args: list[str]) -> list[Step]:
+        best, steps = int(args[0]), []
+        steps.append(Step.of("start", c=best))
+        for d in map(int, args[1:]):
+            kind = "up" if d > best else "down" if d < best else "same"
+            steps.append(Step.of(kind, a=best, b=d, c=max(best, d)))
+            best = max(best, d)
+        return [*steps, Step.of("final", c=best)]
+
+
+class TallyTask(PhrasedTask):
+    """``tally : how many cat in dog cat sun cat ?`` -> e.g. ``skip dog , another cat , 1 , sun ,
+    still 1 , cat again , now 2 , so there are 2``: counting one word in a list, one phrased step
+    per word (4-16 words from six nouns; the count stays below 10)."""
+
+    name = "tally"
+    STEPS = TALLY_STEPS
+    WORDS: ClassVar[tuple[str, ...]] = NOUNS[:6]
+
+    def problem(self, rng: random.Random) -> list[str]:
+        target = rng.choice(self.WORDS)
+        while True:
+            words = [rng.choice(self.WORDS) for _ in range(rng.randint(4, 16))]
+            if words.count(target) <= 9:
+                return ["how", "many", target, "in", *words, "?"]
+
+    def trace(self, args: list[str]) -> list[Step]:
+        target, count, steps = args[2], 0, []
+        for w in args[4:-1]:
+            count += w == target
+            steps.append(Step.of("hit" if w == target else "miss", w=w, c=count))
+        return [*steps, Step.of("final", c=count)]
+
+
+class DescribeTask(Task):
+    """``describe : 3 cats 2 dogs 5 cups`` -> e.g. ``we have two dogs , 5 cups and 3 cats`` or
+    ``i see 5 cups . i see three cats . i see 2 dogs . nothing else``: an open-ended description
+    that must mention every given item with its count (a digit or a word), in any order and
+    phrasing, and nothing else; graded by a constraint checker (2-6 items, counts 2-9)."""
+
+    name = "describe"
+
+    def _sample(self, rng: random.Random) -> tuple[list[str], list[str]]:
+        things = rng.sample(THINGS, rng.randint(2, 6))
+        counts = {t: rng.randint(2, 9) for t in things}
+        args = [w for t in things for w in (str(counts[t]), t)]
+        return args, self.phrase(counts, rng)
+
+    def phrase(self, counts: dict[str, int], rng: random.Random) -> list[str]:
+        order = rng.sample(list(counts), len(counts))
+        mentions = [[rng.choice((str(counts[t]), DIGIT_WORDS[counts[t]])), t] for t in order]
+        if rng.random() < 0.5:  # one sentence listing them all
+            words = list(rng.choice(DESCRIBE_OPENERS))
+            for i, m in enumerate(mentions):
+                words += ([] if i == 0 else ["and"] if i == len(mentions) - 1 else [","]) + m
+            closer = rng.choice(DESCRIBE_CLOSERS)
+            return words + ([] if not closer else ["."] + list(closer) if closer[0] != "and" else list(closer))
+        opener = rng.choice(DESCRIBE_OPENERS)  # a sentence per item
+        words = [w for i, m in enumerate(mentions) for w in ([] if i == 0 else ["."]) + list(opener) + m]
+        closer = rng.choice(DESCRIBE_CLOSERS)
+        return words + ([] if not closer else ["."] + list(closer) if closer[0] != "and" else list(closer))
+
+    def grade(self, output_text: str, example: Example) -> bool:
+        """Every given item mentioned once with its count (digit or word), no other item or count,
+        and every other word one of the descriptions' own (openers, ``,`` ``and`` ``.``, closers)."""
+        return describe_ok(output_text.split(), example.prompt.partition(":")[2].split())
+
+    def results(self, answer: str) -> int:
+        return sum(w in THINGS for w in answer.split())
+
+
+GLUE: frozenset[str] = frozenset({",", ".", "and", *(w for o in DESCRIBE_OPENERS for w in o),
+                                  *(w for c in DESCRIBE_CLOSERS for w in c)})
+
+
+def describe_ok(words: list[str], args: list[str]) -> bool:
+    """The ``describe`` constraint check of ``words`` against the prompt's ``count thing`` pairs."""
+    want = Counter({t: int(n) for n, t in zip(args[::2], args[1::2])})
+    if not words or not any(tuple(words[:len(o)]) == o for o in DESCRIBE_OPENERS):
+        return False
+    got: dict[str, int] = {}
+    i = 0
+    while i < len(words):
+        w = words[i]
+        count = int(w) if w in DIGITS else DIGIT_WORDS.index(w) if w in DIGIT_WORDS else None
+        if count is not None:
+            if i + 1 >= len(words) or words[i + 1] not in THINGS or words[i + 1] in got:
+                return False
+            got[words[i + 1]] = count
+            i += 2
+        elif w in GLUE:
+            i += 1
+        else:
+            return False
+    return got == dict(want)
+
+
+PHRASED_TASKS: tuple[Task, ...] = (CalcTask(), ShopTask(), BiggestTask(), TallyTask(), DescribeTask())
