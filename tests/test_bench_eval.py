@@ -187,9 +187,10 @@ def test_eval_table_prints_every_figure_with_two_decimals(ckpt):
     from dllm_engine import SamplingParams
     report = evaluate(LLM(ckpt), SamplingParams(max_new_tokens=16, block_length=8), tasks=["sort", "count"],
                       limit=3, use_tqdm=False)
-    for line in report.table().splitlines()[1:-1]:  # task rows: out_len, tok/step, redundancy
-        _, _, _, final, out_len, nfe, per_step, redundancy, *_ = line.split()
-        assert final == "–" and nfe.isdigit() and all(re.fullmatch(r"\d+\.\d\d", x) for x in (out_len, per_step, redundancy)), line
+    for line in report.table().splitlines()[1:-1]:  # task rows: out_len, tok/step, ans/step, redundancy
+        _, _, _, final, out_len, nfe, per_step, answer_per_step, redundancy, *_ = line.split()
+        assert final == "–" and nfe.isdigit() and all(re.fullmatch(r"\d+\.\d\d", x)
+                                                    for x in (out_len, per_step, answer_per_step, redundancy)), line
 
 
 def test_threads_flag_sets_torch_threads(ckpt, capsys):
@@ -256,7 +257,7 @@ def test_bench_ctrl_c_keeps_the_rows_measured(ckpt, tmp_path, capsys, monkeypatc
     assert capsys.readouterr().err == f"interrupted: 1 row written to {out / 'results.json'}\n"
     assert [r["method"] for r in json.loads((out / "results.json").read_text())] == ["reference"]
     assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
-    assert sorted(p.name for p in out.iterdir()) == ["results.json", "throughput.png"]  # no temp file
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "results.json", "table.md", "throughput.png"]  # no temp file
 
 
 def test_bench_spec_failing_mid_run_keeps_the_rows_and_names_the_spec(ckpt, tmp_path, capsys, monkeypatch):

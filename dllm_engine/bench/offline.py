@@ -26,6 +26,7 @@ from ..models.loader import read_config, read_generation_config
 from ..outputs import BenchInterrupted, prepare_out_dir, saved, write_json_atomic
 from ..sampling_params import SamplingParams, parse_spec, resolve_params
 from ..tasks import Example
+from .report import collect_meta, table as report_table, write_table
 
 class PeakMemory:
     """Peak resident memory (CPU, sampled from /proc) or peak allocated device memory (CUDA)."""
@@ -138,25 +139,19 @@ VARIANTS = {
 }
 
 
-def variant_of(method: str) -> tuple[str, str | None]:
-    """(spec, variant) of a record's method: ``"dual-cache [compiled]"`` -> ("dual-cache", "compiled")."""
-    for name in VARIANTS:
-        if method.endswith(f" [{name}]"):
-            return method[: -len(name) - 3], name
-    return method, None
-
-
 def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
               out_dir: str | Path, defaults: dict | None = None, progress=print,
               compare_compiled: bool = False, variants: list[str] | None = None,
-              repeats: int = 1) -> list[BenchRecord]:
+              repeats: int = 1, meta: dict | None = None) -> list[BenchRecord]:
     """Run every spec at every batch size (interleaved); results.json is rewritten after every
     row, throughput.png at the end. Ctrl-C raises ``BenchInterrupted`` and a spec failing
     mid-run a ValueError naming it, both after plotting the rows so far.
     ``variants`` (names of ``VARIANTS``; ``compare_compiled`` adds "compiled"): each spec runs
     as loaded, then under each variant (a record named ``SPEC [variant]``), so they share the
     machine's state. ``repeats``: each batch size runs that many rounds of every spec (and
-    variant) in turn; a row keeps its fastest pass and is written when its last round ends."""
+    variant) in turn; a row keeps its fastest pass and is written when its last round ends.
+    ``meta``: the run's provenance for meta.json (``report.collect_meta``; default: this
+    process's command line); table.md is rewritten with results.json."""
     if not specs:
         raise ValueError("give at least one method spec")
     if any(b < 1 for b in batch_sizes) or not batch_sizes:
@@ -169,6 +164,7 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
         raise ValueError(f"unknown bench variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     out = prepare_out_dir(out_dir)
     params = resolve_specs(specs, llm.resolve, defaults)  # validate all first
+    meta = meta or collect_meta(device=llm.device)
     check_prompts(llm, params, examples)
     results, records, running = out / "results.json", [], ""
     try:
@@ -188,7 +184,7 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
                         else:
                             rows[i, name] = record
                         if round_ == repeats:
-                            save(records, rows[i, name], results, progress)
+                            save(records, rows[i, name], results, progress, meta)
     except (KeyboardInterrupt, ValueError) as e:  # keep what was measured: the plot of the rows so far
         if records:
             plot(records, out / "throughput.png")
@@ -212,11 +208,13 @@ def bench_variant(llm: LLM, spec: str, name: str | None, params: SamplingParams,
         undo(llm)
 
 
-def save(records: list[BenchRecord], record: BenchRecord, path: Path, progress) -> None:
+def save(records: list[BenchRecord], record: BenchRecord, path: Path, progress, meta: dict) -> None:
     """Add one measured row and rewrite results.json with every row so far (atomically: Ctrl-C
-    or a failing spec later in the run keeps it)."""
+    or a failing spec later in the run keeps it), and meta.json / table.md beside it."""
     records.append(record)
-    write_json_atomic(path, [dataclasses.asdict(r) for r in records])
+    rows = [dataclasses.asdict(r) for r in records]
+    write_json_atomic(path, rows)
+    write_table(path.parent, rows, meta)
     progress(format_row(record))
 
 
@@ -287,40 +285,8 @@ def per_rank_memory(r: BenchRecord) -> str:
 
 
 def table(records: list[BenchRecord]) -> str:
-    """Markdown table with each method's speed-up over the first spec at the same batch size
-    (a variant's row, ``SPEC [compiled]``: over ``SPEC`` as loaded), from the fastest passes.
-    With several rounds, a ``rounds`` column gives the lowest and highest speed-up of one round
-    against the same round of the reference: what the machine's drift did to the ratio."""
-    base: dict[int, BenchRecord] = {}  # the first spec's row at each batch size (the first, if given twice)
-    for r in records:
-        if r.method == records[0].method:
-            base.setdefault(r.batch_size, r)
-    eager: dict[tuple[str, int], BenchRecord] = {}  # a spec's as-loaded row before its variants'
-    repeated = any(len(r.runs_seconds) > 1 for r in records)
-    lines = ["| method | batch | accuracy | throughput (tok/s) | speed-up |" + (" rounds |" if repeated else "")
-             + " nfe | tokens/step | redundancy | stop share | prefill tokens | peak MB |",
-             "|---|---|---|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|"]
-    for r in records:
-        ref = base.get(r.batch_size)
-        spec, variant = variant_of(r.method)
-        if variant is None:
-            eager[spec, r.batch_size] = r
-        else:  # a variant's row: its speed-up over the same spec as loaded
-            ref = eager.get((spec, r.batch_size), ref)
-        speedup = r.throughput / ref.throughput if ref and ref.throughput else float("nan")
-        spread = f" {round_speedups(r, ref)} |" if repeated else ""
-        lines.append(f"| `{r.method}` | {r.batch_size} | {r.accuracy:.1%} | {r.throughput:.1f} | "
-                     f"{speedup:.2f}× |{spread} {r.nfe} | {r.decoded_tokens / max(1, r.nfe):.2f} | "
-                     f"{r.redundancy:.2f} | {r.stop_share:.1%} | {r.prefill_tokens} | {r.peak_memory_mb:.0f} |")
-    return "\n".join(lines)
-
-
-def round_speedups(r: BenchRecord, ref: BenchRecord | None) -> str:
-    """``low–high×``: the speed-up of each round's pass over the same round's pass of ``ref``."""
-    if ref is None or len(r.runs_seconds) != len(ref.runs_seconds) or not all(r.runs_seconds):
-        return "–"
-    ratios = [(r.output_tokens / t) / (ref.output_tokens / u) for t, u in zip(r.runs_seconds, ref.runs_seconds)]
-    return f"{min(ratios):.2f}–{max(ratios):.2f}×"
+    """Markdown table of ``records`` (``report.table``)."""
+    return report_table([dataclasses.asdict(r) for r in records])
 
 
 def plot(records: list[BenchRecord], path: Path) -> None:

@@ -36,6 +36,12 @@ class SequenceStats:
         return self.decoded_tokens / self.nfe if self.nfe else 0.0
 
     @property
+    def answer_tokens_per_step(self) -> float:
+        """Answer tokens (before the first stop) per forward: d3LLM's tokens-per-forward, which
+        counts every forward but not the stop tokens a step commits."""
+        return self.output_tokens / self.nfe if self.nfe else 0.0
+
+    @property
     def stop_share(self) -> float:
         return stop_share(self.output_tokens, self.decoded_tokens)
 
