@@ -1,5 +1,5 @@
 """LLaDA-MoE (llada_moe): logits parity with transformers' Qwen3Moe, the released checkpoint layout
-and config keys, and the router math.
+and config keys, the router math, and every full-attention decoder and strategy on it.
 
 Parity reference: ``transformers.Qwen3MoeForCausalLM``, not ``OlmoeForCausalLM``. LLaDA-MoE's
 released modeling file (``modeling_lladamoe.py``; read in ``inclusionAI/dInfer
@@ -31,11 +31,13 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from dllm_engine import LLM, SamplingParams
 from dllm_engine.config import MoEConfig
 from dllm_engine.models import family_of, get_family, load_model, read_config
 from dllm_engine.models.layers import MoE
 from fixtures import (random_llada_moe_model, tiny_config, tiny_llada_moe_config, write_checkpoint,
                       write_llada_moe_checkpoint)
+from test_decoders import PROMPTS, llada_reference
 
 
 # -- parity with transformers ---------------------------------------------------------------------
@@ -192,3 +194,97 @@ def test_released_defaults_for_absent_and_ignored_keys():
     assert cfg.moe.first_k_dense_replace == 0 and cfg.intermediate_size == 16
     assert (cfg.moe.score_function, cfg.moe.norm_topk_prob, cfg.moe.routed_scaling_factor) == ("softmax", False, 1.0)
     assert cfg.num_kv_heads == cfg.num_heads and cfg.rotary_dim == cfg.head_dim
+
+
+# -- decoders and strategies -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    return LLM(write_llada_moe_checkpoint(tmp_path_factory.mktemp("llada_moe")))
+
+
+def test_reference_decoder_equals_the_plain_llada_sampler(llm):
+    params = SamplingParams(method="reference", max_new_tokens=16, block_length=8, steps=4, stop_at_eos=False)
+    for prompt in PROMPTS:
+        want = llada_reference(llm.model, prompt, 16, 8, 4, llm.token_ids.mask_id)
+        got = llm.generate([prompt], params)[0].token_ids
+        assert want[: len(got)] == got
+        assert len(got) == 16 or want[len(got)] in llm.token_ids.stop_ids
+
+
+@pytest.mark.parametrize("method", ["prefix-cache", "dual-cache"])
+def test_cached_decoders_match_reference_on_the_first_step_of_every_block(llm, method):
+    ref = llm.generate(PROMPTS, SamplingParams(method="reference", max_new_tokens=16, block_length=4, steps=1))
+    got = llm.generate(PROMPTS, SamplingParams(method=method, max_new_tokens=16, block_length=4, steps=1))
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert any(len(o.token_ids) > 2 for o in got)
+
+
+@pytest.mark.parametrize("method", ["reference", "prefix-cache", "dual-cache", "dual-cache+focus",
+                                    "dual-cache+early-skip"])
+@pytest.mark.parametrize("threshold", [None, 0.5])
+def test_batch_invariance(llm, method, threshold):
+    params = SamplingParams(method=method, max_new_tokens=16, block_length=8, threshold=threshold)
+    batched = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, batched):
+        assert llm.generate([prompt], params)[0].token_ids == out.token_ids
+
+
+STRATEGIES = ["dual-cache+focus", "dual-cache+early-skip", "dual-cache+adaptive-length",
+              "reference+adaptive-length", "prefix-cache+jump-share", "dual-cache+jump-share"]
+
+
+def test_every_full_attention_strategy_runs(llm):
+    """Each strategy that applies to full attention generates on the MoE model; FOCUS and early
+    skipping compute fewer tokens than dual-cache for the same decoded ones."""
+    params = SamplingParams(max_new_tokens=16, block_length=8, threshold=0.5, stop_at_eos=False)
+    base = llm.generate(PROMPTS, params.replace(method="dual-cache"))
+    for method in STRATEGIES:
+        out = llm.generate(PROMPTS, params.replace(method=method))
+        assert all(o.stats.decoded_tokens == 16 for o in out), method
+        assert all(t != llm.token_ids.mask_id for o in out for t in o.token_ids), method
+        if method in ("dual-cache+focus", "dual-cache+early-skip"):
+            assert out.stats.processed_tokens < base.stats.processed_tokens, method
+
+
+def test_block_decoding_is_refused(llm):
+    with pytest.raises(ValueError, match="dual-cache"):
+        llm.generate([PROMPTS[0]], SamplingParams(method="block", max_new_tokens=8, block_length=4))
+
+
+def test_default_method_is_dual_cache(llm):
+    assert llm.resolve().method == "dual-cache"
+
+
+def generated(llm, params):
+    out = llm.generate(PROMPTS, params)
+    return [o.token_ids for o in out], [o.stats.nfe for o in out], out.stats.processed_tokens
+
+
+@pytest.mark.parametrize("threshold", [None, 0.5])
+def test_each_strategy_switched_off_gives_its_base_decoders_tokens(llm, threshold):
+    """Early skipping keeping every token, adaptive length never confident enough to cut, and
+    jump-share with one copy: the base decoder's tokens and forwards (the LLaDA tests' checks)."""
+    base = SamplingParams(method="dual-cache", max_new_tokens=16, block_length=8, threshold=threshold,
+                          stop_at_eos=False)
+    want = generated(llm, base)
+    skip_off = base.replace(method="dual-cache+early-skip", keep_fractions=(1.0, 1.0, 1.0),
+                            skip_block_start="canvas", delay_eos=False)
+    assert generated(llm, skip_off) == want
+    for method in ("prefix-cache", "dual-cache"):
+        plain = generated(llm, base.replace(method=method))[:2]
+        assert generated(llm, base.replace(method=method + "+jump-share", max_copies=1))[:2] == plain
+    stopping = base.replace(stop_token_ids=[25, 73], stop_at_eos=True)
+    no_cut = stopping.replace(method="dual-cache+adaptive-length", eos_threshold=1.5)
+    assert generated(llm, no_cut)[:2] == generated(llm, stopping)[:2]
+
+
+def test_focus_without_eviction_equals_the_plain_delayed_cache_sampler(llm):
+    from test_focus import NO_EVICTION, delayed_dual_cache_reference
+    ids = llm.token_ids
+    params = SamplingParams(method="dual-cache+focus", max_new_tokens=16, block_length=8, threshold=0.5,
+                            focus_alpha=NO_EVICTION, stop_at_eos=False)
+    for prompt in PROMPTS:
+        want, processed = delayed_dual_cache_reference(llm.model, prompt, 16, 8, 0.5, ids.mask_id,
+                                                       sorted(ids.stop_ids))
+        out = llm.generate([prompt], params)[0]
+        assert (out.token_ids, out.stats.processed_tokens) == (want, processed)
