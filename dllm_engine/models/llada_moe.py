@@ -6,8 +6,8 @@ agree: ``inclusionAI/dInfer tools/modeling_fused_lladamoe.py`` (the non-fused
 ``LLaDAMoESparseMoeBlock`` and the layers, which its converter ``tools/transfer.py`` reads with
 the released names) and the vendored HF file ``ZHZisZZ/dllm-trainer
 dllm/pipelines/llada/models/modeling_lladamoe.py``), its config class
-(``dInfer tools/configuration_lladamoe.py``) and llama.cpp's port (``src/models/llada-moe.cpp``,
-``convert_hf_to_gguf.py`` ``LLaDAMoEModel``):
+(``dInfer tools/configuration_lladamoe.py``) and llama.cpp's port (``src/models/llada-moe.cpp``
+and its converter's ``LLaDAMoEModel``):
 
 - config.json says ``model_type: "llada"`` (the dense LLaDA's type) with ``architectures:
   ["LLaDAMoEModelLM"]`` and HF-style keys (``hidden_size``, ``num_hidden_layers``,
@@ -32,9 +32,9 @@ dllm/pipelines/llada/models/modeling_lladamoe.py``), its config class
   ``dense_intermediate_size`` (the release: every layer MoE).
 - Attention is never causal; the released forward drops ``attention_mask`` entirely, so padding
   is attended to there; the engine masks padding keys (identical on unpadded rows).
-- No logit shift. Ids (llama.cpp's converter, the model card, the tokenizer): mask 156895
-  ``<|mask|>`` (absent from config.json: looked up by name), eos 156892 ``<|endoftext|>``, chat
-  turns end with ``<|role_end|>``; the vocabulary is LLaDA2.0's (157184).
+- No logit shift. Ids (llama.cpp's converter writes mask 156895; dInfer ``tests/test_llada_moe.py``
+  decodes with mask 156895, eos 156892): mask ``<|mask|>`` (absent from config.json: looked up by
+  name), eos ``<|endoftext|>``; chat turns end with ``<|role_end|>``; the tokenizer is LLaDA2.0's.
 - Released shape: 16 layers, d 2048, 16 MHA heads x 128, 64 experts of 1024, top-8; bf16.
 """
 from __future__ import annotations
