@@ -47,10 +47,10 @@ def qwen3_moe_state(folder, cfg):
         t = {name: f.get_tensor(name) for name in f.keys()}
     for i in range(cfg.moe.first_k_dense_replace, cfg.num_layers):
         mlp, experts = f"model.layers.{i}.mlp.", range(cfg.moe.num_experts)
-        t[mlp + "experts.gate_up_proj"] = torch.stack(
-            [torch.cat([t.pop(f"{mlp}experts.{e}.gate_proj.weight"), t.pop(f"{mlp}experts.{e}.up_proj.weight")])
-             for e in experts])
-        t[mlp + "experts.down_proj"] = torch.stack([t.pop(f"{mlp}experts.{e}.down_proj.weight") for e in experts])
+        expert = [{w: t.pop(f"{mlp}experts.{e}.{w}_proj.weight") for w in ("gate", "up", "down")}
+                  for e in experts]
+        t[mlp + "experts.gate_up_proj"] = torch.stack([torch.cat([x["gate"], x["up"]]) for x in expert])
+        t[mlp + "experts.down_proj"] = torch.stack([x["down"] for x in expert])
     return t
 
 
@@ -176,7 +176,8 @@ def test_model_type_llada_is_told_apart_by_architecture_and_keys():
     ({"clip_qkv": 8.0}, "clip_qkv=8.0 is not supported"),
     ({"moe_layer_freq": [1, 0, 1]}, "dense layers only before the first MoE layer"),
     ({"moe_layer_freq": [1, 1]}, "must list 0 \\(dense\\) or 1 \\(MoE\\) for each of the 3 layers"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling .* is not supported for llada_moe"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_scaling .* is not supported for llada_moe"),
 ])
 def test_unimplemented_options_are_refused(changes, message):
     hf = {**get_family("llada_moe").config_to_hf(tiny_llada_moe_config()), **changes}
@@ -192,7 +193,8 @@ def test_released_defaults_for_absent_and_ignored_keys():
     hf.update(norm_topk_prob=True, moe_router_score_function="sigmoid", routed_scaling_factor=2.5)
     cfg = family_of(hf).config_from_hf(hf)
     assert cfg.moe.first_k_dense_replace == 0 and cfg.intermediate_size == 16
-    assert (cfg.moe.score_function, cfg.moe.norm_topk_prob, cfg.moe.routed_scaling_factor) == ("softmax", False, 1.0)
+    moe = cfg.moe
+    assert (moe.score_function, moe.norm_topk_prob, moe.routed_scaling_factor) == ("softmax", False, 1.0)
     assert cfg.num_kv_heads == cfg.num_heads and cfg.rotary_dim == cfg.head_dim
 
 
@@ -213,8 +215,9 @@ def test_reference_decoder_equals_the_plain_llada_sampler(llm):
 
 @pytest.mark.parametrize("method", ["prefix-cache", "dual-cache"])
 def test_cached_decoders_match_reference_on_the_first_step_of_every_block(llm, method):
-    ref = llm.generate(PROMPTS, SamplingParams(method="reference", max_new_tokens=16, block_length=4, steps=1))
-    got = llm.generate(PROMPTS, SamplingParams(method=method, max_new_tokens=16, block_length=4, steps=1))
+    params = SamplingParams(method="reference", max_new_tokens=16, block_length=4, steps=1)
+    ref = llm.generate(PROMPTS, params)
+    got = llm.generate(PROMPTS, params.replace(method=method))
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert any(len(o.token_ids) > 2 for o in got)
 
