@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 @dataclass
 class MoEConfig:
-    """Sparse MoE MLP with a sigmoid, group-limited router (DeepSeek-V3 / Ling-2.0 / LLaDA2.0)."""
+    """Sparse MoE MLP: a sigmoid, group-limited router (DeepSeek-V3 / Ling-2.0 / LLaDA2.0) or a
+    softmax top-k router (OLMoE / LLaDA-MoE)."""
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
@@ -20,9 +21,13 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     first_k_dense_replace: int = 0  # layers below this index keep the dense MLP
-    expert_bias: bool = True  # a selection-only score correction (aux-loss-free balancing)
+    expert_bias: bool = True  # a score correction (aux-loss-free balancing), selection only unless:
+    bias_weights: bool = False  # the biased scores also weight the experts (LLaDA-MoE's released code)
+    score_function: str = "sigmoid"  # "sigmoid" | "softmax" (over all experts, before top-k)
 
     def __post_init__(self) -> None:
+        if self.score_function not in ("sigmoid", "softmax"):
+            raise ValueError(f"score_function must be 'sigmoid' or 'softmax', got {self.score_function!r}")
         if self.num_experts % self.n_group:
             raise ValueError(f"num_experts {self.num_experts} must be divisible by n_group {self.n_group}")
         per_group = self.num_experts // self.n_group

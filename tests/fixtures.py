@@ -111,3 +111,46 @@ def write_tp_bench_checkpoint(folder: str | Path) -> Path:
     tensor-parallel table was measured on."""
     return write_checkpoint(Path(folder), "llada", hidden_size=1024, num_layers=8, num_heads=16,
                             num_kv_heads=16, intermediate_size=2816)
+
+
+# -- LLaDA-MoE (llada_moe): full attention, OLMoE-style softmax MoE ----------------------------
+def tiny_llada_moe_overrides(**overrides) -> dict:
+    """A tiny LLaDA-MoE-shaped config: MHA with per-head q/k RMSNorm, 8 experts top-2 by softmax
+    without renormalisation, layer 0 dense (``moe_layer_freq`` [0, 1, 1]; the release has no
+    dense layer, the config allows it)."""
+    from dllm_engine.config import MoEConfig
+    moe = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=False,
+                    first_k_dense_replace=1, score_function="softmax", expert_bias=False,
+                    bias_weights=True)
+    return {"num_kv_heads": 4, "rope_theta": 50000.0, "rms_norm_eps": 1e-5, "qk_norm": True,
+            "moe": moe, **overrides}
+
+
+def tiny_llada_moe_config(**overrides) -> ModelConfig:
+    return tiny_config("llada_moe", **tiny_llada_moe_overrides(**overrides))
+
+
+def random_llada_moe_model(seed: int = 0, expert_bias: float | None = None, **overrides) -> DiffusionLM:
+    """Random LLaDA-MoE weights; ``expert_bias``: give the routers an ``expert_bias`` buffer,
+    uniform in [0, expert_bias) (the release has none)."""
+    if expert_bias is not None:
+        from dataclasses import replace
+        overrides["moe"] = replace(tiny_llada_moe_overrides()["moe"], expert_bias=True)
+    model = random_model("llada_moe", seed, **tiny_llada_moe_overrides(**overrides))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buf.uniform_(0.0, expert_bias)
+    return model
+
+
+def write_llada_moe_checkpoint(folder: Path, seed: int = 0, shard_bytes: int | None = None,
+                               tokenizer: bool = True, expert_bias: float | None = None,
+                               **overrides) -> Path:
+    """A random LLaDA-MoE checkpoint in the released layout (config keys and tensor names)."""
+    model = random_llada_moe_model(seed, expert_bias, **overrides)
+    save_model(model, folder, model.family, max_shard_bytes=shard_bytes)
+    if tokenizer:
+        from dllm_engine.tokenizer import save_tokenizer
+        save_tokenizer(folder, "llada")
+    return folder

@@ -417,3 +417,83 @@ def test_a_dream_shaped_download_serves_with_default_arguments(tmp_path):
     assert llm.tokenizer is not None and llm.token_ids.mask_id == ids["<|mask|>"]
     out = llm.chat([{"role": "user", "content": "the cat"}], SMALL)
     assert out[0].finish_reason in ("stop", "length")
+
+
+# -- 7. LLaDA-MoE-7B-A1B-Instruct: model_type "llada" with MoE keys; mask id absent, found by name ---
+# NOT a verbatim copy: the released config.json (inclusionAI/LLaDA-MoE-7B-A1B-Instruct, 64 lines) is
+# not stored where this project can read it. Every key below is one the released config class
+# reads (inclusionAI/dInfer tools/configuration_lladamoe.py); the values are those the sources
+# agree on:
+# - model_type "llada" + LLaDAMoEModelLM: ZHZisZZ/dllm README ("set model_type to lladamoe" in
+#   place of the released "llada"), llama.cpp convert_hf_to_gguf.py (LLaDAMoEModelLM);
+# - 16 layers, d 2048, 16 heads x 128 without GQA, 64 experts of 1024 top-8, no shared expert,
+#   every layer MoE, eos / pad 156892: a CPU meta-load of the release reported in a public
+#   project's notes (found in the code index) and an LLaDA-MoE vLLM port's notes (dense 8192,
+#   rope_theta 50000, max_position_embeddings 8192, qk_layernorm true, router_aux_loss_coef 0.01);
+#   llama.cpp's llada-moe.cpp (16 layers = A1.7B, q/k norms, head rotated whole, untied output,
+#   no expert-bias or shared-expert tensor);
+# - vocab_size 157184: assumed LLaDA2.0's (same tokenizer: mask 156895, eos 156892);
+# - rms_norm_eps 1e-05: the config class's default (the value was not found).
+LLADA_MOE_INSTRUCT_CONFIG = {
+    "architectures": ["LLaDAMoEModelLM"],
+    "auto_map": {"AutoConfig": "configuration_lladamoe.LLaDAConfig",
+                 "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM",
+                 "AutoModelForCausalLM": "modeling_lladamoe.LLaDAMoEModelLM"},
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": None, "clip_qkv": None,
+    "dense_intermediate_size": 8192, "eos_token_id": 156892, "expert_intermediate_size": 1024,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "max_position_embeddings": 8192,
+    "model_type": "llada", "moe_layer_freq": [1] * 16, "moe_router_enable_expert_bias": None,
+    "moe_router_score_function": None, "norm_topk_prob": None, "num_attention_heads": 16,
+    "num_experts": 64, "num_experts_per_tok": 8, "num_hidden_layers": 16, "num_key_value_heads": 16,
+    "output_router_logits": False, "pad_token_id": 156892, "partial_rotary_factor": 1,
+    "qk_layernorm": True, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 50000,
+    "router_aux_loss_coef": 0.01, "shared_expert_intermediate_size": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.46.2", "use_cache": False, "vocab_size": 157184,
+}
+# the release's special tokens at their ids (<|role_end|> 156900: a public project's notes)
+LLADA_MOE_SPECIALS = {"<|endoftext|>": 156892, "<|mask|>": 156895, "<|role_end|>": 156900}
+
+
+def write_llada_moe_release(folder: Path, **changes) -> Path:
+    """The release's config.json (``changes`` applied) and a word-level tokenizer holding its
+    special tokens at their ids (no weights: load it on the meta device)."""
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**LLADA_MOE_INSTRUCT_CONFIG, **changes}, indent=2))
+    tok = Tokenizer(WordLevel({"<|unk|>": 0, "hello": 1, **LLADA_MOE_SPECIALS}, unk_token="<|unk|>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in LLADA_MOE_SPECIALS])
+    tok.save(str(folder / "tokenizer.json"))
+    edit_json(folder / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast",
+              eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<|unk|>")
+    return folder
+
+
+def test_llada_moe_release_config_loads_with_its_shapes_and_ids(tmp_path):
+    _, family, cfg = read_config(write_llada_moe_release(tmp_path / "llada-moe"))
+    assert family.model_type == "llada_moe" and family.methods == FULL_ATTENTION_METHODS
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        16, 2048, 16, 16, 128)
+    assert (cfg.vocab_size, cfg.rope_theta, cfg.rotary_dim, cfg.max_position_embeddings) == (
+        157184, 50000, 128, 8192)
+    assert cfg.qk_norm and not cfg.tie_word_embeddings and not cfg.is_block_causal and cfg.logit_shift == 0
+    moe = cfg.moe
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (64, 8, 1024)
+    assert (moe.first_k_dense_replace, moe.num_shared_experts, moe.expert_bias) == (0, 0, False)
+    assert (moe.score_function, moe.norm_topk_prob) == ("softmax", False)
+
+
+def test_llada_moe_release_ids_dtype_and_size_on_the_meta_device(tmp_path):
+    """One layer of the release (building 16 takes seconds): the ids, the dtype, and the size
+    the 16 layers add up to (7.36B, as reported for the release)."""
+    folder = write_llada_moe_release(tmp_path / "llada-moe", num_hidden_layers=1, moe_layer_freq=[1])
+    llm = LLM(folder, device="meta")  # no weights
+    assert llm.model.lm_head.weight.shape == (157184, 2048) and len(llm.model.layers[0].mlp.experts) == 64
+    layer = sum(p.numel() for p in llm.model.layers[0].parameters())
+    assert sum(p.numel() for p in llm.model.parameters()) + 15 * layer == pytest.approx(7.36e9, rel=1e-3)
+    assert llm.token_ids.mask_id == 156895  # config.json has none: the tokenizer's <|mask|>
+    assert (llm.token_ids.eos_id, llm.token_ids.stop_ids) == (156892, {156892, 156900})
+    assert llm.resolve().method == "dual-cache"
+    assert next(llm.model.parameters()).dtype == torch.bfloat16  # "auto": the config's torch_dtype

@@ -18,11 +18,14 @@ from dllm_engine.engine import parallel
 from dllm_engine.engine.parallel import WorkerDied
 from dllm_engine.models import load_model
 from dllm_engine.models.parallel import Shard, check_shardable
-from fixtures import tiny_config, tiny_llada2_config, write_checkpoint, write_llada2_checkpoint
+from fixtures import (tiny_config, tiny_llada2_config, write_checkpoint, write_llada2_checkpoint,
+                      write_llada_moe_checkpoint)
 
 FULL = ["reference", "dual-cache", "dual-cache+focus", "dual-cache+early-skip", "dual-cache+adaptive-length"]
 BLOCK = ["block", "block+focus", "block+adaptive-length"]
-METHODS = {"llada": FULL + ["dual-cache+jump-share"], "Dream": FULL, "sdar": BLOCK, "llada2_moe": BLOCK}
+# llada2_moe last: the dead-worker test ends the last family's group with a block request
+METHODS = {"llada": FULL + ["dual-cache+jump-share"], "Dream": FULL, "sdar": BLOCK,
+           "llada_moe": FULL + ["dual-cache+jump-share"], "llada2_moe": BLOCK}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]]
 
 
@@ -31,6 +34,8 @@ def write(folder, family: str):
     embedding and head (48 + 47 rows)."""
     if family == "llada2_moe":
         return write_llada2_checkpoint(folder)
+    if family == "llada_moe":  # softmax routers with an expert bias: the bias must travel whole
+        return write_llada_moe_checkpoint(folder, expert_bias=0.2)
     return write_checkpoint(folder, family, **({"vocab_size": 95} if family == "llada" else {}))
 
 
@@ -120,7 +125,8 @@ def test_each_rank_reads_only_its_slices(pair):
 
 
 # -- without processes: the loader's slices and the shape checks -------------------------------
-@pytest.mark.parametrize("family,size", [("Dream", 2), ("llada2_moe", 2), ("Dream", 4), ("llada", 2)])
+@pytest.mark.parametrize("family,size", [("Dream", 2), ("llada2_moe", 2), ("Dream", 4), ("llada", 2),
+                                         ("llada_moe", 2)])
 def test_shard_is_the_slice_of_the_checkpoint(tmp_path, family, size):
     """Rank r's tensors are rows / columns of the full ones (Dream at 4 ranks: 2 KV heads, each
     replicated on 2 ranks; LLaDA's 95-id vocabulary: 48 rows each, the last one zero); the
@@ -143,9 +149,14 @@ def test_shard_is_the_slice_of_the_checkpoint(tmp_path, family, size):
             kv = rank * 2 // size  # KV head of this rank's query heads
             k = full["layers.1.self_attn.k_proj.bias"].view(2, -1)[kv]
             assert torch.equal(params["layers.1.self_attn.k_proj.bias"], k)
-        if family == "llada2_moe":
+        if family in ("llada2_moe", "llada_moe"):
             experts = {n.split(".")[4] for n in params if ".experts." in n}
             assert experts == {str(e) for e in range(rank * 8 // size, (rank + 1) * 8 // size)}
+        if family == "llada_moe":  # the router and its bias are replicated
+            gate = "layers.1.mlp.gate"
+            assert torch.equal(params[gate + ".weight"], full[gate + ".weight"])
+            bias = part.layers[1].mlp.gate.expert_bias
+            assert bias.min() > 0 and torch.equal(bias, load_model(folder).layers[1].mlp.gate.expert_bias)
 
 
 @pytest.mark.parametrize("overrides,size,message", [

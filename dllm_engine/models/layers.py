@@ -227,8 +227,10 @@ def limit_groups(scores: Tensor, n_group: int, topk_group: int) -> Tensor:
 
 
 class Router(nn.Module):
-    """Sigmoid router with a selection-only ``expert_bias`` (auxiliary-loss-free balancing,
-    arXiv 2408.15664): the bias decides which experts run, the unbiased scores weight them."""
+    """Top-k router over sigmoid (DeepSeek-V3 / LLaDA2.0) or softmax (OLMoE / LLaDA-MoE) scores,
+    computed in fp32. ``expert_bias`` (auxiliary-loss-free balancing, arXiv 2408.15664) decides
+    which experts run; the unbiased scores weight them, unless ``bias_weights`` (LLaDA-MoE's
+    released code adds the bias to the probabilities it then weights with)."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
@@ -243,11 +245,12 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, d] -> (weights [N, k] fp32, experts [N, k])."""
         m = self.moe
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # [N, E], router in fp32
-        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
-        choice = limit_groups(choice, m.n_group, m.topk_group)
+        logits = F.linear(x.float(), self.weight.float())  # [N, E], router in fp32
+        scores = torch.sigmoid(logits) if m.score_function == "sigmoid" else logits.softmax(-1)
+        biased = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        choice = limit_groups(biased, m.n_group, m.topk_group)
         experts = choice.topk(m.num_experts_per_tok, dim=-1).indices
-        weights = scores.gather(1, experts)
+        weights = (biased if m.bias_weights else scores).gather(1, experts)
         if m.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * m.routed_scaling_factor, experts

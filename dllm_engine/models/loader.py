@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from .family import Family
 from .layers import DiffusionLM, Router
 from .parallel import Shard, check_shardable, read_slices
-from .registry import get_family
+from .registry import family_of
 from ..config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -113,7 +113,7 @@ def read_config(path: str | Path) -> tuple[dict, Family, ModelConfig]:
         raise FileNotFoundError(f"{str(folder)!r} has no config.json; is it a Hugging Face checkpoint?")
     hf = read_json(cfg_file, "a JSON object of model settings")
     try:
-        family = get_family(hf.get("model_type"))
+        family = family_of(hf)
         return hf, family, family.config_from_hf(hf)
     except KeyError as e:
         raise ValueError(f"{cfg_file}: missing key {e} (needed by model_type "
