@@ -351,7 +351,7 @@ def test_fields_openai_clients_send_are_accepted(live, offline):
     """LangChain and the like send these; the no-ops change nothing, developer is a system turn."""
     messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "sort : c b a"},
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
-                {"role": "tool", "content": "ok", "tool_call_id": "1"}, {"role": "user", "content": "again"}]
+                {"role": "tool", "content": "ok", "tool_call_id": "1"}, {"role": "user", "content": "sort : b a"}]
     body = {"model": NAME, "messages": messages, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0,
             "logprobs": False, "user": "u1", "n": 1, "stream_options": {"include_usage": True}, "tools": [],
             "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {}, "store": False,
