@@ -258,7 +258,7 @@ def test_embedded_checkpoints_stay_float32():
 def test_cli_dtype_defaults_to_auto():
     import argparse
 
-    from dllm_engine.cli import add_model_args
+    from dllm_engine.cli.common import add_model_args
     parser = argparse.ArgumentParser()
     add_model_args(parser)
     assert parser.parse_args([]).dtype == "auto"
