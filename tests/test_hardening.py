@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dllm_engine import LLM, SamplingParams
-from dllm_engine.sampling_params import resolve_params
 from dllm_engine.engine.kv_cache import KVCache
 from dllm_engine.engine.sequence import Sequence, TokenIds
+from dllm_engine.resolve import resolve_params
 from dllm_engine.sampling_params import BASE_METHODS
 from dllm_engine.strategies.base import Pipeline
 from dllm_engine.strategies.registry import REGISTRY
@@ -139,7 +139,7 @@ REPLAYED = [("sdar", "block+focus"), ("sdar", "block+focus-probe"), ("llada", "d
 @pytest.mark.parametrize("family,spec", REPLAYED)
 def test_planning_a_step_twice_changes_nothing(llms, monkeypatch, family, spec):
     """The server replays a failed step: ``plan`` must leave no trace."""
-    from dllm_engine.sampling_params import parse_spec
+    from dllm_engine.spec import parse_spec
     llm, params = llms[family], parse_spec(spec, **OPTIONS)
     once = llm.generate(PROMPTS, params)
     original = Pipeline.plan

@@ -90,7 +90,7 @@ def sampling_params(args: argparse.Namespace) -> "SamplingParams":
                   threshold=args.threshold, factor=args.factor, temperature=args.temperature,
                   remasking=args.remasking, seed=args.seed, cfg_scale=args.cfg_scale,
                   stop_at_eos=args.stop_at_eos)
-    from ..sampling_params import parse_spec
+    from ..spec import parse_spec
     return parse_spec(args.method or "", **fields)  # a spec's own fields (method:field=value) win
 
 

@@ -35,7 +35,8 @@ from ..engine.llm import LLM, quiet_transformers
 from ..engine.sequence import Sequence, SequenceStats
 from ..engine.stop_strings import committed_end, committed_ids, find_stop, tokens_through_stop
 from ..eval.likelihood import LikelihoodConfig, loglikelihood
-from ..sampling_params import FIELD_TYPES, MAX_SEED, SamplingParams, convert, parse_spec
+from ..sampling_params import MAX_SEED, SamplingParams
+from ..spec import FIELD_TYPES, convert, parse_spec
 
 log = logging.getLogger("lm_eval.models.dllm")  # under lm-eval's logger: its CLI prints these
 
