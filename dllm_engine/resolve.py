@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from .methods import DECODERS, default_decoder
 from .sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -19,17 +20,11 @@ log = logging.getLogger(__name__)
 DEFAULTS = {"max_new_tokens": 128, "block_length": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
             "seed": 0}
 DEFAULT_THRESHOLD = 0.9
-FIXED_STEP_METHODS = ("reference",)
 COMMIT_FIELDS = ("threshold", "factor", "steps")
 # generation_config.json keys that are SamplingParams defaults (HF's own names where they exist)
 GENERATION_CONFIG_FIELDS = ("method", "max_new_tokens", "block_length", "temperature", "top_p",
                             "top_k", *COMMIT_FIELDS)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")  # applied only with "do_sample": true
-
-
-def default_method(methods: tuple[str, ...]) -> str:
-    """The family's default decoder: ``block`` for block diffusion, else ``dual-cache``."""
-    return "block" if "block" in methods else "dual-cache"
 
 
 def generation_defaults(generation_config: dict | None) -> dict:
@@ -68,7 +63,7 @@ def resolve_commit_rule(params: SamplingParams, gen: dict) -> dict:
         rule = given
     else:
         rule = {k: gen[k] for k in COMMIT_FIELDS if k in gen}
-        if not rule and params.base_method not in FIXED_STEP_METHODS:
+        if not rule and not params.decoder.fixed_steps:
             rule = {"threshold": DEFAULT_THRESHOLD}
     if params.unmasking == "low_confidence_dynamic" and rule.get("threshold") is None:
         rule["threshold"] = DEFAULT_THRESHOLD
@@ -84,16 +79,16 @@ def resolve_params(params: SamplingParams, methods: tuple[str, ...],
     gen = generation_defaults(generation_config)
     filled = {k: gen.get(k, DEFAULTS.get(k)) for k in ("max_new_tokens", "block_length", "temperature",
                                                        "top_p", "top_k", "seed") if getattr(params, k) is None}
-    p = params.replace(method=params.method or gen.get("method") or default_method(methods), **filled)
+    p = params.replace(method=params.method or gen.get("method") or default_decoder(methods), **filled)
     p = p.replace(**resolve_commit_rule(p, gen))
     check_against_model(p, methods, logit_shift)
     if p.stop_at_eos is None:
-        p.stop_at_eos = p.base_method == "block" or "adaptive-length" in p.strategies
+        p.stop_at_eos = p.decoder.stops_at_eos or "adaptive-length" in p.strategies
     if p.steps is None:
         p.steps = p.block_length
     if p.steps > p.block_length:
         raise ParamError("steps", f"steps {p.steps} must be <= block_length {p.block_length}")
-    if p.base_method == "block":
+    if p.decoder.unmasking:
         p.unmasking = p.unmasking or ("low_confidence_dynamic" if p.threshold is not None
                                       else "low_confidence_static")
     return p
@@ -106,14 +101,16 @@ def check_against_model(p: SamplingParams, methods: tuple[str, ...], logit_shift
     if p.base_method not in methods:
         raise ParamError("method", f"method {p.base_method!r} cannot run on this model's attention "
                          f"pattern; use one of {', '.join(methods)}")
-    if p.cfg_scale > 0 and p.base_method != "reference":
-        raise ParamError("cfg_scale", "cfg_scale > 0 is supported by the 'reference' decoder only")
+    if p.cfg_scale > 0 and not p.decoder.supports_cfg:
+        only = ", ".join(repr(name) for name, d in DECODERS.items() if d.supports_cfg)
+        raise ParamError("cfg_scale", f"cfg_scale > 0 is supported by the {only} decoder only")
     if p.logprobs is not None and "jump-share" in p.strategies:
         raise ParamError("logprobs", "logprobs are not recorded by jump-share (its drafts were "
                          "predicted a step earlier); drop one of them")
-    if p.factor is not None and p.base_method == "block":
-        raise ParamError("factor", "factor is a rule of reference / prefix-cache / dual-cache; "
-                         "block commits by threshold or steps")
+    if p.factor is not None and not p.decoder.supports_factor:
+        rule_of = " / ".join(name for name, d in DECODERS.items() if d.supports_factor)
+        raise ParamError("factor", f"factor is a rule of {rule_of}; {p.base_method} commits by "
+                         f"threshold or steps")
     try:
         check_method(p.base_method, p.strategies, logit_shift)
     except ValueError as e:

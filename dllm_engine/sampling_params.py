@@ -8,9 +8,9 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from .methods import DECODERS, Decoder, base_name, strategy_names
 from .strategies.registry import REGISTRY
 
-BASE_METHODS = ("reference", "prefix-cache", "dual-cache", "block")
 REMASKING = ("low_confidence", "maskgit_plus", "random", "topk_margin", "entropy")
 UNMASKING = ("low_confidence_dynamic", "low_confidence_static")
 BLOCK_STARTS = ("prefix", "last-commits", "canvas")  # early-skip: what a block's first step computes
@@ -112,9 +112,9 @@ class SamplingParams:
     def check_method(self) -> None:
         if self.method == "":  # its type is checked in check_types
             raise ParamError("method", "method must be a non-empty string such as 'dual-cache'")
-        if self.method is not None and self.base_method not in BASE_METHODS:
+        if self.method is not None and self.decoder is None:
             raise ParamError("method", f"unknown method {self.base_method!r}; base decoders: "
-                             f"{', '.join(BASE_METHODS)}")
+                             f"{', '.join(DECODERS)}")
         for name in self.strategies:
             if name not in REGISTRY:
                 raise ParamError("method", f"unknown strategy {name!r} in method {self.method!r}; "
@@ -189,11 +189,16 @@ class SamplingParams:
 
     @property
     def base_method(self) -> str | None:
-        return self.method.split("+")[0] if self.method else None
+        return base_name(self.method)
+
+    @property
+    def decoder(self) -> Decoder | None:
+        """The base decoder's properties (``methods.DECODERS``); None while ``method`` is unset."""
+        return DECODERS.get(self.base_method)
 
     @property
     def strategies(self) -> list[str]:
-        return self.method.split("+")[1:] if self.method else []
+        return strategy_names(self.method)
 
     @property
     def generation_slots(self) -> int:
@@ -206,10 +211,10 @@ class SamplingParams:
     def describe(self) -> str:
         """The resolved options that shape this method's run: ``dual-cache threshold=0.9 ...``."""
         from .strategies.base import strategy_class
-        is_block = self.base_method == "block"
-        names = ["max_new_tokens", "block_length", "unmasking" if is_block else "remasking",
+        unmasking = self.decoder is not None and self.decoder.unmasking
+        names = ["max_new_tokens", "block_length", "unmasking" if unmasking else "remasking",
                  "threshold", "factor", "temperature", "seed", "stop_at_eos"]
-        if is_block or (self.threshold is None and self.factor is None):
+        if unmasking or (self.threshold is None and self.factor is None):
             names.insert(2, "steps")  # fixed-k, or block's minimum per step
         if self.temperature:  # top-p / top-k act on sampling only
             after = names.index("temperature") + 1

@@ -12,8 +12,8 @@ import torch
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.engine.kv_cache import KVCache
 from dllm_engine.engine.sequence import Sequence, TokenIds
+from dllm_engine.methods import DECODERS
 from dllm_engine.resolve import resolve_params
-from dllm_engine.sampling_params import BASE_METHODS
 from dllm_engine.strategies.base import Pipeline
 from dllm_engine.strategies.registry import REGISTRY
 from fixtures import write_checkpoint
@@ -37,7 +37,7 @@ def llms(ckpts):
 def all_methods() -> list[str]:
     names = list(REGISTRY)
     subsets = [c for n in range(len(names) + 1) for c in itertools.combinations(names, n)]
-    return ["+".join((base, *subset)) for base in BASE_METHODS for subset in subsets]
+    return ["+".join((base, *subset)) for base in DECODERS for subset in subsets]
 
 
 def accepted(llm: LLM, method: str) -> bool:

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dllm_engine import LLM, SamplingParams
+from dllm_engine.methods import FULL_ATTENTION_METHODS
 from dllm_engine.models import load_model, read_config, save_model
-from dllm_engine.models.family import FULL_ATTENTION_METHODS
 from dllm_engine.resolve import resolve_params
 from fixtures import random_model, write_checkpoint, write_llada2_checkpoint
 

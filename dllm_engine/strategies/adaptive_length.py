@@ -23,6 +23,7 @@ from torch import Tensor
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import greedy_predictions
 from ..engine.sequence import Sequence
+from ..methods import DECODERS, Decoder
 from .base import Strategy
 
 KEY = "adaptive-length"
@@ -30,7 +31,7 @@ KEY = "adaptive-length"
 
 class AdaptiveLength(Strategy):
     name: ClassVar[str] = KEY
-    bases: ClassVar[tuple[str, ...]] = ("reference", "prefix-cache", "dual-cache", "block")
+    bases: ClassVar[tuple[Decoder, ...]] = tuple(DECODERS.values())
     options = ("eos_threshold", "min_length")
 
     def setup(self, seq: Sequence) -> None:

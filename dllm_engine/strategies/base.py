@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..decoding.decoders import StepPlan
 from ..engine.sequence import Sequence
+from ..methods import DECODERS, Decoder
 from ..models.context import LayerHooks
 from ..models.layers import DiffusionLM
 
@@ -40,7 +41,7 @@ CommitRule = Callable[[Sequence, Tensor, Tensor], Tensor]  # (seq, positions, lo
 
 class Strategy:
     name: ClassVar[str] = ""
-    bases: ClassVar[tuple[str, ...]] = ()  # base decoders it composes with
+    bases: ClassVar[tuple[Decoder, ...]] = ()  # base decoders it composes with
     # order inside a pipeline: 0 changes which tokens a forward computes, 1 reads extra logits,
     # 2 replaces the commit rule
     stage: ClassVar[int] = 1
@@ -120,8 +121,9 @@ def check_method(base: str, names: list[str], logit_shift: int | None = None) ->
     ``logit_shift`` is known) a strategy that needs unshifted logits on a shifted model (Dream)."""
     classes = [strategy_class(n) for n in names]
     for cls in classes:
-        if base not in cls.bases:
-            raise ValueError(f"strategy {cls.name!r} runs on {', '.join(cls.bases)}, not on {base!r}")
+        if DECODERS[base] not in cls.bases:
+            raise ValueError(f"strategy {cls.name!r} runs on {', '.join(d.name for d in cls.bases)}, "
+                             f"not on {base!r}")
     shrink = [c.name for c in classes if c.shrinks_tokens]
     if len(shrink) > 1:
         raise ValueError(f"{shrink[0]!r} and {shrink[1]!r} both drop tokens inside the forward; "

@@ -50,6 +50,7 @@ from torch import Tensor
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import rank_in_row
 from ..engine.sequence import Sequence
+from ..methods import DUAL_CACHE
 from ..models.context import ForwardContext, Kept, compact
 from ..models.layers import DiffusionLM
 from .base import Strategy, per_row
@@ -200,7 +201,7 @@ class SkipHooks:
 class EarlySkip(Strategy):
     """ES-dLLM: skip low-importance block tokens at early layers (arXiv 2603.10088)."""
     name = KEY
-    bases = ("dual-cache",)
+    bases = (DUAL_CACHE,)
     stage = 0
     shrinks_tokens = True
     options = ("keep_fractions", "skip_depths", "skip_alpha", "prompt_refresh", "block_refresh",

@@ -53,6 +53,7 @@ from ..decoding import confidence, sample_tokens
 from ..decoding.decoders import StepPlan, select, select_rows, threshold_rule
 from ..decoding.rules import greedy_predictions
 from ..engine.sequence import Sequence
+from ..methods import DUAL_CACHE, PREFIX_CACHE, Decoder
 from .base import CommitRule, Strategy
 
 KEY = "jump-share"
@@ -85,7 +86,7 @@ class CopyLayout:
 
 class JumpShare(Strategy):
     name: ClassVar[str] = KEY
-    bases: ClassVar[tuple[str, ...]] = ("prefix-cache", "dual-cache")
+    bases: ClassVar[tuple[Decoder, ...]] = (PREFIX_CACHE, DUAL_CACHE)
     options = ("max_copies",)
 
     stage: ClassVar[int] = 2
