@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from .methods import DECODERS, default_decoder
+from .methods import DECODERS, STRATEGIES, check_method, default_decoder
 from .sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def resolve_params(params: SamplingParams, methods: tuple[str, ...],
     p = p.replace(**resolve_commit_rule(p, gen))
     check_against_model(p, methods, logit_shift)
     if p.stop_at_eos is None:
-        p.stop_at_eos = p.decoder.stops_at_eos or "adaptive-length" in p.strategies
+        p.stop_at_eos = p.decoder.stops_at_eos or any(STRATEGIES[s].stops_at_eos for s in p.strategies)
     if p.steps is None:
         p.steps = p.block_length
     if p.steps > p.block_length:
@@ -97,16 +97,16 @@ def resolve_params(params: SamplingParams, methods: tuple[str, ...],
 def check_against_model(p: SamplingParams, methods: tuple[str, ...], logit_shift: int = 0) -> None:
     """What depends on the model: its attention pattern's decoders and the method's strategies
     (their bases, how they combine, the logit shift)."""
-    from .strategies.base import check_method
     if p.base_method not in methods:
         raise ParamError("method", f"method {p.base_method!r} cannot run on this model's attention "
                          f"pattern; use one of {', '.join(methods)}")
     if p.cfg_scale > 0 and not p.decoder.supports_cfg:
         only = ", ".join(repr(name) for name, d in DECODERS.items() if d.supports_cfg)
         raise ParamError("cfg_scale", f"cfg_scale > 0 is supported by the {only} decoder only")
-    if p.logprobs is not None and "jump-share" in p.strategies:
-        raise ParamError("logprobs", "logprobs are not recorded by jump-share (its drafts were "
-                         "predicted a step earlier); drop one of them")
+    no_logprobs = [STRATEGIES[s] for s in p.strategies if STRATEGIES[s].no_logprobs]
+    if p.logprobs is not None and no_logprobs:
+        raise ParamError("logprobs", f"logprobs are not recorded by {no_logprobs[0].name} "
+                         f"({no_logprobs[0].no_logprobs}); drop one of them")
     if p.factor is not None and not p.decoder.supports_factor:
         rule_of = " / ".join(name for name, d in DECODERS.items() if d.supports_factor)
         raise ParamError("factor", f"factor is a rule of {rule_of}; {p.base_method} commits by "

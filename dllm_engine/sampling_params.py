@@ -8,8 +8,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from .methods import DECODERS, Decoder, base_name, strategy_names
-from .strategies.registry import REGISTRY
+from .methods import DECODERS, STRATEGIES, Decoder, base_name, check_method, strategy_names
 
 REMASKING = ("low_confidence", "maskgit_plus", "random", "topk_margin", "entropy")
 UNMASKING = ("low_confidence_dynamic", "low_confidence_static")
@@ -116,13 +115,12 @@ class SamplingParams:
             raise ParamError("method", f"unknown method {self.base_method!r}; base decoders: "
                              f"{', '.join(DECODERS)}")
         for name in self.strategies:
-            if name not in REGISTRY:
+            if name not in STRATEGIES:
                 raise ParamError("method", f"unknown strategy {name!r} in method {self.method!r}; "
-                                 f"available: {', '.join(REGISTRY)}")
+                                 f"available: {', '.join(STRATEGIES)}")
         if len(set(self.strategies)) != len(self.strategies):
             raise ParamError("method", f"method {self.method!r} names a strategy twice")
         if self.strategies:
-            from .strategies.base import check_method
             try:
                 check_method(self.base_method, self.strategies)
             except ValueError as e:
@@ -210,7 +208,6 @@ class SamplingParams:
 
     def describe(self) -> str:
         """The resolved options that shape this method's run: ``dual-cache threshold=0.9 ...``."""
-        from .strategies.base import strategy_class
         unmasking = self.decoder is not None and self.decoder.unmasking
         names = ["max_new_tokens", "block_length", "unmasking" if unmasking else "remasking",
                  "threshold", "factor", "temperature", "seed", "stop_at_eos"]
@@ -220,7 +217,7 @@ class SamplingParams:
             after = names.index("temperature") + 1
             names[after:after] = ["top_p", "top_k"]
         names += ["cfg_scale"] * bool(self.cfg_scale) + ["logprobs"] * (self.logprobs is not None)
-        names += [o for s in self.strategies for o in strategy_class(s).options]
+        names += [o for s in self.strategies for o in STRATEGIES[s].options]
         values = [(n, getattr(self, n)) for n in names]
         return " ".join([self.method or "<unresolved>"] + [f"{n}={spec_value(v)}" for n, v in values
                                                             if v is not None])

@@ -12,10 +12,9 @@ import torch
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.engine.kv_cache import KVCache
 from dllm_engine.engine.sequence import Sequence, TokenIds
-from dllm_engine.methods import DECODERS
+from dllm_engine.methods import DECODERS, STRATEGIES
 from dllm_engine.resolve import resolve_params
 from dllm_engine.strategies.base import Pipeline
-from dllm_engine.strategies.registry import REGISTRY
 from fixtures import write_checkpoint
 
 PROMPTS = [[42, 13, 14, 15, 16, 17, 18], [20, 21, 22]]
@@ -35,7 +34,7 @@ def llms(ckpts):
 
 
 def all_methods() -> list[str]:
-    names = list(REGISTRY)
+    names = list(STRATEGIES)
     subsets = [c for n in range(len(names) + 1) for c in itertools.combinations(names, n)]
     return ["+".join((base, *subset)) for base in DECODERS for subset in subsets]
 

@@ -23,7 +23,6 @@ from torch import Tensor
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import greedy_predictions
 from ..engine.sequence import Sequence
-from ..methods import DECODERS, Decoder
 from .base import Strategy
 
 KEY = "adaptive-length"
@@ -31,8 +30,6 @@ KEY = "adaptive-length"
 
 class AdaptiveLength(Strategy):
     name: ClassVar[str] = KEY
-    bases: ClassVar[tuple[Decoder, ...]] = tuple(DECODERS.values())
-    options = ("eos_threshold", "min_length")
 
     def setup(self, seq: Sequence) -> None:
         seq.strategy_state[KEY] = {"commit_positions": None, "cuts": []}

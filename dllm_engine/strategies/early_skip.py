@@ -50,7 +50,6 @@ from torch import Tensor
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import rank_in_row
 from ..engine.sequence import Sequence
-from ..methods import DUAL_CACHE
 from ..models.context import ForwardContext, Kept, compact
 from ..models.layers import DiffusionLM
 from .base import Strategy, per_row
@@ -201,11 +200,6 @@ class SkipHooks:
 class EarlySkip(Strategy):
     """ES-dLLM: skip low-importance block tokens at early layers (arXiv 2603.10088)."""
     name = KEY
-    bases = (DUAL_CACHE,)
-    stage = 0
-    shrinks_tokens = True
-    options = ("keep_fractions", "skip_depths", "skip_alpha", "prompt_refresh", "block_refresh",
-               "skip_block_start", "delay_eos")
 
     def __init__(self, model: DiffusionLM) -> None:
         super().__init__(model)

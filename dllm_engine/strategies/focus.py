@@ -40,7 +40,6 @@ from torch import Tensor
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import greedy_predictions, rank_in_row
 from ..engine.sequence import Sequence
-from ..methods import BLOCK, DUAL_CACHE
 from ..models.context import ForwardContext, Kept, compact
 from .base import Strategy, per_row
 
@@ -288,10 +287,6 @@ class TokenEviction(Strategy):
 
     Option: ``SamplingParams.focus_alpha`` (>= 1, default 1.5) scales the eviction budget."""
     name = "focus"
-    bases = (BLOCK, DUAL_CACHE)
-    stage = 0
-    shrinks_tokens = True
-    options = ("focus_alpha",)
     evict = True
 
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:

@@ -53,7 +53,6 @@ from ..decoding import confidence, sample_tokens
 from ..decoding.decoders import StepPlan, select, select_rows, threshold_rule
 from ..decoding.rules import greedy_predictions
 from ..engine.sequence import Sequence
-from ..methods import DUAL_CACHE, PREFIX_CACHE, Decoder
 from .base import CommitRule, Strategy
 
 KEY = "jump-share"
@@ -85,13 +84,7 @@ class CopyLayout:
 
 
 class JumpShare(Strategy):
-    name: ClassVar[str] = KEY
-    bases: ClassVar[tuple[Decoder, ...]] = (PREFIX_CACHE, DUAL_CACHE)
-    options = ("max_copies",)
-
-    stage: ClassVar[int] = 2
-    owns_commit: ClassVar[bool] = True
-    needs_unshifted_logits: ClassVar[bool] = True  # refused on Dream by check_method
+    name: ClassVar[str] = KEY  # replaces the commit rule; refused on Dream (methods.STRATEGIES)
 
     def setup(self, seq: Sequence) -> None:
         seq.strategy_state[KEY] = {"drafts": None, "layout": None}
