@@ -1,41 +1,20 @@
-"""Per-request decoding options, and the ONE place their defaults are resolved.
-
-``resolve_params`` fills every field a request left as ``None``: first from the checkpoint's
-``generation_config.json``, then from the documented defaults below. The Python API, the CLI
-(``generate`` / ``eval`` / ``bench`` / ``serve``) and every server request go through it, so a
-method means the same thing everywhere, and ``describe`` prints what will run."""
+"""Per-request decoding options: the ``SamplingParams`` dataclass and the checks of each field
+that need no model. What a field left ``None`` becomes on a model is ``resolve.py``'s job; the
+``method[:field=value,...]`` strings of the command line and ``dllm bench`` are ``spec.py``'s."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import numbers
 from dataclasses import dataclass, field
 
-from .strategies.registry import REGISTRY
+from .methods import DECODERS, STRATEGIES, Decoder, base_name, check_method, strategy_names
 
-log = logging.getLogger(__name__)
-
-BASE_METHODS = ("reference", "prefix-cache", "dual-cache", "block")
 REMASKING = ("low_confidence", "maskgit_plus", "random", "topk_margin", "entropy")
 UNMASKING = ("low_confidence_dynamic", "low_confidence_static")
 BLOCK_STARTS = ("prefix", "last-commits", "canvas")  # early-skip: what a block's first step computes
 MAX_SEED = 2**63  # torch.Generator.manual_seed takes a signed 64-bit integer
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
-
-# The documented defaults (README "Python API"). The commit rule (threshold / factor / steps) is
-# resolved as a whole: `reference` is LLaDA's fixed-step sampler (steps = block_length: one token
-# per step); every other decoder commits by threshold DEFAULT_THRESHOLD (Fast-dLLM's parallel
-# decoding, SDAR's low_confidence_dynamic).
-DEFAULTS = {"max_new_tokens": 128, "block_length": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-            "seed": 0}
-DEFAULT_THRESHOLD = 0.9
-FIXED_STEP_METHODS = ("reference",)
-COMMIT_FIELDS = ("threshold", "factor", "steps")
-# generation_config.json keys that are SamplingParams defaults (HF's own names where they exist)
-GENERATION_CONFIG_FIELDS = ("method", "max_new_tokens", "block_length", "temperature", "top_p",
-                            "top_k", *COMMIT_FIELDS)
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k")  # applied only with "do_sample": true
 
 
 class ParamError(ValueError):
@@ -132,17 +111,16 @@ class SamplingParams:
     def check_method(self) -> None:
         if self.method == "":  # its type is checked in check_types
             raise ParamError("method", "method must be a non-empty string such as 'dual-cache'")
-        if self.method is not None and self.base_method not in BASE_METHODS:
+        if self.method is not None and self.decoder is None:
             raise ParamError("method", f"unknown method {self.base_method!r}; base decoders: "
-                             f"{', '.join(BASE_METHODS)}")
+                             f"{', '.join(DECODERS)}")
         for name in self.strategies:
-            if name not in REGISTRY:
+            if name not in STRATEGIES:
                 raise ParamError("method", f"unknown strategy {name!r} in method {self.method!r}; "
-                                 f"available: {', '.join(REGISTRY)}")
+                                 f"available: {', '.join(STRATEGIES)}")
         if len(set(self.strategies)) != len(self.strategies):
             raise ParamError("method", f"method {self.method!r} names a strategy twice")
         if self.strategies:
-            from .strategies.base import check_method
             try:
                 check_method(self.base_method, self.strategies)
             except ValueError as e:
@@ -209,11 +187,16 @@ class SamplingParams:
 
     @property
     def base_method(self) -> str | None:
-        return self.method.split("+")[0] if self.method else None
+        return base_name(self.method)
+
+    @property
+    def decoder(self) -> Decoder | None:
+        """The base decoder's properties (``methods.DECODERS``); None while ``method`` is unset."""
+        return DECODERS.get(self.base_method)
 
     @property
     def strategies(self) -> list[str]:
-        return self.method.split("+")[1:] if self.method else []
+        return strategy_names(self.method)
 
     @property
     def generation_slots(self) -> int:
@@ -225,17 +208,16 @@ class SamplingParams:
 
     def describe(self) -> str:
         """The resolved options that shape this method's run: ``dual-cache threshold=0.9 ...``."""
-        from .strategies.base import strategy_class
-        is_block = self.base_method == "block"
-        names = ["max_new_tokens", "block_length", "unmasking" if is_block else "remasking",
+        unmasking = self.decoder is not None and self.decoder.unmasking
+        names = ["max_new_tokens", "block_length", "unmasking" if unmasking else "remasking",
                  "threshold", "factor", "temperature", "seed", "stop_at_eos"]
-        if is_block or (self.threshold is None and self.factor is None):
+        if unmasking or (self.threshold is None and self.factor is None):
             names.insert(2, "steps")  # fixed-k, or block's minimum per step
         if self.temperature:  # top-p / top-k act on sampling only
             after = names.index("temperature") + 1
             names[after:after] = ["top_p", "top_k"]
         names += ["cfg_scale"] * bool(self.cfg_scale) + ["logprobs"] * (self.logprobs is not None)
-        names += [o for s in self.strategies for o in strategy_class(s).options]
+        names += [o for s in self.strategies for o in STRATEGIES[s].options]
         values = [(n, getattr(self, n)) for n in names]
         return " ".join([self.method or "<unresolved>"] + [f"{n}={spec_value(v)}" for n, v in values
                                                             if v is not None])
@@ -274,146 +256,3 @@ def spec_value(value) -> str:
     if isinstance(value, (tuple, list)):
         return "/".join(str(v) for v in value)
     return str(value)
-
-
-def default_method(methods: tuple[str, ...]) -> str:
-    """The family's default decoder: ``block`` for block diffusion, else ``dual-cache``."""
-    return "block" if "block" in methods else "dual-cache"
-
-
-def generation_defaults(generation_config: dict | None) -> dict:
-    """The SamplingParams defaults a checkpoint's generation_config.json sets, validated.
-
-    Keys transformers also reads mean what they mean there: temperature / top_p / top_k apply
-    only with ``do_sample`` true (absent means greedy, transformers' default; Qwen3-derived SDAR
-    files carry 0.6 / 0.95 / 20 beside greedy decoding), and then temperature defaults to 1.0.
-    ``steps`` is this engine's steps per block only when the file also sets ``block_length``,
-    as the engine's own exports do; alone it is another sampler's count (Dream's 512 are the
-    whole answer's steps) and is ignored. Null values count as absent."""
-    raw = generation_config or {}
-    gen = {k: v for k, v in raw.items() if k in GENERATION_CONFIG_FIELDS and v is not None}
-    if raw.get("do_sample") is True:
-        gen.setdefault("temperature", 1.0)
-    else:
-        ignored = {k: gen.pop(k) for k in SAMPLING_FIELDS if k in gen}
-        if ignored:
-            log.debug("generation_config.json: %s ignored: do_sample is not true (greedy)", ignored)
-    if "steps" in gen and "block_length" not in gen:
-        steps = gen.pop("steps")
-        log.debug("generation_config.json: steps=%r ignored: without block_length it is not "
-                  "this engine's steps per block", steps)
-    try:
-        SamplingParams(**gen)
-    except ValueError as e:
-        raise ValueError(f"generation_config.json: {e}") from None
-    return gen
-
-
-def resolve_commit_rule(params: SamplingParams, gen: dict) -> dict:
-    """threshold / factor / steps as a whole: the request's, else the checkpoint's, else the
-    method's default (fixed steps for ``reference``, threshold 0.9 for every other decoder)."""
-    given = {k: getattr(params, k) for k in COMMIT_FIELDS if getattr(params, k) is not None}
-    if given or params.unmasking == "low_confidence_static":
-        rule = given
-    else:
-        rule = {k: gen[k] for k in COMMIT_FIELDS if k in gen}
-        if not rule and params.base_method not in FIXED_STEP_METHODS:
-            rule = {"threshold": DEFAULT_THRESHOLD}
-    if params.unmasking == "low_confidence_dynamic" and rule.get("threshold") is None:
-        rule["threshold"] = DEFAULT_THRESHOLD
-    return {k: rule.get(k) for k in COMMIT_FIELDS}
-
-
-def resolve_params(params: SamplingParams, methods: tuple[str, ...],
-                   generation_config: dict | None = None, logit_shift: int = 0) -> SamplingParams:
-    """Every field filled, in one order: the request's value, the checkpoint's
-    generation_config.json, the documented default. ``methods``: the base decoders the model's
-    attention pattern supports; ``logit_shift``: the model's (Dream: 1). Raises ValueError for
-    anything this model cannot run."""
-    gen = generation_defaults(generation_config)
-    filled = {k: gen.get(k, DEFAULTS.get(k)) for k in ("max_new_tokens", "block_length", "temperature",
-                                                       "top_p", "top_k", "seed") if getattr(params, k) is None}
-    p = params.replace(method=params.method or gen.get("method") or default_method(methods), **filled)
-    p = p.replace(**resolve_commit_rule(p, gen))
-    check_against_model(p, methods, logit_shift)
-    if p.stop_at_eos is None:
-        p.stop_at_eos = p.base_method == "block" or "adaptive-length" in p.strategies
-    if p.steps is None:
-        p.steps = p.block_length
-    if p.steps > p.block_length:
-        raise ParamError("steps", f"steps {p.steps} must be <= block_length {p.block_length}")
-    if p.base_method == "block":
-        p.unmasking = p.unmasking or ("low_confidence_dynamic" if p.threshold is not None
-                                      else "low_confidence_static")
-    return p
-
-
-def check_against_model(p: SamplingParams, methods: tuple[str, ...], logit_shift: int = 0) -> None:
-    """What depends on the model: its attention pattern's decoders and the method's strategies
-    (their bases, how they combine, the logit shift)."""
-    from .strategies.base import check_method
-    if p.base_method not in methods:
-        raise ParamError("method", f"method {p.base_method!r} cannot run on this model's attention "
-                         f"pattern; use one of {', '.join(methods)}")
-    if p.cfg_scale > 0 and p.base_method != "reference":
-        raise ParamError("cfg_scale", "cfg_scale > 0 is supported by the 'reference' decoder only")
-    if p.logprobs is not None and "jump-share" in p.strategies:
-        raise ParamError("logprobs", "logprobs are not recorded by jump-share (its drafts were "
-                         "predicted a step earlier); drop one of them")
-    if p.factor is not None and p.base_method == "block":
-        raise ParamError("factor", "factor is a rule of reference / prefix-cache / dual-cache; "
-                         "block commits by threshold or steps")
-    try:
-        check_method(p.base_method, p.strategies, logit_shift)
-    except ValueError as e:
-        raise ParamError("method", str(e)) from None
-
-
-def check_prompt(p: SamplingParams, prompt_len: int, max_context: int) -> None:
-    """What depends on the prompt: it is not empty and it fits the context with its canvas."""
-    if prompt_len < 1:
-        raise ParamError("prompt", "prompt is empty")
-    if prompt_len + p.generation_slots > max_context:
-        raise ParamError("max_new_tokens",
-                         f"max_new_tokens ({p.max_new_tokens}, {p.generation_slots} canvas slots in "
-                         f"blocks of {p.block_length}) + the prompt ({prompt_len} tokens) exceed the "
-                         f"model's context of {max_context} tokens; lower max_new_tokens or "
-                         f"shorten the prompt")
-
-
-FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
-
-
-def convert(name: str, raw: str):
-    kind = str(FIELD_TYPES[name])
-    if raw.lower() == "none":
-        return None
-    if "tuple" in kind:
-        return tuple(float(x) for x in raw.split("/"))
-    if "list[int]" in kind:
-        return [int(x) for x in raw.split("/")]
-    if "bool" in kind:
-        if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
-            raise ValueError(raw)
-        return raw.lower() in ("1", "true", "yes")
-    if "float" in kind:
-        return float(raw)
-    if "int" in kind:
-        return int(raw)
-    return raw
-
-
-def parse_spec(spec: str, **defaults) -> SamplingParams:
-    """``method[:field=value,...]`` -> SamplingParams (``defaults`` fill fields the spec omits)."""
-    method, _, rest = spec.partition(":")
-    fields = dict(defaults)
-    for item in filter(None, rest.split(",")):
-        name, eq, raw = item.partition("=")
-        if not eq or name not in FIELD_TYPES or name == "method":
-            raise ValueError(f"bad field {item!r} in spec {spec!r}; expected field=value with a "
-                             f"SamplingParams field")
-        try:
-            fields[name] = convert(name, raw)
-        except ValueError:
-            raise ValueError(f"bad value {raw!r} for {name} in spec {spec!r}") from None
-    return SamplingParams(method=method or None, **fields)

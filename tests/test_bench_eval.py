@@ -104,7 +104,7 @@ def test_eval_reports_the_final_answer_grade_of_worked_tasks():
     the whole-answer grade and passes the final-answer one; a copy task has no final grade."""
     import dataclasses
     from dllm_engine import SamplingParams
-    from dllm_engine.cli import DEFAULT_MODEL
+    from dllm_engine.cli.common import DEFAULT_MODEL
     llm = LLM(DEFAULT_MODEL)  # the embedded tiny-llada
     params = SamplingParams(method="dual-cache", threshold=0.9)
     examples = load_split(["sum", "sort"], limit=1)
@@ -134,7 +134,7 @@ def test_cli_reports_errors_without_traceback(capsys, ckpt):
 @pytest.mark.parametrize("flag,want", [([], None), (["--stop-at-eos"], True), (["--no-stop-at-eos"], False)])
 def test_cli_stop_at_eos_flag(ckpt, flag, want):
     import argparse
-    from dllm_engine.cli import add_sampling_args, sampling_params
+    from dllm_engine.cli.common import add_sampling_args, sampling_params
     parser = argparse.ArgumentParser()
     add_sampling_args(parser)
     params = sampling_params(parser.parse_args(flag))
@@ -147,7 +147,7 @@ def test_cli_stop_at_eos_flag(ckpt, flag, want):
     (["--threshold", "0.7"], "dual-cache", 1.5, 0.7)])
 def test_cli_method_takes_a_bench_spec(ckpt, argv, method, alpha, threshold):
     import argparse
-    from dllm_engine.cli import add_sampling_args, sampling_params
+    from dllm_engine.cli.common import add_sampling_args, sampling_params
     parser = argparse.ArgumentParser()
     add_sampling_args(parser)
     params = LLM(ckpt).resolve(sampling_params(parser.parse_args(argv)))
@@ -397,8 +397,8 @@ def test_bench_repeats_ctrl_c_mid_round_keeps_the_finished_batch_sizes(ckpt, tmp
 
 
 def test_bench_and_profile_refuse_repeats_below_one_before_loading(ckpt, tmp_path, capsys, monkeypatch):
-    import dllm_engine.cli as cli
-    monkeypatch.setattr(cli, "load_llm", lambda *_, **__: pytest.fail("loaded the model"))
+    from dllm_engine.cli import common
+    monkeypatch.setattr(common, "load_llm", lambda *_, **__: pytest.fail("loaded the model"))
     assert main(["bench", "--model", str(ckpt), "--methods", "reference", *BENCH_ARGS, "--repeats", "0",
                  "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err == "error: --repeats must be >= 1, got 0\n"
@@ -412,7 +412,7 @@ def test_bench_and_profile_refuse_repeats_below_one_before_loading(ckpt, tmp_pat
 def test_bench_refuses_a_spec_too_long_for_the_longest_prompt_before_any_run(tmp_path, capsys, monkeypatch):
     """A canvas that fits the shortest prompt but not the longest: refused up front, naming the
     spec, before the first spec runs (it used to fail mid-run, after the rows before it)."""
-    from dllm_engine.cli import DEFAULT_MODEL
+    from dllm_engine.cli.common import DEFAULT_MODEL
     from dllm_engine.eval.evaluate import chat_prompt
     llm = LLM(DEFAULT_MODEL)  # the embedded tiny-llada: a context of 1024, every task's tokens
     lengths = {e.task: len(llm.apply_chat_template(chat_prompt(e))) for e in load_split(["sort", "story"], limit=1)}
@@ -479,11 +479,11 @@ def test_json_output_failing_to_write_names_the_file_and_keeps_the_old_one(ckpt,
 
 
 def test_ctrl_c_is_one_line_and_exit_130_for_any_command(ckpt, capsys, monkeypatch):
-    import dllm_engine.cli as cli
+    from dllm_engine.cli import common
 
     def interrupted(*_, **__):
         raise KeyboardInterrupt
-    monkeypatch.setattr(cli, "load_llm", interrupted)
+    monkeypatch.setattr(common, "load_llm", interrupted)
     for argv in (["generate", "--prompt", "sort : b a"], ["eval", "--tasks", "sort", "--limit", "1"]):
         assert main([*argv, "--model", str(ckpt)]) == 130
         assert capsys.readouterr().err == "interrupted\n"

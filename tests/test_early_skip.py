@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dllm_engine import LLM, SamplingParams
-from dllm_engine.sampling_params import resolve_params
+from dllm_engine.resolve import resolve_params
 from dllm_engine.decoding.decoders import StepPlan, plan_step
 from dllm_engine.strategies import early_skip
 from dllm_engine.models.context import compact

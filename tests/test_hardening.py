@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from dllm_engine import LLM, SamplingParams
-from dllm_engine.sampling_params import resolve_params
 from dllm_engine.engine.kv_cache import KVCache
 from dllm_engine.engine.sequence import Sequence, TokenIds
-from dllm_engine.sampling_params import BASE_METHODS
+from dllm_engine.methods import DECODERS, STRATEGIES
+from dllm_engine.resolve import resolve_params
 from dllm_engine.strategies.base import Pipeline
-from dllm_engine.strategies.registry import REGISTRY
 from fixtures import write_checkpoint
 
 PROMPTS = [[42, 13, 14, 15, 16, 17, 18], [20, 21, 22]]
@@ -35,9 +34,9 @@ def llms(ckpts):
 
 
 def all_methods() -> list[str]:
-    names = list(REGISTRY)
+    names = list(STRATEGIES)
     subsets = [c for n in range(len(names) + 1) for c in itertools.combinations(names, n)]
-    return ["+".join((base, *subset)) for base in BASE_METHODS for subset in subsets]
+    return ["+".join((base, *subset)) for base in DECODERS for subset in subsets]
 
 
 def accepted(llm: LLM, method: str) -> bool:
@@ -139,7 +138,7 @@ REPLAYED = [("sdar", "block+focus"), ("sdar", "block+focus-probe"), ("llada", "d
 @pytest.mark.parametrize("family,spec", REPLAYED)
 def test_planning_a_step_twice_changes_nothing(llms, monkeypatch, family, spec):
     """The server replays a failed step: ``plan`` must leave no trace."""
-    from dllm_engine.sampling_params import parse_spec
+    from dllm_engine.spec import parse_spec
     llm, params = llms[family], parse_spec(spec, **OPTIONS)
     once = llm.generate(PROMPTS, params)
     original = Pipeline.plan

@@ -5,8 +5,8 @@ import torch
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.decoding.decoders import plan_step
 from dllm_engine.engine.sequence import Sequence, TokenIds
-from dllm_engine.models.family import FULL_ATTENTION_METHODS
-from dllm_engine.sampling_params import resolve_params
+from dllm_engine.methods import FULL_ATTENTION_METHODS
+from dllm_engine.resolve import resolve_params
 from dllm_engine.strategies.jump_share import (JumpShare, accepted_copy, copy_key_mask, draft_sets,
                                                make_layout, num_copies, share_plan)
 from fixtures import write_checkpoint

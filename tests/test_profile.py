@@ -9,7 +9,7 @@ from dllm_engine.bench import profile
 from dllm_engine.bench.profile import (DispatchSyncs, FloorRecorder, ListSyncs, ShapeLog, SyncCount,
                                        count_syncs, profile_one)
 from dllm_engine.cli import main
-from dllm_engine.sampling_params import parse_spec
+from dllm_engine.spec import parse_spec
 from fixtures import write_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dllm_engine import LLM, SamplingParams
+from dllm_engine.methods import FULL_ATTENTION_METHODS
 from dllm_engine.models import load_model, read_config, save_model
-from dllm_engine.models.family import FULL_ATTENTION_METHODS
-from dllm_engine.sampling_params import resolve_params
+from dllm_engine.resolve import resolve_params
 from fixtures import random_model, write_checkpoint, write_llada2_checkpoint
 
 SMALL = SamplingParams(max_new_tokens=8, block_length=8)
@@ -258,7 +258,7 @@ def test_embedded_checkpoints_stay_float32():
 def test_cli_dtype_defaults_to_auto():
     import argparse
 
-    from dllm_engine.cli import add_model_args
+    from dllm_engine.cli.common import add_model_args
     parser = argparse.ArgumentParser()
     add_model_args(parser)
     assert parser.parse_args([]).dtype == "auto"

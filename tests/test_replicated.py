@@ -19,7 +19,8 @@ ray = pytest.importorskip("ray", reason="the Ray Serve tests need the distribute
 from ray import serve  # noqa: E402
 
 from dllm_engine import LLM, SamplingParams  # noqa: E402
-from dllm_engine.cli import CHECKPOINTS, main  # noqa: E402
+from dllm_engine.cli import main  # noqa: E402
+from dllm_engine.cli.common import CHECKPOINTS  # noqa: E402
 from dllm_engine.server import create_app  # noqa: E402
 from dllm_engine.server.replicated import ReplicaOptions, Scaling, deploy  # noqa: E402
 from dllm_engine.tasks import load_split  # noqa: E402

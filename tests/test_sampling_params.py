@@ -8,8 +8,8 @@ from fastapi.testclient import TestClient
 
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.cli import main
-from dllm_engine.models.family import BLOCK_METHODS, FULL_ATTENTION_METHODS
-from dllm_engine.sampling_params import resolve_params
+from dllm_engine.methods import BLOCK_METHODS, FULL_ATTENTION_METHODS
+from dllm_engine.resolve import resolve_params
 from dllm_engine.server import create_app
 from fixtures import write_checkpoint
 

@@ -175,7 +175,8 @@ def test_task_mix_reaches_the_batches(tmp_path):
 
 
 def test_cli_task_mix(tmp_path, capsys):
-    from dllm_engine.cli import main, task_mix
+    from dllm_engine.cli import main
+    from dllm_engine.cli.train import task_mix
     assert task_mix("lookup=3,spell=2") == {"lookup": 3, "spell": 2}
     base = ["train", "--family", "llada", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]
     with pytest.raises(SystemExit):

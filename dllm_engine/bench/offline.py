@@ -24,7 +24,9 @@ from ..eval.evaluate import chat_prompt
 from ..models.compiled import compile_model, uncompile_model
 from ..models.loader import read_config, read_generation_config
 from ..outputs import BenchInterrupted, prepare_out_dir, saved, write_json_atomic
-from ..sampling_params import SamplingParams, parse_spec, resolve_params
+from ..resolve import resolve_params
+from ..sampling_params import SamplingParams
+from ..spec import parse_spec
 from ..tasks import Example
 from .report import collect_meta, table as report_table, write_table
 

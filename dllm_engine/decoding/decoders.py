@@ -1,13 +1,6 @@
-"""The base decoders: which canvas positions each step computes (the cache policy) and which
-masked positions it commits (the commit rule).
-
-| decoder      | step 0 of a block        | later steps               | commit rule                 |
-|--------------|--------------------------|---------------------------|-----------------------------|
-| reference    | whole canvas             | whole canvas              | fixed-k / threshold / factor|
-| prefix-cache | whole canvas             | block + suffix            | same                        |
-| dual-cache   | whole canvas             | block only                | same                        |
-| block        | positions not yet cached | positions not yet cached  | low_confidence_dynamic/static|
-"""
+"""The base decoders at work: which canvas positions each step computes (the cache policy) and
+which masked positions it commits (the commit rule). What each decoder does is data in
+``dllm_engine.methods`` (``Decoder``); this module reads those properties, never a name."""
 from __future__ import annotations
 
 import math
@@ -46,7 +39,7 @@ class StepPlan:
         ``block``: a token sees its own block and all before it; else the whole canvas) and
         predict ``logit_positions``."""
         positions = torch.arange(lo, hi, device=seq.canvas.device)
-        if seq.params.base_method == "block":
+        if seq.params.decoder.block_causal:
             bl = seq.params.block_length
             limit = (positions // bl + 1) * bl
         else:
@@ -100,14 +93,15 @@ class StepPlan:
 
 
 def compute_range(seq: Sequence, shift: int) -> tuple[int, int]:
-    method = seq.params.base_method
+    """The canvas positions [lo, hi) this step computes (the decoder's cache policy)."""
+    decoder = seq.params.decoder
     start, end = seq.block
-    if method == "block":
+    if decoder.block_causal:
         return seq.committed_len, end
-    if method == "reference" or seq.step == 0:
+    if not decoder.reuses_cache or seq.step == 0:
         return 0, seq.canvas_len
     # Dream reads position p's logits at p - 1, so the token before the block is recomputed too
-    return start - shift, (seq.canvas_len if method == "prefix-cache" else end)
+    return start - shift, (seq.canvas_len if decoder.recomputes_suffix else end)
 
 
 def plan_step(seq: Sequence, shift: int) -> StepPlan:
@@ -142,7 +136,7 @@ def unconditional_logits(seq: Sequence, positions: Tensor, shift: int) -> tuple[
 def after_forward(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
     """The decoder's side of a finished forward: block diffusion's cache is final before the
     block (this forward wrote it), and a CFG plan's two halves become the guided logits."""
-    if seq.params.base_method == "block":
+    if seq.params.decoder.block_causal:
         seq.committed_len = seq.block[0]
     if seq.params.cfg_scale > 0:
         return guided_logits(seq, positions, logits)
@@ -174,7 +168,7 @@ def select(seq: Sequence, conf: Tensor) -> Tensor:
 
 def uses_factor(p: SamplingParams) -> bool:
     """Fast-dLLM's factor rule decides the commit (a full-attention decoder, no threshold)."""
-    return p.base_method != "block" and p.threshold is None and p.factor is not None
+    return p.decoder.supports_factor and p.threshold is None and p.factor is not None
 
 
 def threshold_rule(seq: Sequence) -> tuple[float, int] | None:
@@ -182,7 +176,7 @@ def threshold_rule(seq: Sequence) -> tuple[float, int] | None:
     threshold, or the top min_k when fewer pass (a top-k rule is threshold inf); None for the
     factor rule."""
     p = seq.params
-    if p.base_method == "block":
+    if p.decoder.unmasking:
         k = max(seq.tokens_this_step(), 1)
         return (math.inf, k) if p.unmasking == "low_confidence_static" else (p.threshold, k)
     if p.threshold is not None:

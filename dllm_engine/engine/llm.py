@@ -15,7 +15,8 @@ from ..models import load_model
 from ..models.compiled import check_compile, compile_model
 from ..models.family import token_id
 from ..models.loader import parse_device, read_generation_config
-from ..sampling_params import ParamError, SamplingParams, check_prompt, resolve_params
+from ..resolve import check_prompt, resolve_params
+from ..sampling_params import ParamError, SamplingParams
 from ..tokenizer import load_tokenizer
 from .engine import Engine
 from . import host_memory

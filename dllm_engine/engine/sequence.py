@@ -93,7 +93,7 @@ class Sequence:
         self.ids = ids
         self.prompt_len = len(prompt_ids)
         bl = params.block_length
-        if params.base_method == "block":
+        if params.decoder.block_causal:
             end = -(-(self.prompt_len + params.max_new_tokens) // bl) * bl
             starts = range((self.prompt_len // bl) * bl, end, bl)
         else:  # any max_new_tokens: whole blocks, the answer is cut at max_new_tokens

@@ -35,7 +35,9 @@ from ..engine.llm import LLM, quiet_transformers
 from ..engine.sequence import Sequence, SequenceStats
 from ..engine.stop_strings import committed_end, committed_ids, find_stop, tokens_through_stop
 from ..eval.likelihood import LikelihoodConfig, loglikelihood
-from ..sampling_params import FIELD_TYPES, MAX_SEED, SamplingParams, convert, parse_spec
+from ..methods import BLOCK, REFERENCE
+from ..sampling_params import MAX_SEED, SamplingParams
+from ..spec import FIELD_TYPES, convert, parse_spec
 
 log = logging.getLogger("lm_eval.models.dllm")  # under lm-eval's logger: its CLI prints these
 
@@ -204,7 +206,7 @@ class DllmLM(LM):
 
     def canvas_tokens(self, max_tokens: int) -> int:
         """Semi-AR decoders need whole blocks: round ``max_tokens`` up (the answer is cut back)."""
-        if self.params.base_method == "block":
+        if self.params.decoder.block_causal:
             return max_tokens
         block = self.defaults.block_length
         return -(-max_tokens // block) * block
@@ -214,7 +216,7 @@ class DllmLM(LM):
         whole blocks after the prompt, and for block diffusion (blocks aligned to position 0) up to
         the end of the block that holds the last new token. Below 1: none."""
         room = self.window - params.generation_slots
-        if params.base_method == "block":
+        if params.decoder.block_causal:
             block = params.block_length
             room = min(room, self.window // block * block - params.max_new_tokens)
         return room
@@ -393,9 +395,9 @@ class DllmLM(LM):
     def greedy_params(self, n: int) -> SamplingParams:
         """One token per step over an ``n``-token canvas (block diffusion: the family's blocks)."""
         if self.llm.model.config.is_block_causal:
-            return SamplingParams(method="block", max_new_tokens=n, unmasking="low_confidence_static",
+            return SamplingParams(method=BLOCK.name, max_new_tokens=n, unmasking="low_confidence_static",
                                   stop_at_eos=False)
-        return SamplingParams(method="reference", max_new_tokens=n, block_length=n, stop_at_eos=False)
+        return SamplingParams(method=REFERENCE.name, max_new_tokens=n, block_length=n, stop_at_eos=False)
 
     # -- stats ------------------------------------------------------------------------------------
     def report(self) -> None:

@@ -3,8 +3,8 @@ logits shifted right by one (position i reads the output at i - 1)."""
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .family import (FULL_ATTENTION_METHODS, Family, qwen_checkpoint_name, qwen_config_from_hf,
-                     qwen_config_to_hf)
+from ..methods import FULL_ATTENTION_METHODS
+from .family import Family, qwen_checkpoint_name, qwen_config_from_hf, qwen_config_to_hf
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

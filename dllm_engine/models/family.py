@@ -21,10 +21,6 @@ class Family:
     end_of_turn_token: str | None = None
 
 
-FULL_ATTENTION_METHODS = ("reference", "prefix-cache", "dual-cache")
-BLOCK_METHODS = ("block",)
-
-
 def first_id(value: int | list[int] | None) -> int | None:
     """Configs store eos ids as an int or a list; the first one is the primary id."""
     if isinstance(value, list):

@@ -3,8 +3,9 @@ full bidirectional attention, no logit shift, untied head."""
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .family import (FULL_ATTENTION_METHODS, Family, check_rope, check_unsupported,
-                     renamed_checkpoint_names, rope_theta, token_id)
+from ..methods import FULL_ATTENTION_METHODS
+from .family import (Family, check_rope, check_unsupported, renamed_checkpoint_names, rope_theta,
+                     token_id)
 
 # our module name (inside a layer) -> LLaDA block tensor name
 _BLOCK_NAMES = {

@@ -10,7 +10,8 @@ file only maps config keys and tensor names.
 from __future__ import annotations
 
 from ..config import ModelConfig, MoEConfig
-from .family import (BLOCK_METHODS, Family, check_unsupported, qwen_config_from_hf, qwen_config_to_hf,
+from ..methods import BLOCK_METHODS
+from .family import (Family, check_unsupported, qwen_config_from_hf, qwen_config_to_hf,
                      renamed_checkpoint_names, rope_settings)
 
 DEFAULT_BLOCK_SIZE = 32  # the released models' block length (dFactory / SGLang defaults)

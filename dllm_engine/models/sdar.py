@@ -3,7 +3,8 @@ block-causal attention (bidirectional inside a block, causal across blocks), no 
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .family import BLOCK_METHODS, Family, qwen_checkpoint_name, qwen_config_from_hf, qwen_config_to_hf
+from ..methods import BLOCK_METHODS
+from .family import Family, qwen_checkpoint_name, qwen_config_from_hf, qwen_config_to_hf
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

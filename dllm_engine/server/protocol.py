@@ -17,7 +17,8 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from ..engine.sequence import SequenceStats
-from ..sampling_params import COMMIT_FIELDS, MAX_LOGPROBS, MAX_SEED, ParamError, SamplingParams
+from ..resolve import COMMIT_FIELDS
+from ..sampling_params import MAX_LOGPROBS, MAX_SEED, ParamError, SamplingParams
 
 
 class ApiError(Exception):

@@ -1,6 +1,5 @@
 """Accelerations, one file each, entering the engine through ``base.Strategy``'s hooks.
 
-This package init stays import-light: ``sampling_params`` reads the registry from here."""
-from .registry import REGISTRY
-
-__all__ = ["REGISTRY"]
+What a method string may say about them (names, bases, options, which combine) is plain data in
+``dllm_engine.methods.STRATEGIES``; this package init imports nothing, so reading that data never
+loads a runtime class."""

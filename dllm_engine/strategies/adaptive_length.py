@@ -30,8 +30,6 @@ KEY = "adaptive-length"
 
 class AdaptiveLength(Strategy):
     name: ClassVar[str] = KEY
-    bases: ClassVar[tuple[str, ...]] = ("reference", "prefix-cache", "dual-cache", "block")
-    options = ("eos_threshold", "min_length")
 
     def setup(self, seq: Sequence) -> None:
         seq.strategy_state[KEY] = {"commit_positions": None, "cuts": []}

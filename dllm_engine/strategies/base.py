@@ -16,8 +16,11 @@ A strategy never edits a model file or a base decoder. It may:
 Everything a strategy learns about a sequence lives on the sequence; the instances hold only
 the model's constants, so one instance serves every request of a method.
 
-Composition is decided when the method string is parsed (``check_method``): a method either runs
-on every step or is refused up front naming the conflict. The pipeline applies its strategies in
+What a strategy is to a method string (its bases, options, stage and the flags that decide which
+strategies combine) is plain data in ``dllm_engine.methods.STRATEGIES``; a class takes its
+``spec`` from there by ``name``. Composition is decided when the method string is parsed
+(``methods.check_method``): a method either runs on every step or is refused up front naming the
+conflict. The pipeline applies its strategies in
 a fixed order (``stage``), whatever order the method string names them in.
 """
 from __future__ import annotations
@@ -30,24 +33,30 @@ from torch import Tensor
 
 from ..decoding.decoders import StepPlan
 from ..engine.sequence import Sequence
+from ..methods import STRATEGIES, StrategySpec
 from ..models.context import LayerHooks
 from ..models.layers import DiffusionLM
-
-from .registry import REGISTRY
 
 CommitRule = Callable[[Sequence, Tensor, Tensor], Tensor]  # (seq, positions, logits) -> committed
 
 
 class Strategy:
     name: ClassVar[str] = ""
-    bases: ClassVar[tuple[str, ...]] = ()  # base decoders it composes with
-    # order inside a pipeline: 0 changes which tokens a forward computes, 1 reads extra logits,
-    # 2 replaces the commit rule
-    stage: ClassVar[int] = 1
-    shrinks_tokens: ClassVar[bool] = False  # drops tokens inside the forward (layer hooks)
-    owns_commit: ClassVar[bool] = False  # replaces the base commit rule (``commit``)
-    needs_unshifted_logits: ClassVar[bool] = False  # reads position p's logits at p (not Dream)
-    options: ClassVar[tuple[str, ...]] = ()  # the SamplingParams fields it reads
+    spec: ClassVar[StrategySpec]  # its entry of methods.STRATEGIES, set from ``name``
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """A class that names itself takes its spec from the registry; it may not set the spec's
+        flags itself (they would be written twice, and could disagree)."""
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            return
+        if cls.name not in STRATEGIES:
+            raise TypeError(f"strategy {cls.name!r} ({cls.__qualname__}) is not in methods.STRATEGIES")
+        own = [f for f in StrategySpec.__dataclass_fields__ if f != "name" and f in cls.__dict__]
+        if own:
+            raise TypeError(f"{cls.__qualname__} sets {', '.join(own)}: a strategy's flags are data in "
+                            f"methods.STRATEGIES")
+        cls.spec = STRATEGIES[cls.name]
 
     def __init__(self, model: DiffusionLM) -> None:
         self.model = model
@@ -104,47 +113,23 @@ def per_row(rows: list[tuple], device: torch.device) -> tuple[Tensor, ...]:
 
 
 def strategy_class(name: str) -> type[Strategy]:
-    if name not in REGISTRY:
-        raise ValueError(f"unknown strategy {name!r}; available: {', '.join(REGISTRY)}")
-    module, cls = REGISTRY[name].split(":")
+    """The runtime class of a strategy name (``methods.STRATEGIES[name].target``), imported now."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; available: {', '.join(STRATEGIES)}")
+    module, cls = STRATEGIES[name].target.split(":")
     try:
         return getattr(importlib.import_module(module), cls)
     except ModuleNotFoundError as e:
         raise ValueError(f"strategy {name!r} is not available in this build ({e})") from None
 
 
-def check_method(base: str, names: list[str], logit_shift: int | None = None) -> None:
-    """Refuse, naming the conflict, a method whose strategies cannot run together on every step:
-    a strategy on a base it does not support, two strategies that drop tokens inside the forward,
-    a strategy that verifies every copy at the last layer beside one that drops tokens, or (when
-    ``logit_shift`` is known) a strategy that needs unshifted logits on a shifted model (Dream)."""
-    classes = [strategy_class(n) for n in names]
-    for cls in classes:
-        if base not in cls.bases:
-            raise ValueError(f"strategy {cls.name!r} runs on {', '.join(cls.bases)}, not on {base!r}")
-    shrink = [c.name for c in classes if c.shrinks_tokens]
-    if len(shrink) > 1:
-        raise ValueError(f"{shrink[0]!r} and {shrink[1]!r} both drop tokens inside the forward; "
-                         f"use one of them")
-    owners = [c.name for c in classes if c.owns_commit]
-    if len(owners) > 1:
-        raise ValueError(f"{owners[0]!r} and {owners[1]!r} both replace the commit rule; use one of them")
-    if owners and shrink:
-        raise ValueError(f"{owners[0]!r} verifies every copy of the block at the last layer, and "
-                         f"{shrink[0]!r} drops tokens before it; use one of them")
-    unshifted = [c.name for c in classes if c.needs_unshifted_logits]
-    if logit_shift and unshifted:
-        raise ValueError(f"{unshifted[0]!r} needs a model without logit shift (LLaDA); this model "
-                         f"reads position p's logits at p - 1 (Dream)")
-
-
 class Pipeline:
     """The strategies of one method, applied in ``stage`` order (the method string's order does
-    not matter: ``check_method`` refused the combinations where it would)."""
+    not matter: ``methods.check_method`` refused the combinations where it would)."""
 
     def __init__(self, strategies: list[Strategy]) -> None:
-        self.strategies = sorted(strategies, key=lambda s: s.stage)
-        self.owner = next((s for s in self.strategies if s.owns_commit), None)
+        self.strategies = sorted(strategies, key=lambda s: s.spec.stage)
+        self.owner = next((s for s in self.strategies if s.spec.owns_commit), None)
         # some strategy reweighs the commit rule's confidences (``confidence``)
         self.adjusts_confidence = any(type(s).confidence is not Strategy.confidence for s in self.strategies)
 
@@ -164,7 +149,7 @@ class Pipeline:
 
     def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> LayerHooks | None:
         hooks = [h for s in self.strategies if (h := s.layer_hooks(seqs, plans)) is not None]
-        if len(hooks) > 1:  # check_method refuses such methods: reaching this is a bug
+        if len(hooks) > 1:  # methods.check_method refuses such methods: reaching this is a bug
             raise RuntimeError("two strategies of one method returned layer hooks")
         return hooks[0] if hooks else None
 

@@ -200,11 +200,6 @@ class SkipHooks:
 class EarlySkip(Strategy):
     """ES-dLLM: skip low-importance block tokens at early layers (arXiv 2603.10088)."""
     name = KEY
-    bases = ("dual-cache",)
-    stage = 0
-    shrinks_tokens = True
-    options = ("keep_fractions", "skip_depths", "skip_alpha", "prompt_refresh", "block_refresh",
-               "skip_block_start", "delay_eos")
 
     def __init__(self, model: DiffusionLM) -> None:
         super().__init__(model)

@@ -287,10 +287,6 @@ class TokenEviction(Strategy):
 
     Option: ``SamplingParams.focus_alpha`` (>= 1, default 1.5) scales the eviction budget."""
     name = "focus"
-    bases = ("block", "dual-cache")
-    stage = 0
-    shrinks_tokens = True
-    options = ("focus_alpha",)
     evict = True
 
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:

@@ -84,13 +84,7 @@ class CopyLayout:
 
 
 class JumpShare(Strategy):
-    name: ClassVar[str] = KEY
-    bases: ClassVar[tuple[str, ...]] = ("prefix-cache", "dual-cache")
-    options = ("max_copies",)
-
-    stage: ClassVar[int] = 2
-    owns_commit: ClassVar[bool] = True
-    needs_unshifted_logits: ClassVar[bool] = True  # refused on Dream by check_method
+    name: ClassVar[str] = KEY  # replaces the commit rule; refused on Dream (methods.STRATEGIES)
 
     def setup(self, seq: Sequence) -> None:
         seq.strategy_state[KEY] = {"drafts": None, "layout": None}

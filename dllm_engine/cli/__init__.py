@@ -1,0 +1,58 @@
+"""The ``dllm`` command: generate, eval, bench, train, serve, lm-eval."""
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import version
+
+from .bench import add_bench, run_bench
+from .bench_serve import add_bench_serve, run_bench_serve
+from .chain_probe import add_chain_probe, run_chain_probe
+from .eval import add_eval, run_eval
+from .generate import add_generate, run_generate
+from .lm_eval import add_lm_eval_tasks, run_lm_eval, run_lm_eval_tasks
+from .profile import add_profile, run_profile
+from .serve import add_serve, run_serve
+from .train import add_train, run_train
+
+# command -> (adds its subparser, runs it); one module per command beside this file
+COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eval),
+            "chain-probe": (add_chain_probe, run_chain_probe),
+            "bench": (add_bench, run_bench), "profile": (add_profile, run_profile), "train": (add_train, run_train),
+            "serve": (add_serve, run_serve), "bench-serve": (add_bench_serve, run_bench_serve),
+            "lm-eval-tasks": (add_lm_eval_tasks, run_lm_eval_tasks)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``dllm`` and its subcommands (``lm-eval`` only for its help line: main hands it over)."""
+    parser = argparse.ArgumentParser(prog="dllm", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"dllm-engine {version('dllm-engine')}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add, _ in COMMANDS.values():
+        add(sub)
+    sub.add_parser("lm-eval", help="lm-evaluation-harness with the model 'dllm' and the embedded tasks "
+                   "(needs the lm-eval extra; every argument goes to lm-eval: dllm lm-eval --help)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ``dllm`` command; the exit code: 0, 2 for bad input, 130 when interrupted."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "serve"]:  # the load generator lives beside the offline bench
+        argv = ["bench-serve", *argv[2:]]
+    if argv[:1] == ["lm-eval"]:  # every other argument belongs to lm-eval's own parser
+        try:
+            return run_lm_eval(argv[1:])
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command][1](args)
+    except (ValueError, OSError) as e:  # bad input: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:  # Ctrl-C: one line (a bench says what it kept), the shell's 130
+        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+        return 130
+    return 0

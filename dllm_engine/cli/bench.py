@@ -1,0 +1,55 @@
+"""``dllm bench``: method specs compared on the same prompts (JSON + plot)."""
+from __future__ import annotations
+
+import argparse
+
+from . import common  # common.load_llm, looked up per call: tests stand in for the model
+from .common import add_model_args, prepare_out, set_threads, split_ints
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="compare method specs on the same prompts; JSON + plot")
+    p.add_argument("--methods", nargs="+", required=True,
+                   help="specs method[:field=value,...], e.g. dual-cache:threshold=0.9")
+    p.add_argument("--batch-sizes", type=split_ints, default=[1, 8, 32])
+    p.add_argument("--tasks", default="all",
+                   help="'all', a family ('copy', 'worked', 'phrased') or comma-separated task names")
+    p.add_argument("--limit", type=int, default=None, help="prompts per task")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
+    p.add_argument("--block-length", type=int, default=None, help="for every spec that does not set it")
+    p.add_argument("--out", required=True, help="folder for results.json and throughput.png")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="timed rounds of every spec, in turn, per batch size; each row keeps its "
+                        "fastest pass and the table the range of the rounds' speed-ups (a shared machine)")
+    add_model_args(p)
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    from ..bench.offline import HEADER, check_prompts, check_specs, run_bench as bench, table
+    from ..models.compiled import check_compile
+    from ..tasks import load_split
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    set_threads(args.threads)
+    examples = load_split(args.tasks, limit=args.limit)  # a typo fails before the model loads
+    args.tasks = list(dict.fromkeys(e.task for e in examples))
+    defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
+                                  ("block_length", args.block_length)) if v is not None}
+    resolved = check_specs(args.model, args.methods, defaults)  # before the weights load
+    check_compile(args.compile, args.tensor_parallel_size, args.compile_step)  # bench compiles after loading
+    prepare_out(args.out, "results.json")
+    # --compile, --fixed-shapes, --compile-step: each spec runs as usual, then under each
+    llm = common.load_llm(args, compile=False, fixed_shapes=False, compile_step=False)
+    variants = [name for name, on in (("fixed shapes", args.fixed_shapes), ("compiled step", args.compile_step)) if on]
+    check_prompts(llm, {spec: llm.resolve(p) for spec, p in resolved.items()}, examples)  # before the header
+    for spec, params in resolved.items():
+        print(f"method: {spec} = {params.describe()}")
+    from ..engine.host_memory import is_kept
+    print(f"model: {args.model}  prompts: {len(examples)}  tasks: {','.join(args.tasks)}  device: {args.device}  "
+          f"keep_freed_memory: {'on' if is_kept() else 'off'}  repeats: {args.repeats}")
+    print(HEADER)
+    records = bench(llm, args.methods, args.batch_sizes, examples, args.out, defaults,
+                    compare_compiled=args.compile, variants=variants, repeats=args.repeats)
+    print()
+    print(table(records))
+    print(f"\nwrote {args.out}/results.json and {args.out}/throughput.png")

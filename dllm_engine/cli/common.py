@@ -1,0 +1,137 @@
+"""What every ``dllm`` command shares: the model and sampling options, building the LLM, and the
+small argparse types and output checks several commands use."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the command line imports the engine lazily, per command
+    from ..sampling_params import SamplingParams
+
+
+CHECKPOINTS = Path(__file__).resolve().parent.parent.parent / "checkpoints"
+DEFAULT_MODEL = CHECKPOINTS / "tiny-llada"
+
+
+def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
+    """--model (default: the embedded tiny-llada), --dtype, --device: shared by every command."""
+    if model:
+        p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: tiny-llada)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (default: the checkpoint's own, config.json's torch_dtype, else its "
+                        "weights': bfloat16 for the released models, float32 for the embedded ones), "
+                        "float32, bfloat16, float16")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU: let glibc reuse freed activations instead of returning them to the OS "
+                        "(faster; the process keeps its peak heap; see engine/host_memory.py)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (the README's benchmarks use 1; default: torch's choice)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N processes, one per device (spawned here, or the "
+                        "ranks of torchrun); each process uses --threads CPU threads")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the layers' norms and MLPs (dynamic shapes; not bit-exact: "
+                        "last bits of the logits; off by default; dllm bench --compile runs each "
+                        "spec eager and compiled)")
+    p.add_argument("--fixed-shapes", action="store_true",
+                   help="round every step's rows, tokens and keys up to buckets (at most a quarter "
+                        "more), with a mask and indexed K/V writes: the shapes a CUDA graph can capture "
+                        "(same tokens; off by default: the padding costs compute on a CPU)")
+    p.add_argument("--compile-step", action="store_true",
+                   help="--fixed-shapes, and each step's whole layer stack torch.compiled without "
+                        "dynamic shapes: one graph per shape bucket (CUDA graphs on CUDA); not "
+                        "bit-exact; off by default")
+
+
+def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
+    from .. import LLM
+    kw.setdefault("compile", getattr(args, "compile", False))
+    kw.setdefault("fixed_shapes", getattr(args, "fixed_shapes", False))
+    kw.setdefault("compile_step", getattr(args, "compile_step", False))
+    return LLM(model or args.model, dtype=args.dtype, device=args.device,
+               keep_freed_memory=args.keep_freed_memory,
+               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), **kw)
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    import torch
+    torch.set_num_threads(threads)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default=None, help="reference | prefix-cache | dual-cache | block, "
+                   "+strategies, optionally :field=value,... as in bench specs, e.g. "
+                   "block+focus:focus_alpha=3 (default: the checkpoint's generation_config.json, "
+                   "else dual-cache for full attention, block for block diffusion)")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--block-length", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="denoising steps per block")
+    p.add_argument("--threshold", type=float, default=None)
+    p.add_argument("--factor", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=None, help="0 = argmax (default)")
+    p.add_argument("--remasking", default="low_confidence")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default 0; dllm serve: a fresh one per request that sets none)")
+    p.add_argument("--cfg-scale", type=float, default=0.0, help="classifier-free guidance (reference)")
+    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="end after a finished block holding EOS (default: yes for block and "
+                   "adaptive-length, no for the LLaDA decoders, which fill the whole canvas)")
+
+
+def sampling_params(args: argparse.Namespace) -> "SamplingParams":
+    """The options the command line gave; ``LLM.resolve`` fills the rest (one resolution)."""
+    fields = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length, steps=args.steps,
+                  threshold=args.threshold, factor=args.factor, temperature=args.temperature,
+                  remasking=args.remasking, seed=args.seed, cfg_scale=args.cfg_scale,
+                  stop_at_eos=args.stop_at_eos)
+    from ..spec import parse_spec
+    return parse_spec(args.method or "", **fields)  # a spec's own fields (method:field=value) win
+
+
+def split_ints(text: str) -> list[int]:
+    """Comma-separated positive integers (batch sizes, concurrencies)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def check_json_path(path: str | None) -> None:
+    """Refuse a ``--json`` path that cannot be written before a run's work, not after it."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"--json {path}: is a folder; give a file name")
+    if not target.parent.is_dir():
+        raise ValueError(f"--json {path}: folder {target.parent} does not exist")
+
+
+def prepare_out(out: str | None, name: str) -> None:
+    """A bench's ``--out``: created and checked before anything runs; one line when the ``name``
+    file of an earlier run there is about to be replaced (re-running into a folder is normal)."""
+    if out is None:
+        return
+    from ..outputs import prepare_out_dir
+    target = prepare_out_dir(out) / name
+    if target.exists():
+        print(f"replacing {target} (from an earlier run)")

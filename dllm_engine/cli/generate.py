@@ -1,0 +1,42 @@
+"""``dllm generate``: one prompt, its text and stats."""
+from __future__ import annotations
+
+import argparse
+
+from . import common  # common.load_llm, looked up per call: tests stand in for the model
+from .common import add_model_args, add_sampling_args, sampling_params, set_threads
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate from one prompt and print the text and stats")
+    p.add_argument("--prompt", default=None, help="default: a held-out prompt of the task suite")
+    p.add_argument("--chat", action="store_true", help="apply the chat template (default prompt: on)")
+    add_model_args(p)
+    add_sampling_args(p)
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    set_threads(args.threads)
+    given = sampling_params(args)  # bad options fail before the model loads
+    llm = common.load_llm(args)
+    params = llm.resolve(given)
+    expected = None
+    if args.prompt is None:
+        from ..tasks import load_split
+        example = load_split(["story"], limit=1)[0]
+        args.prompt, args.chat, expected = example.prompt, True, example.answer
+    if args.chat:
+        out = llm.chat([[{"role": "user", "content": args.prompt}]], params, use_tqdm=True)
+    else:
+        out = llm.generate([args.prompt], params, use_tqdm=True)
+    print(f"model: {args.model}")
+    print(f"method: {params.describe()}")
+    print(f"prompt: {args.prompt}")
+    print(f"output: {out[0].text}")
+    if expected is not None:
+        print(f"expected: {expected}  ({'correct' if out[0].text.strip() == expected else 'wrong'})")
+    s = out.stats
+    print(f"stats: nfe={s.nfe} decoded_tokens={s.decoded_tokens} output_tokens={s.output_tokens} "
+          f"processed_tokens={s.processed_tokens:.1f} prefill_tokens={s.prefill_tokens} "
+          f"redundancy={s.redundancy:.2f} tokens_per_step={s.tokens_per_step:.2f} "
+          f"seconds={s.seconds:.3f} throughput={s.output_tokens / max(s.seconds, 1e-9):.1f} tok/s")

@@ -1,0 +1,51 @@
+"""``dllm profile``: time per step, the model's forward (floor) against everything else."""
+from __future__ import annotations
+
+import argparse
+
+from . import common  # common.load_llm, looked up per call: tests stand in for the model
+from .common import add_model_args, set_threads, split_ints
+
+
+def add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="time per step: the model's forward alone (floor) against "
+                       "everything else, and host synchronisations per step")
+    p.add_argument("--methods", nargs="+", required=True, help="specs as in dllm bench")
+    p.add_argument("--batch-sizes", type=split_ints, default=[1, 64])
+    p.add_argument("--tasks", default="copy",
+                   help="'copy' (default), 'worked', 'phrased', 'all' or comma-separated task names, "
+                        "as in dllm bench")
+    p.add_argument("--limit", type=int, default=2, help="prompts per task")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed and floor passes, alternating; each keeps its fastest (a shared machine)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall time, or the engine thread's CPU time (barely disturbed by other "
+                        "processes; tok/s then counts CPU seconds; use with --threads 1)")
+    add_model_args(p)
+
+
+def run_profile(args: argparse.Namespace) -> None:
+    from ..bench.profile import HEADER, run_profile as profile, table
+    from ..tasks import load_split
+    if args.tensor_parallel_size != 1:  # its floor pass calls modules whose collectives need every rank
+        raise ValueError("dllm profile replays the model's modules in this process; run it with "
+                         "--tensor-parallel-size 1")
+    if args.compile_step:  # its floor would time the eager modules, not the compiled graph
+        raise ValueError("dllm profile replays each module eagerly, so it cannot time a compiled "
+                         "step; use --fixed-shapes here, and dllm bench --compile-step for its speed")
+    if args.repeats < 1:  # before the weights load
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    examples = load_split(args.tasks, limit=args.limit)  # a typo fails before the model loads
+    set_threads(args.threads)
+    llm = common.load_llm(args)  # as dllm bench: freed host memory kept unless --no-keep-freed-memory
+    defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
+    tasks = ",".join(dict.fromkeys(e.task for e in examples))
+    print(f"model: {args.model}  prompts: {len(examples)}  tasks: {tasks}  device: {args.device}  "
+          f"compile: {'on' if args.compile else 'off'}  fixed shapes: {'on' if args.fixed_shapes else 'off'}  "
+          f"repeats: {args.repeats}  clock: {args.clock}")
+    print(HEADER)
+    records = profile(llm, args.methods, args.batch_sizes, examples, defaults, repeats=args.repeats,
+                      clock=args.clock)
+    print()
+    print(table(records))

@@ -1,0 +1,75 @@
+"""``dllm train``: train an embedded tiny checkpoint (the trainer lives in ``dllm_engine.train``)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train an embedded tiny checkpoint on the task suite (CPU)")
+    p.add_argument("--family", required=True, choices=["llada", "sdar"])
+    p.add_argument("--out", required=True, help="checkpoint folder to write")
+    p.add_argument("--work", required=True, help="folder for the resumable state and loss log")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-kv-heads", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="written to generation_config.json")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
+    p.add_argument("--save-every", type=int, default=50, metavar="N",
+                   help="save the resumable state to --work every N steps (and on Ctrl-C / SIGTERM, "
+                        "after the current step); rerunning the same command resumes")
+    p.add_argument("--export-only", action="store_true",
+                   help="write --work's last saved state to --out as a checkpoint and exit "
+                        "(check a run that is still training)")
+    p.add_argument("--ar-weight", type=float, default=1.0,
+                   help="weight of the auxiliary causal next-token loss (0 = diffusion loss only)")
+    p.add_argument("--suffix-mask", type=float, default=0.0, metavar="SHARE",
+                   help="share of rows masked as a left-to-right decoder sees them: clean before a "
+                        "random cut, fully masked a block after it (0 = uniform masking only)")
+    p.add_argument("--block-aux", type=float, default=0.0, metavar="WEIGHT",
+                   help="llada: add the block diffusion loss (SDAR's objective, block --block-size) "
+                        "on the same examples with this weight: every block learns from a clean left "
+                        "context (0 = off)")
+    p.add_argument("--long-tails", type=float, default=0.05, metavar="SHARE",
+                   help="llada: share of batches whose EOS tail runs on to a canvas of up to 256 "
+                        "tokens (the rest: the answer plus 0-32 EOS; sdar's block diffusion uses none)")
+    p.add_argument("--task-mix", type=task_mix, default=None, metavar="TASK=N,...",
+                   help="oversample tasks: N examples of TASK per round of one of each other task "
+                        "(e.g. lookup=3,spell=2)")
+
+
+def task_mix(text: str) -> dict[str, int]:
+    """``lookup=3,spell=2`` -> {"lookup": 3, "spell": 2} (argparse type for --task-mix)."""
+    mix = {}
+    for item in filter(None, text.split(",")):
+        name, sep, weight = item.partition("=")
+        if not sep or not weight.strip().isdigit() or int(weight) < 1:
+            raise argparse.ArgumentTypeError(f"expected TASK=N with N >= 1, got {item!r}")
+        mix[name.strip()] = int(weight)
+    return mix
+
+
+def run_train(args: argparse.Namespace) -> None:
+    import torch
+    from ..train import TrainConfig, Trainer
+    from ..train.trainer import Interrupted
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = TrainConfig(family=args.family, out=args.out, work=args.work, steps=args.steps,
+                      batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                      num_kv_heads=args.num_kv_heads, block_size=args.block_size,
+                      max_new_tokens=args.max_new_tokens, save_every=args.save_every,
+                      init_from=args.init_from, ar_weight=args.ar_weight, task_mix=args.task_mix,
+                      suffix_mask=args.suffix_mask, block_aux=args.block_aux,
+                      long_tails=args.long_tails)
+    trainer = Trainer(cfg)
+    try:
+        out = trainer.export_saved() if args.export_only else trainer.train()
+    except Interrupted as e:  # the state is saved: one line, no traceback, the shell's exit code
+        print(e, file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    print(f"checkpoint written to {out}")
