@@ -1,4 +1,4 @@
-"""The ``dllm`` command: generate, eval, bench, train, serve, lm-eval."""
+"""The ``dllm`` command: generate, eval, bench, train, serve, lm-eval, download."""
 from __future__ import annotations
 
 import argparse
@@ -15,9 +15,12 @@ DEFAULT_MODEL = CHECKPOINTS / "tiny-llada"
 
 
 def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
-    """--model (default: the embedded tiny-llada), --dtype, --device: shared by every command."""
+    """--model (default: the embedded tiny-llada), --revision, --dtype, --device: shared by every command."""
     if model:
-        p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: tiny-llada)")
+        p.add_argument("--model", default=str(DEFAULT_MODEL),
+                       help="checkpoint folder or Hugging Face id, org/name (default: tiny-llada)")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face id (default: main; a local folder ignores it)")
     p.add_argument("--dtype", default="auto",
                    help="auto (default: the checkpoint's own, config.json's torch_dtype, else its "
                         "weights': bfloat16 for the released models, float32 for the embedded ones), "
@@ -50,7 +53,7 @@ def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     kw.setdefault("compile", getattr(args, "compile", False))
     kw.setdefault("fixed_shapes", getattr(args, "fixed_shapes", False))
     kw.setdefault("compile_step", getattr(args, "compile_step", False))
-    return LLM(model or args.model, dtype=args.dtype, device=args.device,
+    return LLM(model or args.model, revision=args.revision, dtype=args.dtype, device=args.device,
                keep_freed_memory=args.keep_freed_memory,
                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), **kw)
 
@@ -233,6 +236,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> None:
     from .bench.offline import HEADER, check_prompts, check_specs, run_bench as bench, table
+    from .hub import resolve_model
     from .models.compiled import check_compile
     from .tasks import load_split
     if args.repeats < 1:
@@ -242,11 +246,12 @@ def run_bench(args: argparse.Namespace) -> None:
     args.tasks = list(dict.fromkeys(e.task for e in examples))
     defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
                                   ("block_length", args.block_length)) if v is not None}
-    resolved = check_specs(args.model, args.methods, defaults)  # before the weights load
     check_compile(args.compile, args.tensor_parallel_size, args.compile_step)  # bench compiles after loading
+    folder = str(resolve_model(args.model, args.revision))  # an id: fetched once, here
+    resolved = check_specs(folder, args.methods, defaults)  # before the weights load
     prepare_out(args.out, "results.json")
     # --compile, --fixed-shapes, --compile-step: each spec runs as usual, then under each
-    llm = load_llm(args, compile=False, fixed_shapes=False, compile_step=False)
+    llm = load_llm(args, folder, compile=False, fixed_shapes=False, compile_step=False)
     variants = [name for name, on in (("fixed shapes", args.fixed_shapes), ("compiled step", args.compile_step)) if on]
     check_prompts(llm, {spec: llm.resolve(p) for spec, p in resolved.items()}, examples)  # before the header
     for spec, params in resolved.items():
@@ -389,7 +394,8 @@ def run_train(args: argparse.Namespace) -> None:
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: tiny-llada)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint folder or Hugging Face id (default: tiny-llada)")
     p.add_argument("--model", dest="model_option", default=None, help="the same as the positional MODEL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -487,9 +493,10 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
         threads = max(1, (os.cpu_count() or 1) // scaling.most)
     replica = ReplicaOptions(model, args.dtype, args.device, args.max_num_seqs, args.max_queue,
                              threads, args.shutdown_timeout, args.keep_freed_memory, args.compile,
-                             args.fixed_shapes, args.compile_step)
+                             args.fixed_shapes, args.compile_step, revision=args.revision)
     defaults = sampling_params(args)
-    LLM(model, dtype=args.dtype, device="meta").resolve(defaults)  # reads no weights; refuses a bad default
+    # reads no weights (an id is fetched here once); refuses a bad default
+    LLM(model, dtype=args.dtype, device="meta", revision=args.revision).resolve(defaults)
     run_replicated(replica, scaling, defaults, args.served_model_name, args.host, args.port, args.ray_address)
 
 
@@ -531,6 +538,20 @@ def run_bench_serve(args: argparse.Namespace) -> None:
                     lengths=lengths)
     if args.out:
         print(f"\nwrote {args.out}/serve_bench.json and {args.out}/serve_bench.png")
+
+
+def add_download(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("download", help="fetch a Hugging Face model id's files the engine reads into "
+                       "the cache and print the folder (last line of stdout)")
+    p.add_argument("model", help="Hugging Face id, org/name")
+    p.add_argument("--revision", default=None, help="branch, tag or commit hash (default: main)")
+    p.add_argument("--cache-dir", default=None,
+                   help="cache folder (default: huggingface_hub's: HF_HUB_CACHE, else HF_HOME/hub)")
+
+
+def run_download(args: argparse.Namespace) -> None:
+    from .hub import download_model
+    print(download_model(args.model, args.revision, args.cache_dir))  # progress bars go to stderr
 
 
 def add_lm_eval_tasks(sub: argparse._SubParsersAction) -> None:
@@ -576,7 +597,8 @@ COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eva
             "chain-probe": (add_chain_probe, run_chain_probe),
             "bench": (add_bench, run_bench), "profile": (add_profile, run_profile), "train": (add_train, run_train),
             "serve": (add_serve, run_serve), "bench-serve": (add_bench_serve, run_bench_serve),
-            "lm-eval-tasks": (add_lm_eval_tasks, run_lm_eval_tasks)}
+            "lm-eval-tasks": (add_lm_eval_tasks, run_lm_eval_tasks),
+            "download": (add_download, run_download)}
 
 
 def main(argv: list[str] | None = None) -> int:
