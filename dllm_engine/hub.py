@@ -128,10 +128,11 @@ def check_weights(repo_id: str, folder: Path) -> None:
     names = listed or sorted(p.name for p in folder.iterdir())
     bins = fnmatch.filter(names, BIN_WEIGHTS)
     if bins:
+        more = f" and {len(bins) - 1} more" if len(bins) > 1 else ""
         raise ModelNotFoundError(
-            f"{repo_id} has PyTorch .bin weights only ({', '.join(bins[:2])}{', ...' if len(bins) > 2 else ''}); "
-            f"dllm-engine reads safetensors only: convert them (the Hub's safetensors/convert Space, or "
-            f"torch.load + safetensors.torch.save_file into a local folder: docs/models/hub.md) and pass that")
+            f"{repo_id} has PyTorch .bin weights only ({bins[0]}{more}); dllm-engine reads safetensors "
+            f"only: convert them (the Hub's safetensors/convert Space, or torch.load + "
+            f"safetensors.torch.save_file into a local folder: docs/models/hub.md) and pass that")
     if listed:
         raise ModelNotFoundError(f"{repo_id} has no *.safetensors weights at its top level "
                                  f"(dllm-engine reads safetensors only)")
