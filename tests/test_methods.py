@@ -47,7 +47,7 @@ def test_the_attention_patterns_and_their_defaults():
     assert BLOCK_METHODS == ("block",)
     assert {mt: f.methods for mt, f in FAMILIES.items()} == {
         "llada": FULL_ATTENTION_METHODS, "Dream": FULL_ATTENTION_METHODS, "sdar": BLOCK_METHODS,
-        "llada2_moe": BLOCK_METHODS}
+        "llada2_moe": BLOCK_METHODS, "llada_moe": FULL_ATTENTION_METHODS}
     assert default_decoder(FULL_ATTENTION_METHODS) == "dual-cache"
     assert default_decoder(BLOCK_METHODS) == "block"
 

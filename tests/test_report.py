@@ -80,3 +80,16 @@ def test_update_page_errors(tmp_path):
     (tmp_path / "meta.json").write_text("{}")
     with pytest.raises(ValueError, match="holds no rows"):
         report.load_run(tmp_path)
+
+
+def test_cli_report_prints_or_writes_the_page(tmp_path, capsys):
+    from dllm_engine.cli import main
+    run = write_run(tmp_path / "run", [row("a", 1, 100.0, 10, 90), row("b", 1, 200.0, 5, 45)])
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "commit abc1234" in out and "| `b` | 1 | 50.0% | 200.0 | 2.00× | 2.00× | 1.82× |" in out  # (90 + 10) / (45 + 10)
+    page = tmp_path / "bench.md"
+    assert main(["report", str(run), "--page", str(page), "--section", "ab"]) == 0
+    assert "<!-- bench:ab -->" in page.read_text()
+    assert main(["report", str(run), "--page", str(page)]) == 2
+    assert "--page and --section go together" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The ``dllm`` command: generate, eval, bench, train, serve, lm-eval."""
+"""The ``dllm`` command: generate, eval, bench, train, serve, lm-eval, download."""
 from __future__ import annotations
 
 import argparse
@@ -8,10 +8,12 @@ from importlib.metadata import version
 from .bench import add_bench, run_bench
 from .bench_serve import add_bench_serve, run_bench_serve
 from .chain_probe import add_chain_probe, run_chain_probe
+from .download import add_download, run_download
 from .eval import add_eval, run_eval
 from .generate import add_generate, run_generate
 from .lm_eval import add_lm_eval_tasks, run_lm_eval, run_lm_eval_tasks
 from .profile import add_profile, run_profile
+from .report import add_report, run_report
 from .serve import add_serve, run_serve
 from .train import add_train, run_train
 
@@ -20,7 +22,8 @@ COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eva
             "chain-probe": (add_chain_probe, run_chain_probe),
             "bench": (add_bench, run_bench), "profile": (add_profile, run_profile), "train": (add_train, run_train),
             "serve": (add_serve, run_serve), "bench-serve": (add_bench_serve, run_bench_serve),
-            "lm-eval-tasks": (add_lm_eval_tasks, run_lm_eval_tasks)}
+            "lm-eval-tasks": (add_lm_eval_tasks, run_lm_eval_tasks),
+            "download": (add_download, run_download), "report": (add_report, run_report)}
 
 
 def build_parser() -> argparse.ArgumentParser:

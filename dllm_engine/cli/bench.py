@@ -26,6 +26,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> None:
     from ..bench.offline import HEADER, check_prompts, check_specs, run_bench as bench, table
+    from ..hub import resolve_model
     from ..models.compiled import check_compile
     from ..tasks import load_split
     if args.repeats < 1:
@@ -35,11 +36,12 @@ def run_bench(args: argparse.Namespace) -> None:
     args.tasks = list(dict.fromkeys(e.task for e in examples))
     defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
                                   ("block_length", args.block_length)) if v is not None}
-    resolved = check_specs(args.model, args.methods, defaults)  # before the weights load
     check_compile(args.compile, args.tensor_parallel_size, args.compile_step)  # bench compiles after loading
+    folder = str(resolve_model(args.model, args.revision))  # an id: fetched once, here
+    resolved = check_specs(folder, args.methods, defaults)  # before the weights load
     prepare_out(args.out, "results.json")
     # --compile, --fixed-shapes, --compile-step: each spec runs as usual, then under each
-    llm = common.load_llm(args, compile=False, fixed_shapes=False, compile_step=False)
+    llm = common.load_llm(args, folder, compile=False, fixed_shapes=False, compile_step=False)
     variants = [name for name, on in (("fixed shapes", args.fixed_shapes), ("compiled step", args.compile_step)) if on]
     check_prompts(llm, {spec: llm.resolve(p) for spec, p in resolved.items()}, examples)  # before the header
     for spec, params in resolved.items():

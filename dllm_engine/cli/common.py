@@ -15,9 +15,12 @@ DEFAULT_MODEL = CHECKPOINTS / "tiny-llada"
 
 
 def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
-    """--model (default: the embedded tiny-llada), --dtype, --device: shared by every command."""
+    """--model (default: the embedded tiny-llada), --revision, --dtype, --device: shared by every command."""
     if model:
-        p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: tiny-llada)")
+        p.add_argument("--model", default=str(DEFAULT_MODEL),
+                       help="checkpoint folder or Hugging Face id, org/name (default: tiny-llada)")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face id (default: main; a local folder ignores it)")
     p.add_argument("--dtype", default="auto",
                    help="auto (default: the checkpoint's own, config.json's torch_dtype, else its "
                         "weights': bfloat16 for the released models, float32 for the embedded ones), "
@@ -50,7 +53,7 @@ def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     kw.setdefault("compile", getattr(args, "compile", False))
     kw.setdefault("fixed_shapes", getattr(args, "fixed_shapes", False))
     kw.setdefault("compile_step", getattr(args, "compile_step", False))
-    return LLM(model or args.model, dtype=args.dtype, device=args.device,
+    return LLM(model or args.model, revision=args.revision, dtype=args.dtype, device=args.device,
                keep_freed_memory=args.keep_freed_memory,
                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), **kw)
 

@@ -10,7 +10,8 @@ from .common import (DEFAULT_MODEL, add_model_args, add_sampling_args, non_negat
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: tiny-llada)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint folder or Hugging Face id (default: tiny-llada)")
     p.add_argument("--model", dest="model_option", default=None, help="the same as the positional MODEL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -108,7 +109,8 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
         threads = max(1, (os.cpu_count() or 1) // scaling.most)
     replica = ReplicaOptions(model, args.dtype, args.device, args.max_num_seqs, args.max_queue,
                              threads, args.shutdown_timeout, args.keep_freed_memory, args.compile,
-                             args.fixed_shapes, args.compile_step)
+                             args.fixed_shapes, args.compile_step, revision=args.revision)
     defaults = sampling_params(args)
-    LLM(model, dtype=args.dtype, device="meta").resolve(defaults)  # reads no weights; refuses a bad default
+    # reads no weights (an id is fetched here once); refuses a bad default
+    LLM(model, dtype=args.dtype, device="meta", revision=args.revision).resolve(defaults)
     run_replicated(replica, scaling, defaults, args.served_model_name, args.host, args.port, args.ray_address)

@@ -1,4 +1,4 @@
-"""Offline API: ``LLM(path).generate(prompts, SamplingParams(...))``."""
+"""Offline API: ``LLM(path or Hugging Face id).generate(prompts, SamplingParams(...))``."""
 from __future__ import annotations
 
 import itertools
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..hub import model_name, resolve_model
 from ..models import load_model
 from ..models.compiled import check_compile, compile_model
 from ..models.family import token_id
@@ -69,8 +70,13 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str = "auto", device: str = "cpu",
                  max_num_seqs: int = 256, keep_freed_memory: bool = False,
                  tensor_parallel_size: int = 1, compile: bool = False, fixed_shapes: bool = False,
-                 compile_step: bool = False) -> None:
-        """``dtype``: ``"auto"`` (default) is the checkpoint's own: config.json's ``torch_dtype``,
+                 compile_step: bool = False, revision: str | None = None) -> None:
+        """``model``: a checkpoint folder, or a Hugging Face id (``org/name``) at ``revision``
+        (a branch, tag or commit hash; default ``main``), fetched into huggingface_hub's cache
+        unless it is there already (``hub.resolve_model``; docs/models/hub.md). ``name`` is the
+        id, or the folder's name; ``path`` the folder read.
+
+        ``dtype``: ``"auto"`` (default) is the checkpoint's own: config.json's ``torch_dtype``,
         else the dtype its weights are stored in (bf16 for the released models, float32 for the
         embedded ones; ``models/loader.resolve_dtype``); or float32 / bfloat16 / float16.
 
@@ -90,13 +96,14 @@ class LLM:
         ``compile_step``: fixed shapes, and the layer stack of every step without layer hooks
         compiled, one graph per shape (``models/compiled.compile_step``; CUDA graphs on CUDA;
         not bit-exact; one process only)."""
-        self.path = Path(model)
         self.device = parse_device(device)
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
+        check_compile(compile, tensor_parallel_size, compile_step)
+        self.path = resolve_model(model, revision)  # bad options above fail before any download
+        self.name = model_name(model)
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
-        check_compile(compile, tensor_parallel_size, compile_step)
         self.parallel = None
         if tensor_parallel_size > 1 and self.device.type != "meta":
             from .parallel import TensorParallel

@@ -75,8 +75,8 @@ def sampling_fields(options: dict) -> dict:
     anything else is refused with the names that are accepted."""
     unknown = sorted(set(options) - set(FIELD_TYPES))
     if unknown:
-        raise ValueError(f"unknown dllm model_args {unknown}: use pretrained, method, dtype, device, "
-                         f"batch_size, mc_num, mc_batch, mc_cfg_scale, check_greedy, stats_path or a "
+        raise ValueError(f"unknown dllm model_args {unknown}: use pretrained, revision, method, dtype, "
+                         f"device, batch_size, mc_num, mc_batch, mc_cfg_scale, check_greedy, stats_path or a "
                          f"SamplingParams field ({', '.join(FIELD_TYPES)})")
     fields = {}
     for name, value in options.items():
@@ -101,10 +101,11 @@ class DllmLM(LM):
     def __init__(self, pretrained: str, method: str | None = None, dtype: str = "auto",
                  device: str = "cpu", batch_size: int | str | None = 1, max_batch_size: int | None = None,
                  mc_num: int = 128, mc_batch: int = 32, mc_cfg_scale: float = 0.0, check_greedy: bool = False,
-                 stats_path: str | None = None, **sampling) -> None:
+                 stats_path: str | None = None, revision: str | None = None, **sampling) -> None:
         super().__init__()
         fields = sampling_fields(sampling)
-        self.llm = LLM(pretrained, dtype=dtype, device=device,
+        revision = None if revision is None else str(revision)  # lm-eval parses "2024" as a number
+        self.llm = LLM(str(pretrained), revision=revision, dtype=dtype, device=device,
                        max_num_seqs=engine_batch(batch_size, max_batch_size))
         if self.llm.tokenizer is None:
             raise ValueError(f"{pretrained} has no tokenizer; lm-eval sends text")

@@ -40,7 +40,8 @@ and its converter's ``LLaDAMoEModel``):
 from __future__ import annotations
 
 from ..config import ModelConfig, MoEConfig
-from .family import (FULL_ATTENTION_METHODS, Family, check_rope, check_unsupported, qwen_checkpoint_name,
+from ..methods import FULL_ATTENTION_METHODS
+from .family import (Family, check_rope, check_unsupported, qwen_checkpoint_name,
                      rope_settings, rope_theta, token_id)
 
 MODEL_TYPE = "llada_moe"  # ours; config.json says "llada" (and dllm's rewrites "lladamoe")

@@ -210,7 +210,7 @@ def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str
     cancelled). ``api_key``: /v1/* requires ``Authorization: Bearer <api_key>``."""
     metrics = Metrics()
     engine = engine or InProcessEngine(llm, max_queue, metrics)
-    server = Server(llm, engine, defaults or SamplingParams(), model_name or llm.path.name, metrics,
+    server = Server(llm, engine, defaults or SamplingParams(), model_name or llm.name, metrics,
                     shutdown_timeout)
 
     @asynccontextmanager

@@ -68,6 +68,7 @@ class ReplicaOptions:
     compile: bool = False  # --compile, --fixed-shapes, --compile-step: as LLM's options
     fixed_shapes: bool = False
     compile_step: bool = False
+    revision: str | None = None  # of a Hugging Face id: each replica resolves it in its own cache
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -150,7 +151,7 @@ class EngineReplica:
         self.llm = LLM(options.model, dtype=options.dtype, device=options.device,
                        max_num_seqs=options.max_num_seqs, keep_freed_memory=options.keep_freed_memory,
                        compile=options.compile, fixed_shapes=options.fixed_shapes,
-                       compile_step=options.compile_step)
+                       compile_step=options.compile_step, revision=options.revision)
         self.metrics = Metrics()
         self.engine = InProcessEngine(self.llm, options.max_queue, self.metrics)
         self.engine.start()
@@ -307,12 +308,14 @@ class Front:
     """The HTTP app (``create_app``) in a Ray Serve replica, on ``RayServeEngine``."""
 
     def __init__(self, engine: DeploymentHandle, board, model: str, dtype: str,
-                 defaults: SamplingParams, model_name: str | None) -> None:
+                 defaults: SamplingParams, model_name: str | None, revision: str | None = None) -> None:
         self.engine, self.board = engine, board
         self.model, self.dtype, self.defaults, self.model_name = model, dtype, defaults, model_name
+        self.revision = revision
 
     def __serve_build_asgi_app__(self):
-        llm = LLM(self.model, dtype=self.dtype, device="meta")  # tokenizer and checks, no weights
+        # tokenizer and checks, no weights
+        llm = LLM(self.model, dtype=self.dtype, device="meta", revision=self.revision)
         client = RayServeEngine(self.engine, self.board, serve.get_replica_context().app_name)
         return create_app(llm, self.defaults, self.model_name, engine=client)
 
@@ -324,7 +327,7 @@ def build_app(replica: ReplicaOptions, scaling: Scaling, defaults: SamplingParam
                               **scaling.deployment_options(replica)).bind(replica, board)
     front = serve.deployment(Front, name="front", num_replicas=1, max_ongoing_requests=FRONT_MAX_ONGOING,
                              ray_actor_options={"num_cpus": 0} | NORMAL_PRIORITY)
-    return front.bind(engine, board, replica.model, replica.dtype, defaults, model_name)
+    return front.bind(engine, board, replica.model, replica.dtype, defaults, model_name, replica.revision)
 
 
 def deploy(replica: ReplicaOptions, scaling: Scaling, defaults: SamplingParams,
