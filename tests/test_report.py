@@ -93,3 +93,11 @@ def test_cli_report_prints_or_writes_the_page(tmp_path, capsys):
     assert "<!-- bench:ab -->" in page.read_text()
     assert main(["report", str(run), "--page", str(page)]) == 2
     assert "--page and --section go together" in capsys.readouterr().err
+
+
+def test_update_page_puts_the_plot_in_another_folder_linked_relative_to_the_page(tmp_path):
+    run = write_run(tmp_path / "run", [row("a", 1, 100.0, 10, 90)])
+    (run / "throughput.png").write_bytes(b"png")
+    report.update_page(tmp_path / "README.md", "readme", run, tmp_path / "docs" / "benchmarks" / "img")
+    assert "![readme](docs/benchmarks/img/readme.png)" in (tmp_path / "README.md").read_text()
+    assert (tmp_path / "docs" / "benchmarks" / "img" / "readme.png").read_bytes() == b"png"

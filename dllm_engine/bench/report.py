@@ -176,10 +176,10 @@ def section(name: str, rows: list[dict], meta: dict, image: str | None) -> str:
 SECTION_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 
 
-def update_page(page: str | Path, name: str, out_dir: str | Path) -> Path:
+def update_page(page: str | Path, name: str, out_dir: str | Path, image_dir: str | Path | None = None) -> Path:
     """Write the run in ``out_dir`` into ``page`` as section ``name`` (replacing the section if
-    the page has it, appending it otherwise); its plot is copied beside the page as
-    ``img/NAME.png``."""
+    the page has it, appending it otherwise); its plot is copied to ``image_dir/NAME.png``
+    (default: ``img/`` beside the page) and linked relative to the page."""
     if not SECTION_NAME.match(name):
         raise ValueError(f"section name {name!r}: use lower-case letters, digits and '-'")
     rows, meta = load_run(out_dir)
@@ -187,9 +187,10 @@ def update_page(page: str | Path, name: str, out_dir: str | Path) -> Path:
     image = None
     plot = Path(out_dir) / "throughput.png"
     if plot.is_file():
-        (page.parent / "img").mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(plot, page.parent / "img" / f"{name}.png")
-        image = f"img/{name}.png"
+        target = Path(image_dir) if image_dir is not None else page.parent / "img"
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(plot, target / f"{name}.png")
+        image = Path(os.path.relpath(target / f"{name}.png", page.parent)).as_posix()
     text = page.read_text(encoding="utf-8") if page.exists() else f"# {page.stem}\n"
     new = section(name, rows, meta, image)
     pattern = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->", re.S)

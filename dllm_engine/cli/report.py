@@ -11,6 +11,8 @@ def add_report(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page", default=None, help="markdown page to write the section into (e.g. docs/benchmarks/phrased.md)")
     p.add_argument("--section", default=None,
                    help="the section's name in the page (lower-case letters, digits, '-'); a re-run replaces it")
+    p.add_argument("--image-dir", default=None,
+                   help="folder for the section's plot (default: img/ beside the page)")
 
 
 def run_report(args: argparse.Namespace) -> None:
@@ -22,4 +24,4 @@ def run_report(args: argparse.Namespace) -> None:
         print(f"commit {meta.get('commit')}, {meta['date']}, {meta['machine']}\n{meta['command']}\n")
         print(table(rows))
         return
-    print(update_page(args.page, args.section, args.run))
+    print(update_page(args.page, args.section, args.run, args.image_dir))
