@@ -212,3 +212,65 @@ def test_logprobs_follow_the_edited_tokens(llms):
     assert out.stats.edits > 0
     for tok, (_, top_ids, _) in zip(out.token_ids, out.logprobs):
         assert tok == top_ids[0]  # greedy: each kept token is the argmax of the step that wrote it
+
+
+# -- the released LLaDA2.1-mini config loads -------------------------------------------------------
+# inclusionAI/LLaDA2.1-mini config.json: the keys from "architectures" through
+# "transformers_version" as the Hugging Face page shows them (huggingface.co/inclusionAI/
+# LLaDA2.1-mini/blob/main/config.json, in the docs corpus); the page's excerpt ends there, so the
+# last keys (use_bias, use_cache, use_qkv_bias, vocab_size) are those of Zigeng/DMax-Math-16B's
+# config.json, a LLaDA2.0-mini fine-tune of the same architecture, and notes/llada2.md.
+LLADA21_MINI_CONFIG = {
+    "architectures": ["LLaDA2MoeModelLM"], "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+                 "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+                 "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"},
+    "dtype": "bfloat16", "embedding_dropout": 0.0, "first_k_dense_replace": 1, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5120,
+    "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "llada2_moe",
+    "moe_intermediate_size": 512, "moe_router_enable_expert_bias": True, "n_group": 8, "norm_head": False,
+    "norm_softmax": False, "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 256,
+    "num_experts_per_tok": 8, "num_hidden_layers": 20, "num_key_value_heads": 4, "num_shared_experts": 1,
+    "output_dropout": 0.0, "output_router_logits": False, "pad_token_id": 156892, "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 600000, "rotary_dim": 64,
+    "routed_scaling_factor": 2.5, "router_dtype": "fp32", "score_function": "sigmoid", "sliding_window": 4096,
+    "tie_word_embeddings": False, "topk_group": 4, "transformers_version": "4.57.1",
+    "use_bias": False, "use_cache": False, "use_qkv_bias": False, "vocab_size": 157184,
+}
+LLADA2_SPECIALS = {"<|endoftext|>": 156892, "<|mask|>": 156895, "<|role_end|>": 156900}
+
+
+def write_llada21_release(folder: Path, **changes) -> Path:
+    """The release's config.json (``changes`` applied) and a word-level tokenizer holding its
+    special tokens at their ids; no weights (load it on the meta device)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**LLADA21_MINI_CONFIG, **changes}))
+    tok = Tokenizer(WordLevel({"<|unk|>": 0, "hello": 1, **LLADA2_SPECIALS}, unk_token="<|unk|>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in LLADA2_SPECIALS])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "unk_token": "<|unk|>"}))
+    return folder
+
+
+def test_the_released_llada21_mini_config_loads_and_runs_its_modes(tmp_path):
+    from dllm_engine.models import read_config
+    _, family, cfg = read_config(write_llada21_release(tmp_path / "full"))
+    assert family.model_type == "llada2_moe" and family.methods == BLOCK_METHODS
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim) == (
+        20, 2048, 16, 4, 128, 64)
+    assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.block_size) == (157184, 32768, 32)
+    assert cfg.is_block_causal and cfg.qk_norm and cfg.moe.num_experts == 256 and cfg.moe.expert_bias
+    llm = LLM(write_llada21_release(tmp_path / "one-layer", num_hidden_layers=2), device="meta")
+    assert (llm.token_ids.mask_id, llm.token_ids.eos_id) == (156895, 156892)
+    for preset, values in JOINT_THRESHOLD_PRESETS.items():
+        p = llm.resolve(SamplingParams(preset=preset))
+        assert (p.method, p.block_length, p.commit_rule, p.threshold, p.edit_threshold) == (
+            "block", 32, "joint-threshold", values["threshold"], values["edit_threshold"])
