@@ -13,6 +13,10 @@ flags from ``STRATEGIES`` (``strategies.base.Strategy.spec``).
 | prefix-cache | whole canvas             | block + suffix            | same                         |
 | dual-cache   | whole canvas             | block only                | same                         |
 | block        | positions not yet cached | positions not yet cached  | low_confidence_dynamic/static|
+
+Beside a decoder's own commit rule, a request may pick one of ``COMMIT_RULES`` (``commit_rule``):
+dInfer's ``credit`` and ``hierarchical`` parallel decoders (every decoder) and LLaDA2.1's
+``joint-threshold`` editing decoder (``block``; its S / Q modes are ``JOINT_THRESHOLD_PRESETS``).
 """
 from __future__ import annotations
 
@@ -89,9 +93,13 @@ class StrategySpec:
     needs_unshifted_logits: bool = False  # reads position p's logits at p (not Dream)
     stops_at_eos: bool = False  # ``stop_at_eos`` defaults to true, whatever the base
     no_logprobs: str | None = None  # why ``logprobs`` cannot be recorded (None: they can)
+    # stops computing committed block positions (FOCUS's delayed cache freezes their K/V), so
+    # a commit rule that edits committed tokens cannot run beside it
+    freezes_committed: bool = False
 
 
-FOCUS_FLAGS = dict(bases=(BLOCK, DUAL_CACHE), options=("focus_alpha",), stage=0, shrinks_tokens=True)
+FOCUS_FLAGS = dict(bases=(BLOCK, DUAL_CACHE), options=("focus_alpha",), stage=0, shrinks_tokens=True,
+                   freezes_committed=True)
 STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec("focus", "dllm_engine.strategies.focus:TokenEviction", **FOCUS_FLAGS),
     StrategySpec("focus-probe", "dllm_engine.strategies.focus:PredictorProbe", **FOCUS_FLAGS),  # diagnostic
@@ -106,6 +114,62 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
                  ("max_copies",), stage=2, owns_commit=True, needs_unshifted_logits=True,
                  no_logprobs="its drafts were predicted a step earlier"),
 )}
+
+
+@dataclass(frozen=True)
+class CommitRuleSpec:
+    """A commit rule a request picks with ``commit_rule`` in place of its decoder's own: the
+    bases it runs on, the options it reads and whether it edits committed tokens. Its runtime
+    class (``target``, imported on first use) takes these from here
+    (``decoding.commit_rules.CommitRule.spec``)."""
+    name: str
+    target: str  # "module:Class" of the runtime class
+    bases: tuple[Decoder, ...]
+    options: tuple[str, ...]
+    # rewrites committed tokens of the current block (LLaDA2.1's token-to-token edits): the
+    # block stays open until final, and strategies that freeze committed positions refuse it
+    edits: bool = False
+
+
+COMMIT_RULES: dict[str, CommitRuleSpec] = {r.name: r for r in (
+    # dInfer python/dinfer/decoding/parallel_strategy.py: CreditThresholdParallelDecoder
+    CommitRuleSpec("credit", "dllm_engine.decoding.credit:CreditThreshold", tuple(DECODERS.values()),
+                   ("threshold", "credit_alpha", "credit_gamma", "credit_beta")),
+    # ... HierarchyDecoder
+    CommitRuleSpec("hierarchical", "dllm_engine.decoding.hierarchical:Hierarchical", tuple(DECODERS.values()),
+                   ("threshold", "low_threshold")),
+    # SGLang python/sglang/srt/dllm/algorithm/joint_threshold.py (LLaDA2.1)
+    CommitRuleSpec("joint-threshold", "dllm_engine.decoding.joint_threshold:JointThreshold", (BLOCK,),
+                   ("threshold", "edit_threshold", "max_post_edit_steps"), edits=True),
+)}
+JOINT_THRESHOLD = COMMIT_RULES["joint-threshold"]
+# LLaDA2.1's decoding modes, as its model card recommends them (threshold = mask-to-token,
+# edit_threshold = token-to-token; block_length 32, greedy). Read in huggingface/diffusers
+# docs/source/en/api/pipelines/llada2.md "Recommended parameters" (Quality: 0.7 / 0.5 / 16) and in
+# a project quoting the LLaDA2.1-mini README (S: 0.5 / 0.0 / 16, Q: 0.7 / 0.5 / 16); SGLang's
+# JointThreshold defaults are the S mode (0.5 / 0.0 / 16).
+JOINT_THRESHOLD_PRESETS: dict[str, dict] = {
+    "S": {"threshold": 0.5, "edit_threshold": 0.0, "max_post_edit_steps": 16},  # speedy mode
+    "Q": {"threshold": 0.7, "edit_threshold": 0.5, "max_post_edit_steps": 16},  # quality mode
+}
+DEFAULT_PRESET = "Q"  # joint-threshold without a preset: the unset fields take the Q mode's
+
+
+def check_commit_rule(base: str, names: list[str], rule: str | None) -> None:
+    """Refuse, naming the conflict, a commit rule its base or the method's strategies cannot
+    run with: a rule on a base it does not support, a strategy that replaces the commit rule
+    itself, or a rule that edits committed tokens beside a strategy that freezes them."""
+    if rule is None:
+        return
+    spec = COMMIT_RULES[rule]
+    if DECODERS[base] not in spec.bases:
+        raise ValueError(f"commit_rule {rule!r} runs on {', '.join(d.name for d in spec.bases)}, not on {base!r}")
+    for strategy in (STRATEGIES[n] for n in names):
+        if strategy.owns_commit:
+            raise ValueError(f"{strategy.name!r} replaces the commit rule; drop it or commit_rule {rule!r}")
+        if spec.edits and strategy.freezes_committed:
+            raise ValueError(f"{strategy.name!r} freezes committed block positions, which commit_rule "
+                             f"{rule!r} edits; use one of them")
 
 
 def check_method(base: str, names: list[str], logit_shift: int | None = None) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from .methods import DECODERS, STRATEGIES, check_method, default_decoder
+from .methods import (DECODERS, DEFAULT_PRESET, JOINT_THRESHOLD_PRESETS, STRATEGIES, check_commit_rule, check_method,
+                      default_decoder)
 from .sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -65,9 +66,22 @@ def resolve_commit_rule(params: SamplingParams, gen: dict) -> dict:
         rule = {k: gen[k] for k in COMMIT_FIELDS if k in gen}
         if not rule and not params.decoder.fixed_steps:
             rule = {"threshold": DEFAULT_THRESHOLD}
+    if params.rule is not None and rule.get("threshold") is None:  # every named rule reads one
+        rule = {**rule, "threshold": DEFAULT_THRESHOLD}
     if params.unmasking == "low_confidence_dynamic" and rule.get("threshold") is None:
         rule["threshold"] = DEFAULT_THRESHOLD
     return {k: rule.get(k) for k in COMMIT_FIELDS}
+
+
+def resolve_preset(p: SamplingParams) -> dict:
+    """A joint-threshold request's unset threshold, edit_threshold and max_post_edit_steps, from
+    its ``preset`` (``DEFAULT_PRESET`` when none): the request's own values win, and the preset
+    wins over the checkpoint's generation_config.json threshold (``methods.JOINT_THRESHOLD_PRESETS``)."""
+    if p.rule is None or not p.rule.edits:
+        return {}
+    preset = p.preset or DEFAULT_PRESET
+    values = {k: v for k, v in JOINT_THRESHOLD_PRESETS[preset].items() if getattr(p, k) is None}
+    return {"preset": preset, **values}
 
 
 def resolve_params(params: SamplingParams, methods: tuple[str, ...],
@@ -80,6 +94,7 @@ def resolve_params(params: SamplingParams, methods: tuple[str, ...],
     filled = {k: gen.get(k, DEFAULTS.get(k)) for k in ("max_new_tokens", "block_length", "temperature",
                                                        "top_p", "top_k", "seed") if getattr(params, k) is None}
     p = params.replace(method=params.method or gen.get("method") or default_decoder(methods), **filled)
+    p = p.replace(**resolve_preset(p))
     p = p.replace(**resolve_commit_rule(p, gen))
     check_against_model(p, methods, logit_shift)
     if p.stop_at_eos is None:
@@ -115,6 +130,10 @@ def check_against_model(p: SamplingParams, methods: tuple[str, ...], logit_shift
         check_method(p.base_method, p.strategies, logit_shift)
     except ValueError as e:
         raise ParamError("method", str(e)) from None
+    try:
+        check_commit_rule(p.base_method, p.strategies, p.commit_rule)
+    except ValueError as e:
+        raise ParamError("commit_rule", str(e)) from None
 
 
 def check_prompt(p: SamplingParams, prompt_len: int, max_context: int) -> None:

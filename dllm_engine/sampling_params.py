@@ -8,13 +8,15 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from .methods import DECODERS, STRATEGIES, Decoder, base_name, check_method, strategy_names
+from .methods import (COMMIT_RULES, DECODERS, JOINT_THRESHOLD, JOINT_THRESHOLD_PRESETS, STRATEGIES, CommitRuleSpec,
+                      Decoder, base_name, check_commit_rule, check_method, strategy_names)
 
 REMASKING = ("low_confidence", "maskgit_plus", "random", "topk_margin", "entropy")
 UNMASKING = ("low_confidence_dynamic", "low_confidence_static")
 BLOCK_STARTS = ("prefix", "last-commits", "canvas")  # early-skip: what a block's first step computes
 MAX_SEED = 2**63  # torch.Generator.manual_seed takes a signed 64-bit integer
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+PROBABILITY_CONFIDENCES = ("low_confidence", "maskgit_plus")  # the softmax probability of the token
 
 
 class ParamError(ValueError):
@@ -61,6 +63,17 @@ class SamplingParams:
     eos_threshold: float = 0.9
     min_length: int = 0
     max_copies: int = 8
+    # a commit rule in place of the decoder's own (methods.COMMIT_RULES; decoding/credit.py,
+    # hierarchical.py, joint_threshold.py). None = the decoder's. Setting ``preset`` or an
+    # option of joint-threshold (``edit_threshold``, ``max_post_edit_steps``) selects it
+    commit_rule: str | None = None
+    credit_alpha: float = 0.7  # credit: weight of log(1 + credit) added to the logits
+    credit_gamma: float = 0.2  # credit: a step's top-1 probability p adds p ** credit_gamma
+    credit_beta: float = 0.8  # credit: decay of the credit per step
+    low_threshold: float = 0.4  # hierarchical: a run's most confident mask commits above this
+    edit_threshold: float | None = None  # joint-threshold: edit a committed token above this
+    max_post_edit_steps: int | None = None  # joint-threshold: edit-only steps after a block unmasks
+    preset: str | None = None  # joint-threshold's LLaDA2.1 modes: "S" (speedy) or "Q" (quality)
 
     def __post_init__(self) -> None:
         self.check_types()
@@ -70,6 +83,7 @@ class SamplingParams:
         self.check_commit_rule()
         self.check_sampling()
         self.check_strategy_options()
+        self.check_rule_options()
         self.check_int64()
 
     def check_types(self) -> None:
@@ -147,6 +161,32 @@ class SamplingParams:
         if self.unmasking is not None and self.unmasking not in UNMASKING:
             raise ParamError("unmasking", f"unmasking must be one of {', '.join(UNMASKING)}, "
                              f"got {self.unmasking!r}")
+        self.check_named_rule()
+
+    def check_named_rule(self) -> None:
+        """``commit_rule`` names a known rule (selected by joint-threshold's options when unset)
+        that reads probabilities and a threshold, and runs on the method's base and strategies."""
+        if self.commit_rule is None and (self.preset is not None or self.edit_threshold is not None
+                                         or self.max_post_edit_steps is not None):
+            self.commit_rule = JOINT_THRESHOLD.name
+        if self.commit_rule is None:
+            return
+        if self.commit_rule not in COMMIT_RULES:
+            raise ParamError("commit_rule", f"unknown commit_rule {self.commit_rule!r}; available: "
+                             f"{', '.join(COMMIT_RULES)} (or none: the decoder's own)")
+        if self.factor is not None:
+            raise ParamError("factor", f"commit_rule {self.commit_rule!r} commits by threshold; drop factor")
+        if self.remasking not in PROBABILITY_CONFIDENCES:
+            raise ParamError("remasking", f"commit_rule {self.commit_rule!r} reads the token's probability "
+                             f"(remasking low_confidence), not {self.remasking!r}")
+        if self.unmasking == "low_confidence_static" and not self.rule.edits:
+            raise ParamError("unmasking", f"commit_rule {self.commit_rule!r} commits by threshold, not by "
+                             f"unmasking 'low_confidence_static'")
+        if self.method is not None:
+            try:
+                check_commit_rule(self.base_method, self.strategies, self.commit_rule)
+            except ValueError as e:
+                raise ParamError("commit_rule", str(e)) from None
 
     def check_sampling(self) -> None:
         if self.temperature is not None and self.temperature < 0:
@@ -185,6 +225,32 @@ class SamplingParams:
         if self.max_copies not in (1, 2, 4, 8):
             raise ParamError("max_copies", f"max_copies must be 1, 2, 4 or 8, got {self.max_copies}")
 
+    def check_rule_options(self) -> None:
+        """The commit rules' options: credit's weights, the hierarchical and edit thresholds, the
+        post-edit budget, the preset; joint-threshold's options only with that rule."""
+        for name, lo, hi in (("credit_alpha", 0.0, None), ("credit_gamma", 0.0, None), ("credit_beta", 0.0, 1.0),
+                             ("low_threshold", 0.0, 1.0), ("edit_threshold", 0.0, 1.0)):
+            value = getattr(self, name)
+            if value is not None and not (lo <= value and (hi is None or value <= hi)):
+                bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+                raise ParamError(name, f"{name} must be {bound}, got {value}")
+        if self.max_post_edit_steps is not None and self.max_post_edit_steps < 0:
+            raise ParamError("max_post_edit_steps", f"max_post_edit_steps must be >= 0, got {self.max_post_edit_steps}")
+        if self.preset is not None and self.preset not in JOINT_THRESHOLD_PRESETS:
+            raise ParamError("preset", f"preset must be one of {', '.join(JOINT_THRESHOLD_PRESETS)} "
+                             f"(LLaDA2.1's speedy / quality modes), got {self.preset!r}")
+        if self.commit_rule is not None and not self.rule.edits:
+            given = [n for n in ("preset", "edit_threshold", "max_post_edit_steps") if getattr(self, n) is not None]
+            if given:
+                raise ParamError(given[0], f"{given[0]} is an option of commit_rule {JOINT_THRESHOLD.name!r}, "
+                                 f"not of {self.commit_rule!r}")
+
+    @property
+    def rule(self) -> CommitRuleSpec | None:
+        """The commit rule picked in place of the decoder's (``methods.COMMIT_RULES``); None: the
+        decoder's own."""
+        return COMMIT_RULES.get(self.commit_rule) if self.commit_rule is not None else None
+
     @property
     def base_method(self) -> str | None:
         return base_name(self.method)
@@ -218,6 +284,8 @@ class SamplingParams:
             names[after:after] = ["top_p", "top_k"]
         names += ["cfg_scale"] * bool(self.cfg_scale) + ["logprobs"] * (self.logprobs is not None)
         names += [o for s in self.strategies for o in STRATEGIES[s].options]
+        if self.rule is not None:
+            names += ["commit_rule", "preset"] + [o for o in self.rule.options if o not in names]
         values = [(n, getattr(self, n)) for n in names]
         return " ".join([self.method or "<unresolved>"] + [f"{n}={spec_value(v)}" for n, v in values
                                                             if v is not None])

@@ -130,3 +130,31 @@ def test_validating_a_method_loads_no_runtime_module():
     assert described.startswith("dual-cache+early-skip+adaptive-length ") and "keep_fractions=" in described
     assert loaded.split() == ["dllm_engine", "dllm_engine.methods", "dllm_engine.resolve",
                               "dllm_engine.sampling_params", "dllm_engine.spec"]
+
+
+# -- the commit rules a request picks beside its decoder's own ----------------------------------------
+def test_the_commit_rules_and_their_runtime_classes_agree():
+    from dllm_engine.decoding.commit_rules import CommitRule, rule_instance
+    from dllm_engine.methods import COMMIT_RULES
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    for name, spec in COMMIT_RULES.items():
+        rule = rule_instance(name)  # imports the runtime module named by the registry
+        assert isinstance(rule, CommitRule) and (rule.name, rule.spec) == (name, spec)
+        assert set(spec.options) <= fields and spec.bases and all(DECODERS[d.name] is d for d in spec.bases)
+    assert [n for n, s in COMMIT_RULES.items() if s.edits] == ["joint-threshold"]
+    assert {n for n, s in STRATEGIES.items() if s.freezes_committed} == {"focus", "focus-probe", "delayed-cache"}
+    with pytest.raises(TypeError, match="commit rule 'nope' .* is not in methods.COMMIT_RULES"):
+        type("Unregistered", (CommitRule,), {"name": "nope"})
+
+
+def test_commit_rule_composition_reads_the_registry():
+    from dllm_engine.methods import check_commit_rule
+    assert check_commit_rule("dual-cache", ["early-skip", "adaptive-length"], "credit") is None
+    assert check_commit_rule("block", ["adaptive-length"], "joint-threshold") is None
+    with pytest.raises(ValueError, match="commit_rule 'joint-threshold' runs on block, not on 'prefix-cache'"):
+        check_commit_rule("prefix-cache", [], "joint-threshold")
+    with pytest.raises(ValueError, match="'jump-share' replaces the commit rule"):
+        check_commit_rule("dual-cache", ["jump-share"], "hierarchical")
+    with pytest.raises(ValueError, match="'focus' freezes committed block positions"):
+        check_commit_rule("block", ["focus"], "joint-threshold")
+    assert check_commit_rule("block", ["focus"], "credit") is None  # credit never edits

@@ -86,6 +86,7 @@ class BenchRecord:
     peak_memory_mb_per_rank: list[float] | None = None
     # every timed pass's seconds, round by round (``repeats``); ``seconds`` is the fastest pass's
     runs_seconds: list[float] = dataclasses.field(default_factory=list)
+    edits: int = 0  # committed tokens rewritten (joint-threshold), beside decoded_tokens
 
     def add_run(self, other: "BenchRecord") -> None:
         """Fold a later round's pass of the same spec in: its time joins ``runs_seconds``,
@@ -125,7 +126,7 @@ def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Exampl
                        output_tokens=s.output_tokens, processed_tokens=round(s.processed_tokens, 1),
                        redundancy=round(s.redundancy, 3), prefill_tokens=s.prefill_tokens,
                        peak_memory_mb=mem.mb, tasks=list(dict.fromkeys(e.task for e in examples)),
-                       peak_memory_mb_per_rank=per_rank, runs_seconds=[round(s.seconds, 3)])
+                       peak_memory_mb_per_rank=per_rank, runs_seconds=[round(s.seconds, 3)], edits=s.edits)
 
 
 def set_step_shapes(fixed: bool, compiled: bool = False):

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..engine.sequence import Sequence
 from ..sampling_params import SamplingParams
+from .commit_rules import rule_for
 from .rules import factor_select, rank_in_row, threshold_select, topk_select
 
 
@@ -105,7 +106,9 @@ def compute_range(seq: Sequence, shift: int) -> tuple[int, int]:
 
 
 def plan_step(seq: Sequence, shift: int) -> StepPlan:
-    plan = StepPlan.span(seq, *compute_range(seq, shift), seq.masked_positions())
+    rule = rule_for(seq)  # a named commit rule may predict more than the masks (joint-threshold)
+    wanted = seq.masked_positions() if rule is None else rule.logit_positions(seq)
+    plan = StepPlan.span(seq, *compute_range(seq, shift), wanted)
     return with_unconditional_copy(seq, plan, shift) if seq.params.cfg_scale > 0 else plan
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..decoding import confidence, sample_tokens
+from ..decoding.commit_rules import rule_for
 from ..decoding.decoders import (after_forward, cache_len, plan_step, select, select_rows, threshold_rule,
                                  uses_factor)
 from ..models.layers import DiffusionLM
@@ -34,9 +35,11 @@ def length_class(positions: int) -> int:
 
 def batched_rule(seq: Sequence) -> bool:
     """Whether ``Engine.decide_rows`` gives ``seq`` its own rule: greedy, confidence = the
-    probability of the argmax, a threshold or top-k rule (not factor), one mask id."""
+    probability of the argmax, a threshold or top-k rule (not factor, not a named commit rule),
+    one mask id."""
     p = seq.params
-    return p.temperature == 0 and p.remasking in ("low_confidence", "maskgit_plus") and not uses_factor(p)
+    return (p.temperature == 0 and p.remasking in ("low_confidence", "maskgit_plus") and not uses_factor(p)
+            and p.commit_rule is None)
 
 
 class Engine:
@@ -159,6 +162,8 @@ class Engine:
         committed positions."""
         if not positions.numel():
             return positions
+        if (rule := rule_for(seq)) is not None:  # a named commit rule (decoding/commit_rules.py)
+            return rule.commit(seq, positions, logits, pipeline)
         p = seq.params
         # a mask is never a valid prediction; committing one would leave the slot masked forever
         logits[:, seq.ids.mask_id] = -float("inf")

@@ -26,6 +26,7 @@ class SequenceStats:
     prefill_tokens: int = 0
     seconds: float = 0.0
     step_commits: Counter = field(default_factory=Counter)  # tokens committed by a step -> steps
+    edits: int = 0  # committed tokens rewritten (joint-threshold); not in decoded_tokens
 
     @property
     def redundancy(self) -> float:
@@ -53,13 +54,14 @@ class SequenceStats:
         self.processed_tokens += other.processed_tokens
         self.prefill_tokens += other.prefill_tokens
         self.step_commits.update(other.step_commits)
+        self.edits += other.edits
 
     def as_dict(self) -> dict:
         return {"nfe": self.nfe, "decoded_tokens": self.decoded_tokens,
                 "output_tokens": self.output_tokens,
                 "processed_tokens": round(self.processed_tokens, 2),
                 "prefill_tokens": self.prefill_tokens, "redundancy": round(self.redundancy, 4),
-                "seconds": round(self.seconds, 4)}
+                "edits": self.edits, "seconds": round(self.seconds, 4)}
 
     @staticmethod
     def total(stats: list["SequenceStats"], seconds: float) -> "SequenceStats":
@@ -112,6 +114,10 @@ class Sequence:
         self.stats = SequenceStats()
         self.start_time = 0.0
         self.strategy_state: dict = {}  # per-sequence state owned by strategies
+        self.rule_state: dict = {}  # per-sequence state of its commit rule (decoding/commit_rules.py)
+        # the commit rule keeps the unmasked current block for more steps (joint-threshold's
+        # post-edit steps): ``advance`` moves on only once it is False
+        self.block_open = False
         self.decoded_before_step = 0  # stats.decoded_tokens when the current step began
         # params.logprobs set: canvas position -> (logprob of the committed token, top ids, their logprobs)
         self.logprobs: dict[int, tuple[float, list[int], list[float]]] = {}
@@ -155,6 +161,19 @@ class Sequence:
         if self.params.logprobs is not None and logits is not None:
             self.record_logprobs(positions, tokens, logits)
 
+    def edit(self, positions: Tensor, tokens: Tensor, logits: Tensor | None = None) -> None:
+        """Rewrite committed tokens of the current block (joint-threshold's token-to-token edits):
+        counted in ``stats.edits``, not in ``decoded_tokens``; their logprobs are recorded anew."""
+        start, end = self.block
+        if bool(((positions < max(start, self.prompt_len)) | (positions >= end)).any()
+                | (self.canvas[positions] == self.ids.mask_id).any() | (tokens == self.ids.mask_id).any()):
+            raise RuntimeError(f"sequence {self.seq_id}: an edit must rewrite a committed generated token of "
+                               f"the current block with a token (positions {positions.tolist()})")
+        self.canvas[positions] = tokens
+        self.stats.edits += int(positions.numel())
+        if self.params.logprobs is not None and logits is not None:
+            self.record_logprobs(positions, tokens, logits)
+
     def record_logprobs(self, positions: Tensor, tokens: Tensor, logits: Tensor) -> None:
         """Logprobs under the model's own distribution (before temperature / top-k / top-p)."""
         logp = torch.log_softmax(logits.float(), dim=-1)
@@ -172,7 +191,7 @@ class Sequence:
         self.stats.step_commits[self.stats.decoded_tokens - self.decoded_before_step] += 1
         self.decoded_before_step = self.stats.decoded_tokens
         self.step += 1
-        if bool((self.canvas[slice(*self.block)] == self.ids.mask_id).any()):
+        if self.block_open or bool((self.canvas[slice(*self.block)] == self.ids.mask_id).any()):
             return
         start, end = self.block
         generated = self.canvas[max(start, self.prompt_len):end]
