@@ -10,7 +10,16 @@ if TYPE_CHECKING:  # the command line imports the engine lazily, per command
     from ..sampling_params import SamplingParams
 
 
-CHECKPOINTS = Path(__file__).resolve().parent.parent.parent / "checkpoints"
+def embedded_checkpoints() -> Path:
+    """The folder of the embedded tiny checkpoints: ``dllm_engine/checkpoints`` in an installed
+    wheel (package data), else the source checkout's ``checkpoints/`` beside the package, which
+    the wheel copies (setup.py)."""
+    package = Path(__file__).resolve().parent.parent
+    installed = package / "checkpoints"
+    return installed if installed.is_dir() else package.parent / "checkpoints"
+
+
+CHECKPOINTS = embedded_checkpoints()
 DEFAULT_MODEL = CHECKPOINTS / "tiny-llada"
 
 
