@@ -82,8 +82,8 @@ def resolve_params(params: SamplingParams, methods: tuple[str, ...],
     p = params.replace(method=params.method or gen.get("method") or default_decoder(methods), **filled)
     p = p.replace(**resolve_commit_rule(p, gen))
     check_against_model(p, methods, logit_shift)
-    if p.stop_at_eos is None:
-        p.stop_at_eos = p.decoder.stops_at_eos or any(STRATEGIES[s].stops_at_eos for s in p.strategies)
+    if p.stop_at_eos is None:  # a committed block never changes: the text is the same either way
+        p.stop_at_eos = True
     if p.steps is None:
         p.steps = p.block_length
     if p.steps > p.block_length:

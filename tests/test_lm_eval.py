@@ -155,7 +155,9 @@ def test_until_cuts_each_request_at_its_own_stop_strings(llada):
         assert answer == text[:cut]  # the stop string itself is left out, as lm-eval expects
 
 
-def test_a_stop_string_ends_the_sequence_early(llada):
+def test_a_stop_string_ends_the_sequence_early():
+    # stop_at_eos=False: the plain answer decodes its whole canvas, the stopped one ends at "5"
+    llada = DllmLM(str(CHECKPOINTS / "tiny-llada"), method="dual-cache", threshold=0.9, stop_at_eos=False)
     context = chat_context(llada, load_split(["sort"], limit=1)[0].prompt)
     plain, stopped = llada.generation(context, {}), llada.generation(context, {"until": ["5"]})
     llada.run([plain, stopped])

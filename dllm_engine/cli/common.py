@@ -92,8 +92,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="sampling seed (default 0; dllm serve: a fresh one per request that sets none)")
     p.add_argument("--cfg-scale", type=float, default=0.0, help="classifier-free guidance (reference)")
     p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="end after a finished block holding EOS (default: yes for block and "
-                   "adaptive-length, no for the LLaDA decoders, which fill the whole canvas)")
+                   help="end after the finished block holding the first stop token (default: yes, "
+                   "every decoder; the text is the same either way; --no-stop-at-eos decodes the "
+                   "whole canvas, as LLaDA's and Fast-dLLM's reference loops do)")
 
 
 def sampling_params(args: argparse.Namespace) -> "SamplingParams":
