@@ -24,7 +24,7 @@ from ..eval.evaluate import chat_prompt
 from ..models.compiled import compile_model, uncompile_model
 from ..models.loader import read_config, read_generation_config
 from ..outputs import BenchInterrupted, prepare_out_dir, saved, write_json_atomic
-from ..resolve import resolve_params
+from ..resolve import resolve_params, trained_block_size
 from ..sampling_params import SamplingParams
 from ..spec import parse_spec
 from ..tasks import Example
@@ -257,9 +257,10 @@ def resolve_specs(specs: list[str], resolve, defaults: dict | None = None) -> di
 
 def check_specs(model: str | Path, specs: list[str], defaults: dict | None = None) -> dict[str, SamplingParams]:
     """Resolve every spec against the checkpoint's config alone, before any weights load."""
-    _, family, _ = read_config(model)
+    _, family, cfg = read_config(model)
     gen = read_generation_config(Path(model))
-    return resolve_specs(specs, lambda p: resolve_params(p, family.methods, gen), defaults)
+    return resolve_specs(specs, lambda p: resolve_params(p, family.methods, gen, cfg.logit_shift,
+                                                         trained_block_size(cfg)), defaults)
 
 
 HEADER = (f"{'method':<48} {'batch':>5} {'acc':>6} {'tok/s':>8} {'nfe':>6} {'tok/step':>8} "
