@@ -325,6 +325,10 @@ def test_bad_completion_requests_answer_400_naming_the_field(live, patch, param,
 @pytest.mark.parametrize("patch,param,message", [
     ({"messages": []}, "messages", "at least 1 item"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "'system', 'developer', 'user'"),
+    # OpenAI's 400 for a turn without content (an assistant turn with tool_calls may omit it)
+    ({"messages": [{"role": "user"}]}, "messages.0.content", r"^Missing required parameter: 'messages\[0\]\.content'\.$"),
+    ({"messages": [{"role": "user", "content": "sort : b a"}, {"role": "assistant", "content": None},
+                   {"role": "user", "content": "again"}]}, "messages.1.content", "Missing required parameter"),
     ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "needs \"logprobs\": true"),
     ({"max_tokens": 8, "max_completion_tokens": 8}, "max_tokens", "not both"),
     ({"top_p": 0.5, "sparkle": 1}, "sparkle", "unknown field 'sparkle'"),
