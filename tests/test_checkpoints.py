@@ -86,3 +86,25 @@ def test_stopping_at_the_stop_block_changes_no_text(name, method):
     assert all(o.text.strip() for o in stopping), "the answers are not empty"
     assert stopping.stats.nfe < whole.stats.nfe
 
+
+def test_generate_applies_the_chat_template_unless_raw(capsys, tmp_path):
+    """`dllm generate --prompt X` chats when the checkpoint has a template, and says so on stderr;
+    `--raw` is a plain completion; `--chat` on a checkpoint without a template is an error."""
+    import json
+    import shutil
+
+    from dllm_engine.cli import main
+    argv = ["generate", "--prompt", "sort : 9 2 7 4", "--threads", "1", "--max-new-tokens", "32"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "output: 2 4 7 9\n" in out and "the checkpoint's chat template applied" in err
+    assert main([*argv, "--raw"]) == 0
+    assert "a plain completion (--raw)" in capsys.readouterr().err
+    plain = shutil.copytree(CHECKPOINTS / "tiny-llada", tmp_path / "plain")
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    assert main([*argv, "--model", str(plain)]) == 0
+    assert "a plain completion (the checkpoint has no chat template)" in capsys.readouterr().err
+    assert main([*argv, "--model", str(plain), "--chat"]) == 2
+    assert "has no chat template in its tokenizer_config.json; drop --chat" in capsys.readouterr().err
