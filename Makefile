@@ -19,7 +19,7 @@ demo: venv
 	$(VENV)/bin/dllm generate --threads 1
 
 test: venv
-	@echo "running the test suite: 3-5 minutes on 2 CPU cores"
+	@echo "running the test suite: 3-9 minutes on 2 CPU cores"
 	$(PY) -m pytest -q
 
 # the sdist and the wheel (with the embedded checkpoints) in dist/; docs/install.md
