@@ -1,6 +1,8 @@
 """Every ```python / ```bash block of README.md runs as written. A block that cannot run here
 (a GPU, a server, minutes of benchmark) is preceded by ``<!-- readme-test: skip REASON -->`` with
-REASON from ``REASONS`` (the README says so); it is reported as skipped, never dropped silently."""
+REASON from ``REASONS`` (the README says so); it is reported as skipped, never dropped silently.
+A block that prints must print something; one preceded by ``<!-- readme-test: expect TEXT -->``
+must print a line that is TEXT (its right answer on the embedded checkpoint)."""
 import contextlib
 import os
 import signal
@@ -42,19 +44,27 @@ BLOCKS = readme_blocks((ROOT / "README.md").read_text())
 
 
 def test_the_extractor_finds_blocks_and_markers():
-    text = "x\n<!-- readme-test: skip gpu -->\n```bash\nnvidia-smi\n```\n```python\nprint(1)\n```\n```text\nz\n```\n"
+    text = ("x\n<!-- readme-test: skip gpu -->\n```bash\nnvidia-smi\n```\n```python\nprint(1)\n```\n```text\nz\n```\n"
+            "<!-- readme-test: expect 1 2 -->\n```python\nprint(1, 2)\n```\n")
     assert [(b.line, b.lang, b.code, b.marker) for b in readme_blocks(text)] == [
-        (4, "bash", "nvidia-smi\n", "skip gpu"), (7, "python", "print(1)\n", None)]
-    runnable = [b for b in BLOCKS if b.marker is None]
+        (4, "bash", "nvidia-smi\n", "skip gpu"), (7, "python", "print(1)\n", None),
+        (14, "python", "print(1, 2)\n", "expect 1 2")]
+    runnable = [b for b in BLOCKS if b.marker is None or b.marker.startswith("expect ")]
     assert {b.lang for b in runnable} == {"python", "bash"}, "the README has blocks of both kinds that run"
+
+
+def prints(block: Block) -> bool:
+    """A bash block runs commands, which print; a python block prints if it calls print."""
+    return block.lang == "bash" or "print(" in block.code
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
 def test_readme_block_runs(block, tmp_path):
-    if block.marker is not None:
-        kind, _, reason = block.marker.partition(" ")
-        assert kind == "skip" and reason in REASONS, f"unknown marker {block.marker!r}; use skip {set(REASONS)}"
-        pytest.skip(f"README line {block.line}: {REASONS[reason]}")
+    kind, _, value = (block.marker or "").partition(" ")
+    assert kind in ("", "skip", "expect") and (kind != "skip" or value in REASONS), \
+        f"unknown marker {block.marker!r}; use skip {set(REASONS)} or expect TEXT"
+    if kind == "skip":
+        pytest.skip(f"README line {block.line}: {REASONS[value]}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     command = [sys.executable, "-c", block.code] if block.lang == "python" else ["bash", "-e", "-c", block.code]
@@ -67,3 +77,7 @@ def test_readme_block_runs(block, tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, f"README line {block.line} failed:\n{out}\n{err}"
+    if prints(block):
+        assert out.strip(), f"README line {block.line} printed nothing:\n{err}"
+    if kind == "expect":
+        assert value in out.splitlines(), f"README line {block.line} printed no line {value!r}:\n{out}"
