@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[test,lm-eval,distributed]"
 	touch $@
 
-.PHONY: venv demo test
+.PHONY: venv demo test wheel
 venv: $(VENV)/.installed
 
 # one thread, as the README's benchmarks: on a busy machine more threads only contend
@@ -19,5 +19,9 @@ demo: venv
 	$(VENV)/bin/dllm generate --threads 1
 
 test: venv
-	@echo "running the test suite: 3-5 minutes on 2 CPU cores"
+	@echo "running the test suite: 3-9 minutes on 2 CPU cores"
 	$(PY) -m pytest -q
+
+# the sdist and the wheel (with the embedded checkpoints) in dist/; docs/install.md
+wheel: venv
+	$(PY) -m build --outdir dist

@@ -35,23 +35,22 @@ class Decoder:
     recomputes_suffix: bool  # ... and recompute the canvas after the block (Fast-dLLM's prefix cache)
     fixed_steps: bool  # default commit rule: fixed steps per block (else a confidence threshold)
     unmasking: bool  # commits by SDAR's unmasking rule (``unmasking``), not LLaDA's ``remasking``
-    stops_at_eos: bool  # default of ``stop_at_eos``: end after a finished block holding EOS
     supports_cfg: bool  # classifier-free guidance (``cfg_scale``)
     supports_factor: bool  # Fast-dLLM's factor commit rule
     family_default: bool  # the default decoder of the models whose attention pattern runs it
 
 
 REFERENCE = Decoder("reference", block_causal=False, reuses_cache=False, recomputes_suffix=False,
-                    fixed_steps=True, unmasking=False, stops_at_eos=False, supports_cfg=True,
+                    fixed_steps=True, unmasking=False, supports_cfg=True,
                     supports_factor=True, family_default=False)
 PREFIX_CACHE = Decoder("prefix-cache", block_causal=False, reuses_cache=True, recomputes_suffix=True,
-                       fixed_steps=False, unmasking=False, stops_at_eos=False, supports_cfg=False,
+                       fixed_steps=False, unmasking=False, supports_cfg=False,
                        supports_factor=True, family_default=False)
 DUAL_CACHE = Decoder("dual-cache", block_causal=False, reuses_cache=True, recomputes_suffix=False,
-                     fixed_steps=False, unmasking=False, stops_at_eos=False, supports_cfg=False,
+                     fixed_steps=False, unmasking=False, supports_cfg=False,
                      supports_factor=True, family_default=True)
 BLOCK = Decoder("block", block_causal=True, reuses_cache=True, recomputes_suffix=False,
-                fixed_steps=False, unmasking=True, stops_at_eos=True, supports_cfg=False,
+                fixed_steps=False, unmasking=True, supports_cfg=False,
                 supports_factor=False, family_default=True)
 
 DECODERS: dict[str, Decoder] = {d.name: d for d in (REFERENCE, PREFIX_CACHE, DUAL_CACHE, BLOCK)}
@@ -91,7 +90,6 @@ class StrategySpec:
     shrinks_tokens: bool = False  # drops tokens inside the forward (layer hooks)
     owns_commit: bool = False  # replaces the base commit rule (``commit``)
     needs_unshifted_logits: bool = False  # reads position p's logits at p (not Dream)
-    stops_at_eos: bool = False  # ``stop_at_eos`` defaults to true, whatever the base
     no_logprobs: str | None = None  # why ``logprobs`` cannot be recorded (None: they can)
     # stops computing committed block positions (FOCUS's delayed cache freezes their K/V), so
     # a commit rule that edits committed tokens cannot run beside it
@@ -109,7 +107,7 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
                  ("keep_fractions", "skip_depths", "skip_alpha", "prompt_refresh", "block_refresh",
                   "skip_block_start", "delay_eos"), stage=0, shrinks_tokens=True),
     StrategySpec("adaptive-length", "dllm_engine.strategies.adaptive_length:AdaptiveLength",
-                 tuple(DECODERS.values()), ("eos_threshold", "min_length"), stops_at_eos=True),
+                 tuple(DECODERS.values()), ("eos_threshold", "min_length")),
     StrategySpec("jump-share", "dllm_engine.strategies.jump_share:JumpShare", (PREFIX_CACHE, DUAL_CACHE),
                  ("max_copies",), stage=2, owns_commit=True, needs_unshifted_logits=True,
                  no_logprobs="its drafts were predicted a step earlier"),

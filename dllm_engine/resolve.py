@@ -7,6 +7,7 @@ method means the same thing everywhere, and ``SamplingParams.describe`` prints w
 from __future__ import annotations
 
 import logging
+import warnings
 
 from .methods import (DECODERS, DEFAULT_PRESET, JOINT_THRESHOLD_PRESETS, STRATEGIES, check_commit_rule, check_method,
                       default_decoder)
@@ -18,6 +19,7 @@ log = logging.getLogger(__name__)
 # resolved as a whole: `reference` is LLaDA's fixed-step sampler (steps = block_length: one token
 # per step); every other decoder commits by threshold DEFAULT_THRESHOLD (Fast-dLLM's parallel
 # decoding, SDAR's low_confidence_dynamic).
+# block_length: a block-causal model's trained block_size (config.json) instead, when it has one.
 DEFAULTS = {"max_new_tokens": 128, "block_length": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
             "seed": 0}
 DEFAULT_THRESHOLD = 0.9
@@ -85,20 +87,26 @@ def resolve_preset(p: SamplingParams) -> dict:
 
 
 def resolve_params(params: SamplingParams, methods: tuple[str, ...],
-                   generation_config: dict | None = None, logit_shift: int = 0) -> SamplingParams:
+                   generation_config: dict | None = None, logit_shift: int = 0,
+                   block_size: int | None = None) -> SamplingParams:
     """Every field filled, in one order: the request's value, the checkpoint's
     generation_config.json, the documented default. ``methods``: the base decoders the model's
-    attention pattern supports; ``logit_shift``: the model's (Dream: 1). Raises ValueError for
-    anything this model cannot run."""
+    attention pattern supports; ``logit_shift``: the model's (Dream: 1); ``block_size``: the
+    trained block size of a block-causal model (config.json's), which is then the default
+    ``block_length`` (another one runs, with one warning). Raises ValueError for anything this
+    model cannot run."""
     gen = generation_defaults(generation_config)
-    filled = {k: gen.get(k, DEFAULTS.get(k)) for k in ("max_new_tokens", "block_length", "temperature",
+    defaults = {**DEFAULTS, "block_length": block_size or DEFAULTS["block_length"]}
+    filled = {k: gen.get(k, defaults.get(k)) for k in ("max_new_tokens", "block_length", "temperature",
                                                        "top_p", "top_k", "seed") if getattr(params, k) is None}
     p = params.replace(method=params.method or gen.get("method") or default_decoder(methods), **filled)
     p = p.replace(**resolve_preset(p))
     p = p.replace(**resolve_commit_rule(p, gen))
     check_against_model(p, methods, logit_shift)
-    if p.stop_at_eos is None:
-        p.stop_at_eos = p.decoder.stops_at_eos or any(STRATEGIES[s].stops_at_eos for s in p.strategies)
+    if block_size is not None and p.block_length != block_size:
+        warn_block_length(p.block_length, block_size)
+    if p.stop_at_eos is None:  # a committed block never changes: the text is the same either way
+        p.stop_at_eos = True
     if p.steps is None:
         p.steps = p.block_length
     if p.steps > p.block_length:
@@ -107,6 +115,24 @@ def resolve_params(params: SamplingParams, methods: tuple[str, ...],
         p.unmasking = p.unmasking or ("low_confidence_dynamic" if p.threshold is not None
                                       else "low_confidence_static")
     return p
+
+
+def warn_block_length(block_length: int, block_size: int) -> None:
+    """One warning per value (``warnings``' default filter): block-causal attention follows
+    ``block_length``, so another value runs the model on blocks it was not trained on."""
+    warnings.warn(f"block_length {block_length} differs from the block size this model was trained "
+                  f"with ({block_size}, config.json's block_size): attention runs bidirectionally "
+                  f"over blocks of {block_length}; leave block_length unset to use {block_size}",
+                  BlockLengthWarning)
+
+
+class BlockLengthWarning(UserWarning):
+    """A block-causal model runs with a ``block_length`` other than its trained block size."""
+
+
+def trained_block_size(config) -> int | None:
+    """A block-causal model's trained block size (``ModelConfig.block_size``); None for full attention."""
+    return config.block_size if config.is_block_causal else None
 
 
 def check_against_model(p: SamplingParams, methods: tuple[str, ...], logit_shift: int = 0) -> None:

@@ -43,10 +43,10 @@ class SamplingParams:
     cfg_scale: float = 0.0
     seed: int | None = None  # None: 0 offline (reproducible); the server draws one per request
     stop_token_ids: list[int] = field(default_factory=list)
-    # end a sequence after a finished block that holds a stop token. None = the decoder's own
-    # behaviour: SDAR-style `block` and `adaptive-length` stop (SPEC §3, §6); LLaDA's generate.py and
-    # Fast-dLLM's prefix/dual caches decode the whole canvas, so `reference`, `prefix-cache` and
-    # `dual-cache` do too unless asked (adaptive-length with False: the canvas cut alone)
+    # end a sequence after the finished block holding the first stop token. None = yes, for every
+    # decoder: a committed block never changes, so the text is the same either way. False decodes
+    # the whole canvas, as LLaDA's generate.py and Fast-dLLM's prefix/dual caches do (parity runs
+    # against them and the benchmark baselines ask for it); adaptive-length with False: its cut alone
     stop_at_eos: bool | None = None
     logprobs: int | None = None  # None = off; N >= 0: each output token's logprob and its top N
     # FOCUS token eviction (strategies/focus.py)

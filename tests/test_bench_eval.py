@@ -232,6 +232,19 @@ BENCH_ARGS = ["--batch-sizes", "1,2", "--tasks", "sort", "--limit", "1", "--max-
               "--block-length", "8"]
 
 
+def test_cli_bench_defaults_out_to_a_new_folder_and_shows_a_bar_per_spec_and_batch(ckpt, tmp_path, capsys,
+                                                                                     monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--model", str(ckpt), "--methods", "reference", "dual-cache", *BENCH_ARGS]) == 0
+    out, err = capsys.readouterr()
+    folder, = (tmp_path / "bench-out").iterdir()
+    assert re.fullmatch(r"\d{8}-\d{6}", folder.name) and f"writing to bench-out/{folder.name}\n" in out
+    assert len(json.loads((folder / "results.json").read_text())) == 4
+    for spec in ("reference", "dual-cache"):
+        for batch in (1, 2):
+            assert re.search(rf"{spec} batch {batch}: 100%.* 1/1 ", err), err
+
+
 def stop_at_call(monkeypatch, n: int | None = None, error: BaseException | None = None) -> list:
     """``bench_one`` raises ``error`` on its ``n``-th call (1-based; never when None); returns
     the methods it was called for."""
@@ -254,7 +267,8 @@ def test_bench_ctrl_c_keeps_the_rows_measured(ckpt, tmp_path, capsys, monkeypatc
     stop_at_call(monkeypatch, 2, KeyboardInterrupt())
     assert main(["bench", "--model", str(ckpt), "--methods", "reference", "dual-cache", *BENCH_ARGS,
                  "--out", str(out)]) == 130
-    assert capsys.readouterr().err == f"interrupted: 1 row written to {out / 'results.json'}\n"
+    err = capsys.readouterr().err  # after the progress bars: one line
+    assert err.splitlines()[-1] == f"interrupted: 1 row written to {out / 'results.json'}" and "Traceback" not in err
     assert [r["method"] for r in json.loads((out / "results.json").read_text())] == ["reference"]
     assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "results.json", "table.md", "throughput.png"]  # no temp file
@@ -265,9 +279,10 @@ def test_bench_spec_failing_mid_run_keeps_the_rows_and_names_the_spec(ckpt, tmp_
     stop_at_call(monkeypatch, 3, ValueError("the engine refused"))
     assert main(["bench", "--model", str(ckpt), "--methods", "reference", "dual-cache", *BENCH_ARGS,
                  "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: spec 'reference' at batch size 2: the engine refused") and err.count("\n") == 1
-    assert f"2 rows written to {out / 'results.json'}" in err
+    err = capsys.readouterr().err  # after the progress bars: one line
+    last = err.splitlines()[-1]
+    assert last.startswith("error: spec 'reference' at batch size 2: the engine refused") and "Traceback" not in err
+    assert f"2 rows written to {out / 'results.json'}" in last
     data = json.loads((out / "results.json").read_text())
     assert [(r["method"], r["batch_size"]) for r in data] == [("reference", 1), ("dual-cache", 1)]
 
@@ -390,7 +405,8 @@ def test_bench_repeats_ctrl_c_mid_round_keeps_the_finished_batch_sizes(ckpt, tmp
     stop_at_call(monkeypatch, 7, KeyboardInterrupt())  # batch 1: 4 passes; batch 2: round 2's first
     assert main(["bench", "--model", str(ckpt), "--methods", "reference", "dual-cache", *BENCH_ARGS,
                  "--repeats", "2", "--out", str(out)]) == 130
-    assert capsys.readouterr().err == f"interrupted: 2 rows written to {out / 'results.json'}\n"
+    err = capsys.readouterr().err  # after the progress bars: one line
+    assert err.splitlines()[-1] == f"interrupted: 2 rows written to {out / 'results.json'}" and "Traceback" not in err
     data = json.loads((out / "results.json").read_text())
     assert [(r["method"], r["batch_size"], len(r["runs_seconds"])) for r in data] == [
         ("reference", 1, 2), ("dual-cache", 1, 2)]

@@ -70,3 +70,41 @@ def test_demo_answers_its_default_prompt(capsys):
     assert re.search(r"^prompt: story : ", out, re.M), out
     assert re.search(r"^expected: .* , answer : \d+  \(correct\)$", out, re.M), out
     assert re.search(r"^stats: nfe=\d+ .* tokens_per_step=\d+\.\d\d .* throughput=[\d.]+ tok/s$", out, re.M), out
+
+
+@pytest.mark.parametrize("name,method", [("tiny-llada", "reference"), ("tiny-llada", "prefix-cache"),
+                                         ("tiny-llada", "dual-cache"), ("tiny-sdar", "block")])
+def test_stopping_at_the_stop_block_changes_no_text(name, method):
+    """The default (stop after the block holding the first stop token) gives the text the whole
+    canvas gives, in fewer forwards: a semi-autoregressive decoder never changes a committed block."""
+    llm = LLM(CHECKPOINTS / name)
+    prompts = [[{"role": "user", "content": e.prompt}] for e in load_split(["sort", "spell"], limit=2)]
+    params = SamplingParams(method=method, max_new_tokens=64, block_length=32, threshold=0.9)
+    stopping = llm.chat(prompts, params)
+    whole = llm.chat(prompts, params.replace(stop_at_eos=False))
+    assert [o.text for o in stopping] == [o.text for o in whole]
+    assert all(o.text.strip() for o in stopping), "the answers are not empty"
+    assert stopping.stats.nfe < whole.stats.nfe
+
+
+def test_generate_applies_the_chat_template_unless_raw(capsys, tmp_path):
+    """`dllm generate --prompt X` chats when the checkpoint has a template, and says so on stderr;
+    `--raw` is a plain completion; `--chat` on a checkpoint without a template is an error."""
+    import json
+    import shutil
+
+    from dllm_engine.cli import main
+    argv = ["generate", "--prompt", "sort : 9 2 7 4", "--threads", "1", "--max-new-tokens", "32"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "output: 2 4 7 9\n" in out and "the checkpoint's chat template applied" in err
+    assert main([*argv, "--raw"]) == 0
+    assert "a plain completion (--raw)" in capsys.readouterr().err
+    plain = shutil.copytree(CHECKPOINTS / "tiny-llada", tmp_path / "plain")
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    assert main([*argv, "--model", str(plain)]) == 0
+    assert "a plain completion (the checkpoint has no chat template)" in capsys.readouterr().err
+    assert main([*argv, "--model", str(plain), "--chat"]) == 2
+    assert "has no chat template in its tokenizer_config.json; drop --chat" in capsys.readouterr().err

@@ -136,6 +136,7 @@ def test_bonuses_and_ties_on_a_hand_example():
 
 # -- end to end -----------------------------------------------------------------------------
 def tokens(llm, prompts, **kw):
+    # stop_at_eos=False: the official ES-dLLM loop decodes the whole canvas
     kw = dict(dict(max_new_tokens=16, block_length=8, stop_at_eos=False), **kw)
     return llm.generate(prompts, SamplingParams(**kw))
 

@@ -312,6 +312,7 @@ def delayed_dual_cache_reference(model, prompt, gen_length, block_length, thresh
 def test_dual_cache_eviction_off_equals_plain_delayed_cache_sampler(llms, model_type):
     llm = llms[model_type]
     ids = llm.token_ids
+    # stop_at_eos=False: the plain sampler below decodes the whole canvas, as Fast-dLLM's does
     params = SamplingParams(method="dual-cache+focus", max_new_tokens=24, block_length=8, threshold=0.5,
                             focus_alpha=NO_EVICTION, stop_at_eos=False)
     for prompt in PROMPTS:

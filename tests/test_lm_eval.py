@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 lm_eval = pytest.importorskip("lm_eval")  # the lm-eval extra (make test installs it)
@@ -155,7 +156,9 @@ def test_until_cuts_each_request_at_its_own_stop_strings(llada):
         assert answer == text[:cut]  # the stop string itself is left out, as lm-eval expects
 
 
-def test_a_stop_string_ends_the_sequence_early(llada):
+def test_a_stop_string_ends_the_sequence_early():
+    # stop_at_eos=False: the plain answer decodes its whole canvas, the stopped one ends at "5"
+    llada = DllmLM(str(CHECKPOINTS / "tiny-llada"), method="dual-cache", threshold=0.9, stop_at_eos=False)
     context = chat_context(llada, load_split(["sort"], limit=1)[0].prompt)
     plain, stopped = llada.generation(context, {}), llada.generation(context, {"until": ["5"]})
     llada.run([plain, stopped])
@@ -230,6 +233,18 @@ def test_model_args_win_over_lm_eval_flags(random_ckpt):
     assert str(lm.device) == "cpu" and lm.llm.engine.max_num_seqs == 4 and lm.params.method == "reference"
 
 
+def test_lm_eval_s_default_device_falls_back_to_the_cpu(random_ckpt, dllm_warnings, monkeypatch):
+    """lm-eval's --device defaults to cuda:0; without a GPU the model runs on the CPU, as lm-eval's
+    HF model does, and says so once."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    lm = DllmLM.create_from_arg_string(f"pretrained={random_ckpt}", {"device": "cuda:0", "batch_size": 1})
+    assert str(lm.device) == "cpu"
+    warned, = dllm_warnings()
+    assert warned.startswith("device 'cuda:0' is not available") and "running on the CPU" in warned
+    with pytest.raises(ValueError, match="is not a device name"):
+        DllmLM(random_ckpt, device="gpu0")
+
+
 @pytest.fixture
 def own_tasks_only(monkeypatch):
     """lm-eval's command line indexes its thousands of built-in tasks first (~20 s): only ours here."""
@@ -240,8 +255,9 @@ def own_tasks_only(monkeypatch):
 def test_dllm_lm_eval_command(tmp_path, own_tasks_only):
     stats = tmp_path / "dllm_stats.json"
     args = f"pretrained={CHECKPOINTS / 'tiny-sdar'},method=block,threshold=0.9,stats_path={stats}"
+    # no --device: lm-eval's cuda:0, the CPU on a machine without a GPU
     assert main(["lm-eval", "--model", "dllm", "--model_args", args, "--tasks", "dllm_sort", "--limit", "1",
-                 "--device", "cpu", "--apply_chat_template", "--output_path", str(tmp_path / "out")]) == 0
+                 "--apply_chat_template", "--output_path", str(tmp_path / "out")]) == 0
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
     assert results["results"]["dllm_sort"]["exact_match,none"] == 1.0
     record = json.loads(stats.read_text())

@@ -55,11 +55,11 @@ def test_the_attention_patterns_and_their_defaults():
 def test_the_decoder_table():
     """The cache policy and defaults each decoder documents (the table in methods.py)."""
     rows = {d.name: (d.block_causal, d.reuses_cache, d.recomputes_suffix, d.fixed_steps, d.unmasking,
-                     d.stops_at_eos, d.supports_cfg, d.supports_factor) for d in DECODERS.values()}
-    assert rows == {"reference": (False, False, False, True, False, False, True, True),
-                    "prefix-cache": (False, True, True, False, False, False, False, True),
-                    "dual-cache": (False, True, False, False, False, False, False, True),
-                    "block": (True, True, False, False, True, True, False, False)}
+                     d.supports_cfg, d.supports_factor) for d in DECODERS.values()}
+    assert rows == {"reference": (False, False, False, True, False, True, True),
+                    "prefix-cache": (False, True, True, False, False, False, True),
+                    "dual-cache": (False, True, False, False, False, False, True),
+                    "block": (True, True, False, False, True, False, False)}
 
 
 # -- the strategies: plain data the runtime classes take their flags from --------------------------

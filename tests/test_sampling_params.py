@@ -65,7 +65,7 @@ def test_describe_prints_what_will_run():
     p = resolve_params(SamplingParams(method="dual-cache+focus", temperature=0.7), FULL)
     text = p.describe()
     assert text.startswith("dual-cache+focus max_new_tokens=128 block_length=32 ")
-    for part in ("threshold=0.9", "temperature=0.7", "top_p=1.0", "focus_alpha=1.5", "stop_at_eos=False"):
+    for part in ("threshold=0.9", "temperature=0.7", "top_p=1.0", "focus_alpha=1.5", "stop_at_eos=True"):
         assert part in text.split(" "), text
     assert "steps=" not in text  # the threshold rule ignores steps: not printed
     assert "steps=32" in resolve_params(SamplingParams(method="reference"), FULL).describe()

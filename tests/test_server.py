@@ -325,6 +325,10 @@ def test_bad_completion_requests_answer_400_naming_the_field(live, patch, param,
 @pytest.mark.parametrize("patch,param,message", [
     ({"messages": []}, "messages", "at least 1 item"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "'system', 'developer', 'user'"),
+    # OpenAI's 400 for a turn without content (an assistant turn with tool_calls may omit it)
+    ({"messages": [{"role": "user"}]}, "messages.0.content", r"^Missing required parameter: 'messages\[0\]\.content'\.$"),
+    ({"messages": [{"role": "user", "content": "sort : b a"}, {"role": "assistant", "content": None},
+                   {"role": "user", "content": "again"}]}, "messages.1.content", "Missing required parameter"),
     ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "needs \"logprobs\": true"),
     ({"max_tokens": 8, "max_completion_tokens": 8}, "max_tokens", "not both"),
     ({"top_p": 0.5, "sparkle": 1}, "sparkle", "unknown field 'sparkle'"),
@@ -734,3 +738,20 @@ def test_dllm_serve_and_dllm_bench_serve(ckpt, tmp_path):
         assert proc.wait(30) == 0
     r = in_flight.result(timeout=30)
     assert r.status_code == 503 and r.json()["error"]["message"] == "server shut down before the request finished"
+
+
+@pytest.mark.parametrize("argv,policy", [([], "seed: a request without one gets a fresh random seed"),
+                                         (["--seed", "5"], "seed: 5 for every request without one")])
+def test_dllm_serve_start_up_lines_state_the_seed_policy(ckpt, monkeypatch, capsys, argv, policy):
+    """Without --seed a request that sets none samples with a fresh seed (Server.make_request): the
+    start-up lines say so, and the default method's line shows no seed=0."""
+    import dllm_engine.server
+    monkeypatch.setattr(dllm_engine.server, "run_server", lambda *args, **kw: None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["serve", "--model", str(ckpt), "--port", str(port), *argv]) == 0
+    out = capsys.readouterr().out
+    assert policy in out
+    method = next(line for line in out.splitlines() if line.startswith("default method: "))
+    assert ("seed=5" in method) == bool(argv) and "seed=0" not in method

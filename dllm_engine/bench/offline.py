@@ -24,7 +24,7 @@ from ..eval.evaluate import chat_prompt
 from ..models.compiled import compile_model, uncompile_model
 from ..models.loader import read_config, read_generation_config
 from ..outputs import BenchInterrupted, prepare_out_dir, saved, write_json_atomic
-from ..resolve import resolve_params
+from ..resolve import resolve_params, trained_block_size
 from ..sampling_params import SamplingParams
 from ..spec import parse_spec
 from ..tasks import Example
@@ -107,15 +107,17 @@ class BenchRecord:
 
 
 def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Example],
-              batch_size: int, warm_all: bool = False) -> BenchRecord:
+              batch_size: int, warm_all: bool = False, use_tqdm: bool = False) -> BenchRecord:
     """``warm_all``: the warm-up is the whole run, not one prompt (a compiled step compiles
-    each shape it meets on first use: the timed run then measures the steady state)."""
+    each shape it meets on first use: the timed run then measures the steady state).
+    ``use_tqdm``: a progress bar of the timed pass's prompts (stderr), named by spec and batch size."""
     warm = (examples, batch_size) if warm_all else (examples[:1], 1)
     evaluate(llm, params, examples=warm[0], batch_size=warm[1], use_tqdm=False)  # warm-up
     if llm.parallel is not None:
         llm.parallel.reset_peak()
     with PeakMemory(llm.device) as mem:
-        report = evaluate(llm, params, examples=examples, batch_size=batch_size, use_tqdm=False)
+        report = evaluate(llm, params, examples=examples, batch_size=batch_size, use_tqdm=use_tqdm,
+                          desc=f"{spec} batch {batch_size}")
     per_rank = None
     if llm.parallel is not None and llm.device.type == "cpu":
         per_rank = [r["peak_rss_mb"] for r in llm.parallel.report()]
@@ -145,7 +147,7 @@ VARIANTS = {
 def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
               out_dir: str | Path, defaults: dict | None = None, progress=print,
               compare_compiled: bool = False, variants: list[str] | None = None,
-              repeats: int = 1, meta: dict | None = None) -> list[BenchRecord]:
+              repeats: int = 1, meta: dict | None = None, use_tqdm: bool = False) -> list[BenchRecord]:
     """Run every spec at every batch size (interleaved); results.json is rewritten after every
     row, throughput.png at the end. Ctrl-C raises ``BenchInterrupted`` and a spec failing
     mid-run a ValueError naming it, both after plotting the rows so far.
@@ -154,7 +156,8 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
     machine's state. ``repeats``: each batch size runs that many rounds of every spec (and
     variant) in turn; a row keeps its fastest pass and is written when its last round ends.
     ``meta``: the run's provenance for meta.json (``report.collect_meta``; default: this
-    process's command line); table.md is rewritten with results.json."""
+    process's command line); table.md is rewritten with results.json. ``use_tqdm``: a progress
+    bar per spec and batch size (stderr), cleared when its row prints."""
     if not specs:
         raise ValueError("give at least one method spec")
     if any(b < 1 for b in batch_sizes) or not batch_sizes:
@@ -181,7 +184,7 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
                         label = spec if name is None else f"{spec} [{name}]"
                         running = f"spec {label!r} at batch size {bs}" + (
                             f", round {round_} of {repeats}" if repeats > 1 else "")
-                        record = bench_variant(llm, spec, name, params[spec], examples, bs)
+                        record = bench_variant(llm, spec, name, params[spec], examples, bs, use_tqdm)
                         if (i, name) in rows:
                             rows[i, name].add_run(record)
                         else:
@@ -199,14 +202,14 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
 
 
 def bench_variant(llm: LLM, spec: str, name: str | None, params: SamplingParams,
-                  examples: list[Example], batch_size: int) -> BenchRecord:
+                  examples: list[Example], batch_size: int, use_tqdm: bool = False) -> BenchRecord:
     """One timed pass of ``spec`` as loaded (``name`` None) or under the variant ``name``."""
     if name is None:
-        return bench_one(llm, spec, params, examples, batch_size)
+        return bench_one(llm, spec, params, examples, batch_size, use_tqdm=use_tqdm)
     apply, undo, warm_all = VARIANTS[name]
     apply(llm)
     try:
-        return bench_one(llm, f"{spec} [{name}]", params, examples, batch_size, warm_all)
+        return bench_one(llm, f"{spec} [{name}]", params, examples, batch_size, warm_all, use_tqdm)
     finally:
         undo(llm)
 
@@ -258,9 +261,10 @@ def resolve_specs(specs: list[str], resolve, defaults: dict | None = None) -> di
 
 def check_specs(model: str | Path, specs: list[str], defaults: dict | None = None) -> dict[str, SamplingParams]:
     """Resolve every spec against the checkpoint's config alone, before any weights load."""
-    _, family, _ = read_config(model)
+    _, family, cfg = read_config(model)
     gen = read_generation_config(Path(model))
-    return resolve_specs(specs, lambda p: resolve_params(p, family.methods, gen), defaults)
+    return resolve_specs(specs, lambda p: resolve_params(p, family.methods, gen, cfg.logit_shift,
+                                                         trained_block_size(cfg)), defaults)
 
 
 HEADER = (f"{'method':<48} {'batch':>5} {'acc':>6} {'tok/s':>8} {'nfe':>6} {'tok/step':>8} "

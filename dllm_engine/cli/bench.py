@@ -17,11 +17,25 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="prompts per task")
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--block-length", type=int, default=None, help="for every spec that does not set it")
-    p.add_argument("--out", required=True, help="folder for results.json and throughput.png")
+    p.add_argument("--out", default=None,
+                   help="folder for results.json (rewritten after every row), table.md and "
+                        "throughput.png (default: a new folder bench-out/YYYYMMDD-HHMMSS)")
     p.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="timed rounds of every spec, in turn, per batch size; each row keeps its "
                         "fastest pass and the table the range of the rounds' speed-ups (a shared machine)")
     add_model_args(p)
+
+
+def default_out() -> str:
+    """A new folder for this run: bench-out/YYYYMMDD-HHMMSS (a suffix if that one exists)."""
+    import time
+    from pathlib import Path
+    base = Path("bench-out") / time.strftime("%Y%m%d-%H%M%S")
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return str(out)
 
 
 def run_bench(args: argparse.Namespace) -> None:
@@ -39,7 +53,9 @@ def run_bench(args: argparse.Namespace) -> None:
     check_compile(args.compile, args.tensor_parallel_size, args.compile_step)  # bench compiles after loading
     folder = str(resolve_model(args.model, args.revision))  # an id: fetched once, here
     resolved = check_specs(folder, args.methods, defaults)  # before the weights load
+    args.out = args.out or default_out()
     prepare_out(args.out, "results.json")
+    print(f"writing to {args.out}")
     # --compile, --fixed-shapes, --compile-step: each spec runs as usual, then under each
     llm = common.load_llm(args, folder, compile=False, fixed_shapes=False, compile_step=False)
     variants = [name for name, on in (("fixed shapes", args.fixed_shapes), ("compiled step", args.compile_step)) if on]
@@ -51,7 +67,7 @@ def run_bench(args: argparse.Namespace) -> None:
           f"keep_freed_memory: {'on' if is_kept() else 'off'}  repeats: {args.repeats}")
     print(HEADER)
     records = bench(llm, args.methods, args.batch_sizes, examples, args.out, defaults,
-                    compare_compiled=args.compile, variants=variants, repeats=args.repeats)
+                    compare_compiled=args.compile, variants=variants, repeats=args.repeats, use_tqdm=True)
     print()
     print(table(records))
     print(f"\nwrote {args.out}/results.json and {args.out}/throughput.png")

@@ -10,7 +10,16 @@ if TYPE_CHECKING:  # the command line imports the engine lazily, per command
     from ..sampling_params import SamplingParams
 
 
-CHECKPOINTS = Path(__file__).resolve().parent.parent.parent / "checkpoints"
+def embedded_checkpoints() -> Path:
+    """The folder of the embedded tiny checkpoints: ``dllm_engine/checkpoints`` in an installed
+    wheel (package data), else the source checkout's ``checkpoints/`` beside the package, which
+    the wheel copies (setup.py)."""
+    package = Path(__file__).resolve().parent.parent
+    installed = package / "checkpoints"
+    return installed if installed.is_dir() else package.parent / "checkpoints"
+
+
+CHECKPOINTS = embedded_checkpoints()
 DEFAULT_MODEL = CHECKPOINTS / "tiny-llada"
 
 
@@ -83,8 +92,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="sampling seed (default 0; dllm serve: a fresh one per request that sets none)")
     p.add_argument("--cfg-scale", type=float, default=0.0, help="classifier-free guidance (reference)")
     p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="end after a finished block holding EOS (default: yes for block and "
-                   "adaptive-length, no for the LLaDA decoders, which fill the whole canvas)")
+                   help="end after the finished block holding the first stop token (default: yes, "
+                   "every decoder; the text is the same either way; --no-stop-at-eos decodes the "
+                   "whole canvas, as LLaDA's and Fast-dLLM's reference loops do)")
 
 
 def sampling_params(args: argparse.Namespace) -> "SamplingParams":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
 from .common import add_model_args, add_sampling_args, sampling_params, set_threads
@@ -10,9 +11,29 @@ from .common import add_model_args, add_sampling_args, sampling_params, set_thre
 def add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate from one prompt and print the text and stats")
     p.add_argument("--prompt", default=None, help="default: a held-out prompt of the task suite")
-    p.add_argument("--chat", action="store_true", help="apply the chat template (default prompt: on)")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--raw", action="store_true",
+                      help="a plain completion of the prompt (default: the checkpoint's chat template "
+                           "when it has one)")
+    form.add_argument("--chat", action="store_true",
+                      help="apply the chat template, and fail if the checkpoint has none")
     add_model_args(p)
     add_sampling_args(p)
+
+
+def use_chat(args: argparse.Namespace, llm) -> bool:
+    """Chat unless ``--raw`` or the checkpoint has no chat template; says which on stderr."""
+    has_template = bool(getattr(llm.tokenizer, "chat_template", None))
+    if args.chat and not has_template:
+        raise ValueError(f"{args.model} has no chat template in its tokenizer_config.json; drop --chat")
+    if args.raw:
+        print("prompt format: a plain completion (--raw)", file=sys.stderr)
+    elif has_template:
+        print("prompt format: the checkpoint's chat template applied (--raw for a plain completion)",
+              file=sys.stderr)
+    else:
+        print("prompt format: a plain completion (the checkpoint has no chat template)", file=sys.stderr)
+    return has_template and not args.raw
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -24,8 +45,8 @@ def run_generate(args: argparse.Namespace) -> None:
     if args.prompt is None:
         from ..tasks import load_split
         example = load_split(["story"], limit=1)[0]
-        args.prompt, args.chat, expected = example.prompt, True, example.answer
-    if args.chat:
+        args.prompt, expected = example.prompt, example.answer
+    if use_chat(args, llm):
         out = llm.chat([[{"role": "user", "content": args.prompt}]], params, use_tqdm=True)
     else:
         out = llm.generate([args.prompt], params, use_tqdm=True)

@@ -86,9 +86,18 @@ def run_serve(args: argparse.Namespace) -> None:
     llm = common.load_llm(args, model, max_num_seqs=args.max_num_seqs)
     resolved = llm.resolve(defaults)  # a default the model cannot run: refuse to start
     print(f"serving {model} at http://{args.host}:{args.port}/v1")
-    print(f"default method: {resolved.describe()}")
+    print(f"default method: {resolved.replace(seed=defaults.seed).describe()}")
+    print(seed_policy(defaults.seed))
     run_server(llm, args.host, args.port, defaults, args.served_model_name, args.max_queue,
                args.shutdown_timeout, args.log_level, args.api_key)
+
+
+def seed_policy(seed: int | None) -> str:
+    """The start-up line on seeds, as the server applies them (``server.app.Server.make_request``)."""
+    if seed is None:
+        return ("seed: a request without one gets a fresh random seed (as OpenAI's API); send "
+                "\"seed\" to reproduce a sampled answer, or start with --seed N")
+    return f"seed: {seed} for every request without one (--seed); a request's own seed wins"
 
 
 def run_serve_replicated(args: argparse.Namespace) -> None:
@@ -113,4 +122,5 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
     defaults = sampling_params(args)
     # reads no weights (an id is fetched here once); refuses a bad default
     LLM(model, dtype=args.dtype, device="meta", revision=args.revision).resolve(defaults)
+    print(seed_policy(defaults.seed))
     run_replicated(replica, scaling, defaults, args.served_model_name, args.host, args.port, args.ray_address)

@@ -16,7 +16,7 @@ from ..models import load_model
 from ..models.compiled import check_compile, compile_model
 from ..models.family import token_id
 from ..models.loader import parse_device, read_generation_config
-from ..resolve import check_prompt, resolve_params
+from ..resolve import check_prompt, resolve_params, trained_block_size
 from ..sampling_params import ParamError, SamplingParams
 from ..tokenizer import load_tokenizer
 from .engine import Engine
@@ -226,8 +226,9 @@ class LLM:
 
     def resolve(self, params: SamplingParams | None = None) -> SamplingParams:
         """``params`` with every field filled for this model (``resolve_params``)."""
+        cfg = self.model.config
         return resolve_params(params or SamplingParams(), self.model.family.methods,
-                              self.generation_config, self.model.config.logit_shift)
+                              self.generation_config, cfg.logit_shift, trained_block_size(cfg))
 
     def resolve_for_prompt(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """``resolve``, then checked against a prompt of ``prompt_len`` tokens."""

@@ -120,8 +120,10 @@ def chat_prompt(example: Example) -> list[dict]:
 
 
 def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, limit: int | None = None,
-             batch_size: int = 32, use_tqdm: bool = True, examples: list[Example] | None = None) -> EvalReport:
-    """Accuracy and SPEC §1 stats of ``params`` on the held-out split (or ``examples``)."""
+             batch_size: int = 32, use_tqdm: bool = True, examples: list[Example] | None = None,
+             desc: str | None = None) -> EvalReport:
+    """Accuracy and SPEC §1 stats of ``params`` on the held-out split (or ``examples``);
+    ``use_tqdm``: a progress bar of the prompts done, named ``desc`` (default: eval METHOD)."""
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     examples = examples if examples is not None else load_split(tasks, limit=limit)
@@ -129,18 +131,19 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
     report = EvalReport(method=params.method)
     all_stats: list[SequenceStats] = []
     records: list[dict] = []
-    bar = tqdm(total=len(examples), desc=f"eval {params.method}", disable=not use_tqdm)
-    start = time.perf_counter()
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i:i + batch_size]
-        outs = llm.chat([chat_prompt(e) for e in chunk], params)
-        report.method, records = outs.method, records + [outs.diagnostics]
-        for ex, out in zip(chunk, outs):
-            report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(grade(ex, out.text), out.stats,
-                                                                      grade_final(ex, out.text))
-            all_stats.append(out.stats)
-        bar.update(len(chunk))
-    bar.close()
+    # a named bar (a bench row's) gives way to the row it measures; closed on Ctrl-C or an error too
+    with tqdm(total=len(examples), desc=desc or f"eval {params.method}", unit="prompt", disable=not use_tqdm,
+              leave=desc is None) as bar:
+        start = time.perf_counter()
+        for i in range(0, len(examples), batch_size):
+            chunk = examples[i:i + batch_size]
+            outs = llm.chat([chat_prompt(e) for e in chunk], params)
+            report.method, records = outs.method, records + [outs.diagnostics]
+            for ex, out in zip(chunk, outs):
+                report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(grade(ex, out.text), out.stats,
+                                                                          grade_final(ex, out.text))
+                all_stats.append(out.stats)
+            bar.update(len(chunk))
     report.stats = SequenceStats.total(all_stats, time.perf_counter() - start)
     report.diagnostics = {k: v for rec in merge_diagnostics(records).values() for k, v in rec.summary().items()}
     return report

@@ -36,6 +36,7 @@ from ..engine.sequence import Sequence, SequenceStats
 from ..engine.stop_strings import committed_end, committed_ids, find_stop, tokens_through_stop
 from ..eval.likelihood import LikelihoodConfig, loglikelihood
 from ..methods import BLOCK, REFERENCE
+from ..models.loader import parse_device
 from ..sampling_params import MAX_SEED, SamplingParams
 from ..spec import FIELD_TYPES, convert, parse_spec
 
@@ -96,6 +97,21 @@ def engine_batch(batch_size: int | str | None, max_batch_size: int | None) -> in
     return int(batch_size)
 
 
+def available_device(device: str) -> str:
+    """``device``, or the CPU when it names an accelerator this machine does not have: lm-eval's
+    ``--device`` defaults to cuda:0, and its HF model falls back to the CPU then; so does this
+    model, with one warning."""
+    try:
+        parse_device(device)
+    except ValueError as e:
+        if str(device).split(":")[0] not in ("cuda", "mps"):
+            raise
+        log.warning("%s; running on the CPU, as lm-eval's HF model does (lm-eval's --device "
+                    "defaults to cuda:0; pass --device cpu to say so)", str(e).split("; use")[0])
+        return "cpu"
+    return device
+
+
 @register_model("dllm")
 class DllmLM(LM):
     def __init__(self, pretrained: str, method: str | None = None, dtype: str = "auto",
@@ -105,7 +121,7 @@ class DllmLM(LM):
         super().__init__()
         fields = sampling_fields(sampling)
         revision = None if revision is None else str(revision)  # lm-eval parses "2024" as a number
-        self.llm = LLM(str(pretrained), revision=revision, dtype=dtype, device=device,
+        self.llm = LLM(str(pretrained), revision=revision, dtype=dtype, device=available_device(device),
                        max_num_seqs=engine_batch(batch_size, max_batch_size))
         if self.llm.tokenizer is None:
             raise ValueError(f"{pretrained} has no tokenizer; lm-eval sends text")

@@ -80,9 +80,10 @@ class Server:
             raise value_error(e) from None
 
     def chat_prompt(self, body) -> list[int]:
+        messages = body.conversation()  # a message without content: 400 before the template
         try:
             with self.engine.tokenizer_lock:
-                ids = self.llm.apply_chat_template([m.as_dict() for m in body.messages])
+                ids = self.llm.apply_chat_template(messages)
             return self.llm.check_ids(ids)
         except ValueError as e:
             raise value_error(e) from None

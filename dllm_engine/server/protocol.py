@@ -199,6 +199,15 @@ class ChatBase(RequestBase):
     reasoning_effort: Optional[str] = None
     web_search_options: Optional[dict] = None
 
+    def conversation(self) -> list[dict]:
+        """The messages for the chat template. A message without content is refused as OpenAI
+        refuses it; only an assistant message carrying ``tool_calls`` may leave it out."""
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise ApiError(400, f"Missing required parameter: 'messages[{i}].content'.",
+                               f"messages.{i}.content")
+        return [m.as_dict() for m in self.messages]
+
     def logprobs_option(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs \"logprobs\": true", "top_logprobs")
