@@ -173,3 +173,15 @@ def test_recording_changes_no_token(llada, method):
     traced = llada.chat(CHATS, params.replace(record_steps=True))
     assert [o.token_ids for o in traced] == [o.token_ids for o in plain]
     assert traced.stats.nfe == plain.stats.nfe
+
+
+def test_generate_show_steps_prints_one_line_per_forward(capsys):
+    from dllm_engine.cli import main
+    argv = ["generate", "--prompt", "sort : 3 1 2", "--chat", "--method", "dual-cache+focus", "--max-new-tokens",
+            "16", "--block-length", "8", "--steps", "8", "--threads", "1", "--show-steps"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    nfe = int(out.split("nfe=")[1].split()[0])
+    lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    assert len(lines) == nfe and f"{nfe} steps (" in out and "focus evicted=" in out
+    assert main(argv[:-1]) == 0 and "step   0" not in capsys.readouterr().out

@@ -11,6 +11,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate from one prompt and print the text and stats")
     p.add_argument("--prompt", default=None, help="default: a held-out prompt of the task suite")
     p.add_argument("--chat", action="store_true", help="apply the chat template (default prompt: on)")
+    p.add_argument("--show-steps", action="store_true",
+                   help="print the decoding trace: one line per forward, the slots it committed "
+                        "and what each strategy did (docs/traces.md)")
     add_model_args(p)
     add_sampling_args(p)
 
@@ -19,7 +22,7 @@ def run_generate(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     given = sampling_params(args)  # bad options fail before the model loads
     llm = common.load_llm(args)
-    params = llm.resolve(given)
+    params = llm.resolve(given.replace(record_steps=True) if args.show_steps else given)
     expected = None
     if args.prompt is None:
         from ..tasks import load_split
@@ -40,3 +43,6 @@ def run_generate(args: argparse.Namespace) -> None:
           f"processed_tokens={s.processed_tokens:.1f} prefill_tokens={s.prefill_tokens} "
           f"redundancy={s.redundancy:.2f} tokens_per_step={s.tokens_per_step:.2f} "
           f"seconds={s.seconds:.3f} throughput={s.output_tokens / max(s.seconds, 1e-9):.1f} tok/s")
+    if args.show_steps:
+        from ..engine.trace import format_steps
+        print(format_steps(out[0].steps, len(out[0].prompt_token_ids)))
