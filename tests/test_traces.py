@@ -2,6 +2,7 @@
 decoder, strategy and allowed composition rebuild the output exactly, and each strategy reports
 what it did."""
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +12,7 @@ from dllm_engine.engine.trace import (StepRecord, canvas_frames, format_steps, r
 from dllm_engine.methods import DECODERS, STRATEGIES, check_method
 from fixtures import write_checkpoint
 
-CHECKPOINTS = __import__("pathlib").Path(__file__).resolve().parent.parent / "checkpoints"
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 CHATS = [[{"role": "user", "content": "sort : 5 1 3 8 5 7 9 5 7 4 2"}],
          [{"role": "user", "content": "spell : 1 6 2 8"}]]
 # what each strategy must report at least once on these runs (the record API is exercised)
@@ -155,7 +156,8 @@ def test_records_as_json_and_text(llada):
     data = [r.as_dict() for r in out.steps]
     assert [record_from_dict(d) for d in data] == out.steps
     assert set(data[0]) == {"step", "block", "block_start", "block_end", "block_step", "canvas_len",
-                            "processed_tokens", "committed", "strategies"}
+                            "processed_tokens", "seconds", "committed", "strategies"}
+    assert all(a.seconds <= b.seconds for a, b in zip(out.steps, out.steps[1:]))
     text = format_steps(out.steps, len(out.prompt_token_ids))
     assert text.count("\n") == len(out.steps) and "early-skip skipped=" in text
     frames = canvas_frames(out.steps, len(out.prompt_token_ids))

@@ -13,6 +13,7 @@ playground animates them); ``format_steps`` is ``dllm generate --show-steps``'s 
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -48,6 +49,7 @@ class StepRecord:
     block_step: int  # step inside the block, from 0
     canvas_len: int  # canvas length after the step (adaptive length may cut it)
     processed_tokens: float  # tokens the forward computed, averaged over layers (SPEC §1)
+    seconds: float  # wall clock from the sequence's admission to the end of this step (varies by run)
     committed: list[Commit] = field(default_factory=list)
     # what each strategy did this step, by strategy name (``Strategy.step_record``); a strategy
     # that did nothing visible this step is absent
@@ -84,6 +86,7 @@ class StepTrace:
             step=len(self.records), block=seq.block_idx, block_start=start, block_end=end,
             block_step=seq.step, canvas_len=seq.canvas_len,
             processed_tokens=round(processed - self.processed_before, 4),
+            seconds=round(time.perf_counter() - seq.start_time, 6),
             committed=sorted(self.pending, key=lambda c: c.position), strategies=strategies))
         self.pending = []
         self.processed_before = processed
@@ -93,6 +96,11 @@ def with_text(records: list[StepRecord], decode: Callable[[int], str]) -> list[S
     """Copies of ``records`` whose commits carry ``decode(token_id)``."""
     return [replace(r, committed=[replace(c, text=decode(c.token_id)) for c in r.committed])
             for r in records]
+
+
+def without_time(records: Iterable[dict]) -> list[dict]:
+    """Record dicts less ``seconds``: what two runs of one request share."""
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
 
 
 def record_from_dict(data: dict) -> StepRecord:
