@@ -1,6 +1,6 @@
 # Two entry points: `make demo` (generate with the embedded checkpoint) and `make test`.
 # Both create .venv first; torch is pinned to the CPU wheel available offline. The venv holds the
-# test, lm-eval and distributed (Ray Serve) extras, so their tests run too.
+# test, lm-eval, distributed (Ray Serve) and ui (Gradio) extras, so their tests run too.
 VENV := .venv
 PY := $(VENV)/bin/python
 
@@ -8,18 +8,28 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e ".[test,lm-eval,distributed]"
+	$(VENV)/bin/pip install -q -e ".[test,lm-eval,distributed,ui]"
 	touch $@
 
-.PHONY: venv demo test wheel
+.PHONY: venv demo test wheel browser playground
 venv: $(VENV)/.installed
+
+# Chromium from Debian's packages, for the playground's browser check (tests/test_playground_browser.py);
+# where apt cannot install it (not root, not Debian) that test skips and says why
+browser:
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } \
+		|| echo "chromium could not be installed: the browser check will skip"
+
+playground: venv
+	$(VENV)/bin/dllm playground --threads 1
 
 # one thread, as the README's benchmarks: on a busy machine more threads only contend
 demo: venv
 	$(VENV)/bin/dllm generate --threads 1
 
-test: venv
-	@echo "running the test suite: 3-9 minutes on 2 CPU cores"
+test: venv browser
+	@echo "running the test suite: under 10 minutes on 2 CPU cores"
 	$(PY) -m pytest -q
 
 # the sdist and the wheel (with the embedded checkpoints) in dist/; docs/install.md

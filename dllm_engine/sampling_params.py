@@ -49,6 +49,7 @@ class SamplingParams:
     # against them and the benchmark baselines ask for it); adaptive-length with False: its cut alone
     stop_at_eos: bool | None = None
     logprobs: int | None = None  # None = off; N >= 0: each output token's logprob and its top N
+    record_steps: bool = False  # each output's ``steps``: one record per forward (engine/trace.py)
     # FOCUS token eviction (strategies/focus.py)
     focus_alpha: float = 1.5
     # ES-dLLM early skipping (strategies/early_skip.py)

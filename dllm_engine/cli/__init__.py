@@ -1,4 +1,4 @@
-"""The ``dllm`` command: generate, eval, bench, train, serve, lm-eval, download."""
+"""The ``dllm`` command: generate, eval, bench, train, serve, lm-eval, download, playground."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,7 @@ from .download import add_download, run_download
 from .eval import add_eval, run_eval
 from .generate import add_generate, run_generate
 from .lm_eval import add_lm_eval_tasks, run_lm_eval, run_lm_eval_tasks
+from .playground import add_playground, run_playground
 from .profile import add_profile, run_profile
 from .report import add_report, run_report
 from .serve import add_serve, run_serve
@@ -23,7 +24,8 @@ COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eva
             "bench": (add_bench, run_bench), "profile": (add_profile, run_profile), "train": (add_train, run_train),
             "serve": (add_serve, run_serve), "bench-serve": (add_bench_serve, run_bench_serve),
             "lm-eval-tasks": (add_lm_eval_tasks, run_lm_eval_tasks),
-            "download": (add_download, run_download), "report": (add_report, run_report)}
+            "download": (add_download, run_download), "report": (add_report, run_report),
+            "playground": (add_playground, run_playground)}
 
 
 def build_parser() -> argparse.ArgumentParser:

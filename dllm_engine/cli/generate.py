@@ -17,6 +17,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
                            "when it has one)")
     form.add_argument("--chat", action="store_true",
                       help="apply the chat template, and fail if the checkpoint has none")
+    p.add_argument("--show-steps", action="store_true",
+                   help="print the decoding trace: one line per forward, the slots it committed "
+                        "and what each strategy did (docs/traces.md)")
     add_model_args(p)
     add_sampling_args(p)
 
@@ -40,7 +43,7 @@ def run_generate(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     given = sampling_params(args)  # bad options fail before the model loads
     llm = common.load_llm(args)
-    params = llm.resolve(given)
+    params = llm.resolve(given.replace(record_steps=True) if args.show_steps else given)
     expected = None
     if args.prompt is None:
         from ..tasks import load_split
@@ -61,3 +64,6 @@ def run_generate(args: argparse.Namespace) -> None:
           f"processed_tokens={s.processed_tokens:.1f} prefill_tokens={s.prefill_tokens} "
           f"redundancy={s.redundancy:.2f} tokens_per_step={s.tokens_per_step:.2f} "
           f"seconds={s.seconds:.3f} throughput={s.output_tokens / max(s.seconds, 1e-9):.1f} tok/s")
+    if args.show_steps:
+        from ..engine.trace import format_steps
+        print(format_steps(out[0].steps, len(out[0].prompt_token_ids)))

@@ -151,6 +151,8 @@ class Engine:
                     if positions.numel():
                         seq.commit(committed, tokens, rows)
                 pipeline.after_commit(seq, committed)
+                if seq.trace is not None:  # record_steps: close the step's record (engine/trace.py)
+                    seq.trace.end_step(seq, pipeline.step_records(seq))
                 seq.advance()
             except Exception as e:
                 seq.step_error = e

@@ -22,6 +22,7 @@ from ..tokenizer import load_tokenizer
 from .engine import Engine
 from . import host_memory
 from .sequence import Sequence, SequenceStats, TokenIds
+from .trace import StepRecord, with_text
 
 
 @dataclass
@@ -33,6 +34,8 @@ class RequestOutput:
     finish_reason: str  # "stop" (a stop token) or "length"
     # params.logprobs set: per output token (its logprob, top ids, their logprobs)
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    # params.record_steps: one record per forward (engine/trace.py, docs/traces.md)
+    steps: list[StepRecord] | None = None
 
 
 PROGRESS_DELAY_S = 2.0
@@ -310,4 +313,17 @@ class LLM:
         return RequestOutput(prompt_token_ids=seq.canvas[: seq.prompt_len].tolist(), token_ids=ids,
                              text=text, stats=seq.stats,
                              finish_reason="stop" if len(ids) < seq.params.max_new_tokens else "length",
-                             logprobs=logprobs)
+                             logprobs=logprobs, steps=self.steps(seq))
+
+    def steps(self, seq: Sequence) -> list[StepRecord] | None:
+        """``seq``'s step records (None unless it recorded them), with token text where the
+        model has a tokenizer."""
+        if seq.trace is None:
+            return None
+        if self.tokenizer is None:
+            return list(seq.trace.records)
+        return with_text(seq.trace.records, self.token_text)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as a trace shows it (special tokens by name)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

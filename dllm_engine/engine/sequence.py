@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..sampling_params import SamplingParams
+from .trace import StepTrace
 
 
 def stop_share(output_tokens: int, decoded_tokens: int) -> float:
@@ -121,6 +122,7 @@ class Sequence:
         self.decoded_before_step = 0  # stats.decoded_tokens when the current step began
         # params.logprobs set: canvas position -> (logprob of the committed token, top ids, their logprobs)
         self.logprobs: dict[int, tuple[float, list[int], list[float]]] = {}
+        self.trace = StepTrace() if params.record_steps else None  # params.record_steps: per-step records
 
     # -- geometry ----------------------------------------------------------------------------
     @property
@@ -149,9 +151,11 @@ class Sequence:
         return int((self.canvas[start:end] == self.ids.mask_id).sum())
 
     # -- progress ----------------------------------------------------------------------------
-    def commit(self, positions: Tensor, tokens: Tensor, logits: Tensor | None = None) -> None:
+    def commit(self, positions: Tensor, tokens: Tensor, logits: Tensor | None = None,
+               confidence: Tensor | None = None) -> None:
         """Write ``tokens`` into masked slots; ``logits`` [N, V] (the rows they were drawn from)
-        record their logprobs when the request asked for them."""
+        record their logprobs when the request asked for them. A trace (``record_steps``) takes
+        each token's probability from ``logits``, or ``confidence`` [N] when given."""
         # invariant: each slot is committed once, never to the mask, so decoded_tokens <= canvas
         if bool((self.canvas[positions] != self.ids.mask_id).any() | (tokens == self.ids.mask_id).any()):
             raise RuntimeError(f"sequence {self.seq_id}: a commit would overwrite a committed slot or "
@@ -160,6 +164,8 @@ class Sequence:
         self.stats.decoded_tokens += int(positions.numel())
         if self.params.logprobs is not None and logits is not None:
             self.record_logprobs(positions, tokens, logits)
+        if self.trace is not None:
+            self.trace.commit(positions, tokens, logits, confidence)
 
     def edit(self, positions: Tensor, tokens: Tensor, logits: Tensor | None = None) -> None:
         """Rewrite committed tokens of the current block (joint-threshold's token-to-token edits):

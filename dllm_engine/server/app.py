@@ -143,16 +143,19 @@ class Server:
         streamed: dict[int, tuple[int, int]] = {}  # choice -> logprob tokens streamed, their chars
 
         def chunk(index: int, text: str, reason: str | None, role: bool = False,
-                  logprobs: list[TokenLogprob] | None = None) -> str:
+                  logprobs: list[TokenLogprob] | None = None, steps: list[dict] | None = None) -> str:
             count, chars = streamed.get(index, (0, 0))
             streamed[index] = (count + len(logprobs or ()), chars + sum(len(t.token) for t in logprobs or ()))
             logprobs = logprobs or None  # a chunk that completes no token carries none
             if not chat:
-                return sse(completion_chunk(rid, self.model_name, created, index, text, reason,
-                                            completion_logprobs(logprobs, chars)))
-            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text or role else {})
-            return sse(chat_chunk(rid, self.model_name, created, index, delta, reason,
-                                  chat_logprobs(logprobs)))
+                payload = completion_chunk(rid, self.model_name, created, index, text, reason,
+                                           completion_logprobs(logprobs, chars))
+            else:
+                delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text or role else {})
+                payload = chat_chunk(rid, self.model_name, created, index, delta, reason, chat_logprobs(logprobs))
+            if steps is not None:  # "record_steps": true: the trace rides on the choice's final chunk
+                payload["choices"][0]["steps"] = steps
+            return sse(payload)
 
         try:
             if chat:
@@ -171,7 +174,8 @@ class Server:
                         rest = event.result.logprobs
                         if rest is not None:
                             rest = rest[streamed.get(event.index, (0, 0))[0]:]
-                        yield chunk(event.index, "", event.result.finish_reason, logprobs=rest)
+                        yield chunk(event.index, "", event.result.finish_reason, logprobs=rest,
+                                    steps=event.result.steps)
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                            "created": created, "model": self.model_name, "choices": [],

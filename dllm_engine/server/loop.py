@@ -328,10 +328,18 @@ class EngineLoop:
         if seq.params.logprobs is not None:
             self.extend_logprobs(track, ids)
             logprobs = track.logprobs[:len(ids)]
-        result = ChoiceResult(track.index, text, reason, seq.prompt_len, len(ids), stats, logprobs)
+        result = ChoiceResult(track.index, text, reason, seq.prompt_len, len(ids), stats, logprobs,
+                              self.step_dicts(seq))
         self.metrics.observe_sequence(stats, seq.prompt_len)
         self.forget(track)
         track.job.emit(Event(track.index, result=result))
+
+    def step_dicts(self, seq: Sequence) -> list[dict] | None:
+        """The sequence's step records as JSON data (``"record_steps": true``), token text included."""
+        if seq.trace is None:
+            return None
+        with self.tokenizer_lock:
+            return [r.as_dict() for r in self.llm.steps(seq)]
 
     def token_logprobs(self, seq: Sequence, ids: list[int], start: int = 0) -> list[TokenLogprob]:
         """Output tokens ``ids[start:]`` as text with their logprobs. Each token's text is what it

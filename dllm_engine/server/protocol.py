@@ -276,6 +276,13 @@ class ChoiceResult:
     completion_tokens: int
     stats: SequenceStats = field(default_factory=SequenceStats)
     logprobs: list[TokenLogprob] | None = None
+    steps: list[dict] | None = None  # "record_steps": true: StepRecord.as_dict() per forward
+
+
+def with_steps(choice: dict, result: ChoiceResult) -> dict:
+    """``choice`` plus the extension field ``steps`` when the request asked for it
+    (``"record_steps": true``; docs/traces.md)."""
+    return choice if result.steps is None else {**choice, "steps": result.steps}
 
 
 def completion_logprobs(items: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
@@ -319,14 +326,15 @@ def envelope(request_id: str, model: str, obj: str, created: int, choices: list[
 
 def completion_body(request_id: str, model: str, created: int, results: list[ChoiceResult],
                     n: int = 1) -> dict:
-    choices = [{"index": r.index, "text": r.text, "finish_reason": r.finish_reason,
-                "logprobs": completion_logprobs(r.logprobs)} for r in results]
+    choices = [with_steps({"index": r.index, "text": r.text, "finish_reason": r.finish_reason,
+                           "logprobs": completion_logprobs(r.logprobs)}, r) for r in results]
     return {**envelope(request_id, model, "text_completion", created, choices), "usage": usage(results, n)}
 
 
 def chat_body(request_id: str, model: str, created: int, results: list[ChoiceResult], n: int = 1) -> dict:
-    choices = [{"index": r.index, "message": {"role": "assistant", "content": r.text},
-                "finish_reason": r.finish_reason, "logprobs": chat_logprobs(r.logprobs)} for r in results]
+    choices = [with_steps({"index": r.index, "message": {"role": "assistant", "content": r.text},
+                           "finish_reason": r.finish_reason, "logprobs": chat_logprobs(r.logprobs)}, r)
+               for r in results]
     return {**envelope(request_id, model, "chat.completion", created, choices), "usage": usage(results, n)}
 
 

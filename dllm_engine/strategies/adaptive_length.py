@@ -32,13 +32,13 @@ class AdaptiveLength(Strategy):
     name: ClassVar[str] = KEY
 
     def setup(self, seq: Sequence) -> None:
-        seq.strategy_state[KEY] = {"commit_positions": None, "cuts": []}
+        seq.strategy_state[KEY] = {"commit_positions": None, "cuts": [], "step_cut": None}
 
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
         """On a block's first step, also ask for the logits of every masked generation slot
         the forward computes (the current block's stay first, for the commit rule)."""
         state = seq.strategy_state[KEY]
-        state["commit_positions"] = None
+        state["commit_positions"] = state["step_cut"] = None
         if seq.step != 0:
             return plan
         extra = self.inspected_slots(seq, plan)
@@ -94,6 +94,13 @@ class AdaptiveLength(Strategy):
         if new_len is not None:
             seq.truncate(new_len)
             seq.strategy_state[KEY]["cuts"].append(new_len - seq.prompt_len)
+            seq.strategy_state[KEY]["step_cut"] = new_len
+
+    def step_record(self, seq: Sequence) -> dict:
+        """``cut_to``: the canvas length this step cut the canvas to (answer slots: minus the
+        prompt)."""
+        cut = seq.strategy_state[KEY]["step_cut"]
+        return {} if cut is None else {"cut_to": cut, "answer_slots": cut - seq.prompt_len}
 
 
 NO_STOP = 1 << 62  # a row's first stop position when it has none

@@ -12,6 +12,7 @@ A strategy never edits a model file or a base decoder. It may:
   default one call per sequence, a strategy may override them with batched ops)
 - ``commit``: replace the base commit rule (at most one strategy per method does);
 - ``after_commit``: update its per-sequence state from what was committed.
+- ``step_record``: say what it did in the step just committed, for a trace (``record_steps``).
 
 Everything a strategy learns about a sequence lives on the sequence; the instances hold only
 the model's constants, so one instance serves every request of a method.
@@ -100,6 +101,13 @@ class Strategy:
         """Cache positions needed beyond the canvas (e.g. speculative copies of the block)."""
         return 0
 
+    def step_record(self, seq: Sequence) -> dict:
+        """What this strategy did to ``seq`` in the step just committed, as plain data (canvas
+        positions as lists of ints), for ``seq``'s trace; {} when nothing worth recording. Called
+        after ``after_commit``, and only for sequences that record steps (``record_steps``), so
+        a strategy may keep views of a step's tensors and read them here."""
+        return {}
+
     def diagnostics(self, seq: Sequence) -> dict:
         """Additive records (each with ``+`` and ``summary()``) a diagnostic strategy gathered
         on ``seq``; ``dllm eval`` sums and prints them."""
@@ -181,6 +189,10 @@ class Pipeline:
 
     def extra_cache_slots(self, seq: Sequence) -> int:
         return sum(s.extra_cache_slots(seq) for s in self.strategies)
+
+    def step_records(self, seq: Sequence) -> dict[str, dict]:
+        """Each strategy's ``step_record`` of the step just committed, by name (empty ones left out)."""
+        return {s.name: rec for s in self.strategies if (rec := s.step_record(seq))}
 
     def diagnostics(self, seqs: list[Sequence]) -> dict:
         """Each diagnostic strategy's records, summed over ``seqs``."""

@@ -120,6 +120,8 @@ class SkipState:
     window_lo: int = -1  # first canvas position of the hidden-state window
     hidden: dict[int, Tensor] = field(default_factory=dict)  # layer -> [W, d] over the block window
     pending: dict[int, Tensor] = field(default_factory=dict)  # this forward's update of ``hidden``
+    # record_steps only: per prune layer of this step, (layer, token positions, skipped there) views
+    skipped: list[tuple[int, Tensor, Tensor]] = field(default_factory=list)
 
 
 def state(seq: Sequence) -> SkipState:
@@ -134,8 +136,10 @@ class SkipHooks:
     row), so pruning reads nothing back from the device inside the layer loop."""
 
     def __init__(self, seqs: list[Sequence], rows: dict[str, Tensor], counts: dict[int, list[int]],
-                 window: Tensor, previous: dict[int, Tensor], num_candidates: list[int]) -> None:
+                 window: Tensor, previous: dict[int, Tensor], num_candidates: list[int],
+                 record: bool = False) -> None:
         self.seqs = seqs
+        self.record = record  # some sequence records its steps: keep views of what each layer skipped
         self.rows = rows  # candidate / conf / bonus [B, T] in plan order; alpha [B]
         self.counts = counts  # prune layer -> kept count per row
         self.window = window  # [B, 2]: first canvas position and width of each row's window
@@ -156,6 +160,9 @@ class SkipHooks:
         if any(self.num_candidates):
             candidate = self.rows["candidate"].gather(1, ctx.token_index) & live
             keep = self.choose(layer_idx, hidden, ctx, candidate, offset)
+            if self.record:
+                for b, seq in enumerate(self.seqs):
+                    state(seq).skipped.append((layer_idx, ctx.positions[b], candidate[b] & ~keep[b]))
         self.store(layer_idx, hidden, offset, keep & in_window)
         return None if lengths is None else compact(keep, lengths)
 
@@ -250,9 +257,12 @@ class EarlySkip(Strategy):
         fractions = [layer_fractions(self.num_layers, s.params.keep_fractions, s.params.skip_depths)
                      for s in seqs]
         layers = sorted({i for f in fractions for i in prune_layers(f)})
+        record = any(seq.trace is not None for seq in seqs)
         for seq in seqs:
             self.ensure_window(seq, layers)
             state(seq).pending = {}
+            if record:
+                state(seq).skipped = []
         rows = self.row_values(seqs, plans)
         rows["alpha"] = torch.tensor([s.params.skip_alpha for s in seqs], device=rows["conf"].device)
         counts = {i: self.layer_counts(seqs, fractions, i) for i in layers}
@@ -260,7 +270,7 @@ class EarlySkip(Strategy):
                               device=rows["conf"].device)
         previous = {i: stack_windows([state(s).hidden[i] for s in seqs]) for i in layers}
         previous = {i: torch.nn.functional.pad(h, (0, 0, 0, 1)) for i, h in previous.items()}  # + sink
-        return SkipHooks(seqs, rows, counts, window, previous, rows["candidate"].sum(1).tolist())
+        return SkipHooks(seqs, rows, counts, window, previous, rows["candidate"].sum(1).tolist(), record)
 
     def ensure_window(self, seq: Sequence, layers: list[int]) -> None:
         """Hidden-state caches cover the current block (and Dream's token before it); a new
@@ -348,6 +358,12 @@ class EarlySkip(Strategy):
         for layer, update in st.pending.items():
             st.hidden[layer].copy_(update)
         st.pending = {}
+
+    def step_record(self, seq: Sequence) -> dict:
+        """``skipped``: [position, layer] of each block token dropped this step, after that layer."""
+        skipped = [[pos, layer] for layer, positions, dropped in state(seq).skipped
+                   for pos in positions[dropped].tolist()]
+        return {"skipped": sorted(skipped)} if skipped else {}
 
 
 def delayed_eos_rows(seqs: list[Sequence], positions: list[Tensor], tokens: list[Tensor]) -> list[Tensor]:

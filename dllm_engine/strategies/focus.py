@@ -347,6 +347,15 @@ class TokenEviction(Strategy):
             state.committed += int(committed.numel())
             state.steps += 1
 
+    def step_record(self, seq: Sequence) -> dict:
+        """``evicted``: the masked block positions that stopped after layer 1 this step."""
+        state = block_state(seq)
+        if state.kept is None or state.step_rows is None:
+            return {}
+        (rows, i), (positions, keep) = state.step_rows, state.kept
+        evicted = positions[rows.candidate[i] & ~keep]
+        return {"evicted": sorted(evicted.tolist())} if evicted.numel() else {}
+
 
 class DelayedCache(TokenEviction):
     """FOCUS's delayed, neighbour-aware in-block cache without eviction (the paper's "DC+"

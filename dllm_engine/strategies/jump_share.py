@@ -67,6 +67,7 @@ class CopyLayout:
     draft_tokens: Tensor  # [k]
     sets: list[tuple[int, ...]]  # per copy: which drafts it holds (copy 0: none)
     drafted: Tensor  # [C, n] bool: position fed a draft in that copy
+    draft_conf: Tensor | None = None  # [k] each draft's confidence at the step that drafted it
 
     @property
     def num_copies(self) -> int:
@@ -87,7 +88,7 @@ class JumpShare(Strategy):
     name: ClassVar[str] = KEY  # replaces the commit rule; refused on Dream (methods.STRATEGIES)
 
     def setup(self, seq: Sequence) -> None:
-        seq.strategy_state[KEY] = {"drafts": None, "layout": None}
+        seq.strategy_state[KEY] = {"drafts": None, "layout": None, "accepted": None}
 
     def extra_cache_slots(self, seq: Sequence) -> int:
         return (seq.params.max_copies - 1) * seq.params.block_length
@@ -95,7 +96,7 @@ class JumpShare(Strategy):
     # -- plan ------------------------------------------------------------------------------
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
         state = seq.strategy_state[KEY]
-        state["layout"] = None
+        state["layout"] = state["accepted"] = None
         if seq.step == 0 or not plan.logit_positions.numel():
             return plan
         layout = make_layout(seq, plan.logit_positions, state["drafts"])
@@ -116,7 +117,20 @@ class JumpShare(Strategy):
                                f"{positions.numel()}: a strategy dropped tokens inside the forward")
         x0, conf, commit = self.copy_predictions(seq, layout, logits)
         best = accepted_copy(layout.sets, layout.draft_idx, layout.draft_tokens, x0, commit)
+        state["accepted"] = best
         return self.apply(seq, layout, best, x0[best], conf[best], commit[best])
+
+    def step_record(self, seq: Sequence) -> dict:
+        """After a speculative step: ``copies`` run, the ``drafted`` positions, and the
+        ``accepted`` drafts (committed without being predicted this step)."""
+        state = seq.strategy_state[KEY]
+        layout, best = state["layout"], state["accepted"]
+        if layout is None or best is None:
+            return {}
+        drafted = layout.masked[layout.draft_idx]
+        accepted = drafted[list(layout.sets[best])]
+        return {"copies": layout.num_copies, "drafted": sorted(drafted.tolist()),
+                "accepted": sorted(accepted.tolist())}
 
     @staticmethod
     def copy_predictions(seq: Sequence, layout: CopyLayout, logits: Tensor
@@ -155,9 +169,19 @@ class JumpShare(Strategy):
         num_done = int(done.sum())  # one host read
         order = torch.sort((~done).to(torch.int8), stable=True).indices  # done first, each part ascending
         done, rest = order[:num_done], order[num_done:]
-        seq.commit(layout.masked[done], tokens[done])
+        seq.commit(layout.masked[done], tokens[done],
+                   confidence=None if seq.trace is None else commit_confidence(layout, mine, conf)[done])
         seq.strategy_state[KEY]["drafts"] = ranked(layout.masked[rest], x0[rest], conf[rest])
         return layout.masked[done]
+
+
+def commit_confidence(layout: CopyLayout, drafts: list[int], conf: Tensor) -> Tensor:
+    """[n] for a trace: the accepted copy's own confidences, and at its ``drafts`` the
+    confidence each had when it was drafted."""
+    out = conf.clone()
+    if layout.draft_conf is not None:
+        out[layout.draft_idx[drafts]] = layout.draft_conf[drafts].to(out.dtype)
+    return out
 
 
 def select_copies(seq: Sequence, conf: Tensor, counts: list[int]) -> Tensor:
@@ -215,19 +239,19 @@ def make_layout(seq: Sequence, masked: Tensor, drafts: tuple[Tensor, Tensor, Ten
     n = masked.numel()
     copies = num_copies(seq.params.max_copies, n, seq.params.block_length, first=seq.step == 1)
     idx = torch.empty(0, dtype=torch.long, device=masked.device)
-    tokens = idx.clone()
+    tokens, conf = idx.clone(), None
     if drafts is not None:
-        pos, tok, _ = drafts
+        pos, tok, confs = drafts
         live = torch.isin(pos, masked)  # keeps the confidence order
         k = min(copies // 2, int(live.sum()))
         idx = torch.searchsorted(masked, pos[live][:k])
-        tokens = tok[live][:k]
+        tokens, conf = tok[live][:k], confs[live][:k]
     sets = draft_sets(idx.numel())
     holds = torch.tensor([[j in s for j in range(idx.numel())] for s in sets], dtype=torch.bool,
                          device=masked.device)  # [C, k]: which drafts each copy holds
     drafted = torch.zeros(len(sets), n, dtype=torch.bool, device=masked.device)
     drafted[:, idx] = holds  # the drafts sit at distinct positions
-    return CopyLayout(masked, idx, tokens, sets, drafted)
+    return CopyLayout(masked, idx, tokens, sets, drafted, conf)
 
 
 def share_plan(seq: Sequence, plan: StepPlan, layout: CopyLayout, shift: int) -> StepPlan:
