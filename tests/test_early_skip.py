@@ -129,9 +129,9 @@ def test_bonuses_and_ties_on_a_hand_example():
     assert keep.tolist() == [[True, True, True, False, False, False]]  # tie 2 vs 4: lower index
     keep = select_kept(score, cand, cand, torch.tensor([4]))
     assert keep.tolist() == [[True, True, True, False, True, False]]
-    index, valid, lengths = compact(torch.tensor([[False, True, False, True], [True, False, False, False]]))
-    assert index.tolist() == [[1, 3], [0, 1]] and valid.tolist() == [[True, True], [True, False]]
-    assert lengths == [2, 1]
+    kept = compact(torch.tensor([[False, True, False, True], [True, False, False, False]]))
+    assert kept.index.tolist() == [[1, 3], [0, 1]] and kept.valid.tolist() == [[True, True], [True, False]]
+    assert kept.lengths == [2, 1]
 
 
 # -- end to end -----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """FOCUS token eviction (SPEC §4): the selection math against plain re-implementations written
 from the spec, the delayed in-block cache against a plain cached sampler, and engine behaviour
 (only kept tokens commit, batch invariance, lower redundancy)."""
+import dataclasses
 import math
 
 import pytest
@@ -92,7 +93,8 @@ def test_importance_matches_plain_reference_with_gqa_and_ragged_rows():
     masked[1, :] = True  # all masked
     masked[2, 5] = True  # a single token: importance = number of heads
     # row 3: nothing masked
-    index, valid, _ = compact(masked)
+    kept = compact(masked)
+    index, valid = kept.index, kept.valid
     got = EvictionHooks.importance(q, k, index, valid)
     want = plain_importance(q, k, masked)
     for row in range(b):
@@ -208,9 +210,22 @@ def test_delayed_cache_ready_needs_the_right_neighbour():
 def test_never_processed_evicted_slots_are_hidden_from_attention():
     ctx = ForwardContext(positions=torch.tensor([[4, 5, 6, 7]]), token_valid=torch.ones(1, 4, dtype=torch.bool),
                          key_limit=torch.full((1, 4), 8))
-    EvictionHooks.hide_unprocessed(ctx, torch.tensor([[False, False, True, False]]))
-    assert ctx.attn_mask.shape == (1, 1, 4, 8)
-    assert ctx.attn_mask[0, 0].tolist() == [[True] * 6 + [False, True]] * 4
+    hidden = EvictionHooks.unprocessed_keys(ctx, torch.tensor([[False, False, True, False]]))
+    kept = ctx.keep(compact(torch.ones(1, 4, dtype=torch.bool), hidden_keys=hidden))
+    assert kept.attn_mask.shape == (1, 1, 4, 8)
+    assert kept.attn_mask[0, 0].tolist() == [[True] * 6 + [False, True]] * 4
+    assert ctx.attn_mask is None  # the context it came from is unchanged
+
+
+def test_a_context_is_never_changed_in_place():
+    """Hooks return what they keep; ``keep`` makes a new context and the old one stays."""
+    ctx = ForwardContext(positions=torch.tensor([[4, 5, 6, 7]]), token_valid=torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.positions = torch.tensor([[4]])
+    kept = ctx.keep(compact(torch.tensor([[False, True, False, True]])))
+    assert kept.positions.tolist() == [[5, 7]] and kept.token_index.tolist() == [[1, 3]]
+    assert kept.live_counts() == [2] and ctx.live_counts() == [4]
+    assert ctx.positions.tolist() == [[4, 5, 6, 7]] and ctx.token_index.tolist() == [[0, 1, 2, 3]]
 
 
 # -- the engine -------------------------------------------------------------------------------

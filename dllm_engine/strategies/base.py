@@ -5,7 +5,8 @@ A strategy never edits a model file or a base decoder. It may:
 - ``plan``: change what a step computes (positions, cache slots, tokens, key masks, logits
   wanted). ``plan`` has no side effects beyond overwriting its own per-step fields: the server
   may replay a step after a failure;
-- ``layer_hooks``: shrink the active token set inside the layer stack (``ForwardContext.shrink``);
+- ``layer_hooks``: shrink the active token set inside the layer stack: a hook returns what it
+  keeps (``models.context.Kept``) and the layer loop applies it (``ForwardContext.keep``);
 - ``after_forward``: look at the logits before the commit rule;
 - ``confidence``: reweigh the commit rule's candidates;
   (``after_forward_rows`` / ``confidence_rows``: the same for a whole forward group at once; by

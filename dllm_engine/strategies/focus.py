@@ -220,7 +220,8 @@ class EvictionHooks:
     def __init__(self, rows: BlockRows, num_masked: list[int], budget: Tensor, evicting: list[bool],
                  any_never: bool, states: list[FocusState], positions: Tensor) -> None:
         self.rows = rows
-        self.index, self.valid, _ = compact(rows.candidate, num_masked)  # [B, M]: the masked tokens
+        masked = compact(rows.candidate, num_masked)
+        self.index, self.valid = masked.index, masked.valid  # [B, M]: the masked tokens
         self.positions = torch.gather(positions, 1, self.index)  # [B, M] their canvas positions
         self.never = torch.gather(rows.never, 1, self.index)  # [B, M]
         self.budget = budget  # [B]
@@ -251,24 +252,24 @@ class EvictionHooks:
             return None
         cand = self.rows.candidate
         evicted = cand & ~torch.zeros_like(cand).scatter_(1, self.index, kept_m)
-        if self.any_never:
-            self.hide_unprocessed(ctx, evicted & self.rows.never)
+        hidden = self.unprocessed_keys(ctx, evicted & self.rows.never) if self.any_never else None
         self.rows.evicted(evicted)
         keep = ctx.token_valid & ~evicted
         self.record(ctx, keep)
-        return compact(keep)
+        return compact(keep, hidden_keys=hidden)
 
     def after_layer(self, layer_idx: int, hidden: Tensor, ctx: ForwardContext) -> None:
         return None
 
     @staticmethod
-    def hide_unprocessed(ctx: ForwardContext, hidden: Tensor) -> None:
-        """Evicted, never-processed tokens have no K/V above layer 1: mask their cache slots."""
+    def unprocessed_keys(ctx: ForwardContext, hidden: Tensor) -> Tensor:
+        """[B, S] the cache slots of the tokens ``hidden`` [B, T] marks: evicted tokens never
+        processed in their block have no K/V above layer 1, so no query may see them."""
         num_keys = ctx.num_keys()
         slots = torch.where(hidden, ctx.slots, torch.full_like(ctx.slots, num_keys))
         invisible = torch.zeros(slots.shape[0], num_keys + 1, dtype=torch.bool, device=slots.device)
         invisible.scatter_(1, slots, hidden)  # [B, S + 1]; the last column collects the rest
-        ctx.hide_keys(invisible[:, :num_keys])
+        return invisible[:, :num_keys]
 
     def record(self, ctx: ForwardContext, keep: Tensor) -> None:
         for i, state in enumerate(self.states):  # views only: read after the forward

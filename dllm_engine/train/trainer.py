@@ -253,9 +253,7 @@ class Trainer:
         return diffusion, self.causal_loss(b.targets[:, : b.content_length])
 
     def diffusion_loss(self, b: Batch) -> torch.Tensor:
-        ctx = self.model.plain_context(b.input_ids, b.attention_mask)
-        if b.position_ids is not None:
-            ctx.positions, ctx.position_bound = b.position_ids.expand_as(b.input_ids), None
+        ctx = self.model.plain_context(b.input_ids, b.attention_mask, b.position_ids)
         hidden = self.model.forward_context(b.input_ids, ctx)[:, : b.targets.shape[1]]
         logits = self.model.logits(hidden[b.is_masked])
         ce = F.cross_entropy(logits, b.targets[b.is_masked], reduction="none")
