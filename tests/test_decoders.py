@@ -282,3 +282,25 @@ def test_offline_logprobs_are_those_of_the_committed_tokens(llms):
         assert top_ids[0] == token and logprob == pytest.approx(top_values[0])  # greedy: the argmax
         assert len(top_ids) == 3 and top_values == sorted(top_values, reverse=True) and top_values[0] <= 0
     assert llm.generate([PROMPTS[0]], params.replace(logprobs=None))[0].logprobs is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_the_commit_rule_leaves_the_callers_logits_as_they_were(llms, temperature):
+    """Every commit path excludes the mask on its own tensor: the greedy batch, the per-sequence
+    rule and the rule a strategy replaces (jump-share verifies its copies)."""
+    from dllm_engine.strategies.base import Pipeline
+    llm = llms["llada"]
+    for method in ("dual-cache", "dual-cache+jump-share"):
+        seqs = [llm.make_sequence(p, SamplingParams(method=method, max_new_tokens=8, block_length=8,
+                                                    temperature=temperature)) for p in PROMPTS[:2]]
+        engine, pipeline = llm.engine, Pipeline.named(method.split("+")[1:], llm.model)
+        for seq in seqs:
+            pipeline.setup(seq)
+        logits = [torch.randn(8, llm.model.config.vocab_size) for _ in seqs]
+        before = [lg.clone() for lg in logits]
+        ready = [(s, s.masked_positions(), lg) for s, lg in zip(seqs, logits)]
+        engine.decide_rows(pipeline, ready)
+        for seq, positions, lg in ready:
+            engine.decide(pipeline, seq, positions, lg)
+            pipeline.commit(seq, positions, lg, engine.commit)
+        assert all(torch.equal(a, b) for a, b in zip(logits, before))

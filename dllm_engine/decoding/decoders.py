@@ -10,8 +10,10 @@ import torch
 from torch import Tensor
 
 from ..engine.sequence import Sequence
+from ..models.context import block_causal_limit
 from ..sampling_params import SamplingParams
-from .rules import factor_select, rank_in_row, threshold_select, topk_select
+from .rules import (confidence, factor_select, rank_in_row, sample_tokens, threshold_select, topk_select,
+                    without_mask)
 
 
 @dataclass
@@ -40,8 +42,7 @@ class StepPlan:
         predict ``logit_positions``."""
         positions = torch.arange(lo, hi, device=seq.canvas.device)
         if seq.params.decoder.block_causal:
-            bl = seq.params.block_length
-            limit = (positions // bl + 1) * bl
+            limit = block_causal_limit(positions, seq.params.block_length)
         else:
             limit = torch.full_like(positions, seq.canvas_len)
         return cls(positions, limit, logit_positions)
@@ -153,6 +154,17 @@ def guided_logits(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Ten
 def cache_len(seq: Sequence) -> int:
     """Cache positions a sequence needs (CFG keeps a second, unconditional canvas)."""
     return seq.canvas_len * (2 if seq.params.cfg_scale > 0 else 1)
+
+
+def predict(seq: Sequence, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The commit rule's predictions over candidate logits [N, V]: (the logits with the mask
+    excluded, a new tensor (their rows are what a committed token records as its logprobs);
+    the token x0 [N] drawn under the sequence's sampling options, the argmax when greedy; its
+    confidence [N] under ``remasking``). ``select`` then picks which to commit."""
+    p = seq.params
+    logits = without_mask(logits, seq.ids.mask_id)
+    x0 = sample_tokens(logits, p.temperature, seq.generator, p.top_k, p.top_p)
+    return logits, x0, confidence(logits, x0, p.remasking, seq.generator)
 
 
 def select(seq: Sequence, conf: Tensor) -> Tensor:

@@ -15,9 +15,9 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from ..decoding import confidence, sample_tokens
-from ..decoding.decoders import (after_forward, cache_len, plan_step, select, select_rows, threshold_rule,
-                                 uses_factor)
+from ..decoding import confidence, greedy_tokens
+from ..decoding.decoders import (after_forward, cache_len, plan_step, predict, select, select_rows,
+                                 threshold_rule, uses_factor)
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
 from .kv_cache import KVCache
@@ -159,11 +159,7 @@ class Engine:
         committed positions."""
         if not positions.numel():
             return positions
-        p = seq.params
-        # a mask is never a valid prediction; committing one would leave the slot masked forever
-        logits[:, seq.ids.mask_id] = -float("inf")
-        x0 = sample_tokens(logits, p.temperature, seq.generator, p.top_k, p.top_p)
-        conf = confidence(logits, x0, p.remasking, seq.generator)
+        logits, x0, conf = predict(seq, logits)
         if pipeline is not None:
             conf = pipeline.confidence(seq, positions, x0, conf)
         chosen = select(seq, conf)
@@ -174,9 +170,8 @@ class Engine:
     def decide(pipeline: Pipeline, seq: Sequence, positions: Tensor, logits: Tensor
                ) -> tuple[Tensor, Tensor, Tensor]:
         """``commit``'s decision for one greedy sequence (``batched_rule``), nothing written."""
-        logits[:, seq.ids.mask_id] = -float("inf")
-        x0 = logits.argmax(-1)
-        conf = pipeline.confidence(seq, positions, x0, confidence(logits, x0, "low_confidence", None))
+        logits, x0, conf = predict(seq, logits)
+        conf = pipeline.confidence(seq, positions, x0, conf)
         picked = select(seq, conf).nonzero()[:, 0]  # one host read, not one per bool index
         return positions[picked], x0[picked], logits[picked]
 
@@ -196,9 +191,8 @@ class Engine:
         if not live:
             return decided
         counts = [pos.numel() for _, _, pos, _ in live]
-        logits = torch.cat([lg for *_, lg in live])  # [sum N, V]
-        logits[:, live[0][1].ids.mask_id] = -float("inf")  # never commit the mask
-        x0 = logits.argmax(-1)
+        # [sum N, V], a new tensor: the mask is excluded in place
+        logits, x0 = greedy_tokens(torch.cat([lg for *_, lg in live]), live[0][1].ids.mask_id, owned=True)
         conf = confidence(logits, x0, "low_confidence", None)
         positions = torch.cat([pos for _, _, pos, _ in live])
         if pipeline.adjusts_confidence:

@@ -223,3 +223,18 @@ def limit_mask(key_limit: Tensor, valid: Tensor, num_keys: int) -> Tensor | None
         return None
     keys = torch.arange(num_keys, device=key_limit.device)
     return keys[None, None, None, :] < key_limit[:, None, :, None]
+
+
+def block_causal_limit(positions: Tensor, block_size: int) -> Tensor:
+    """Block-causal attention as key limits: a query at position p sees the keys at positions
+    below ``(p // block_size + 1) * block_size``, i.e. its own block and every block before it
+    (blocks of ``block_size`` positions counted from 0). The one definition of the pattern: the
+    engine decodes with the request's ``block_length``, the plain forward and the trainer use
+    the checkpoint's trained ``block_size``."""
+    return (positions // block_size + 1) * block_size
+
+
+def block_causal_mask(query_positions: Tensor, key_positions: Tensor, block_size: int) -> Tensor:
+    """[..., Tq, Tk] bool: which keys each query sees under ``block_causal_limit``."""
+    limit = block_causal_limit(query_positions, block_size)
+    return key_positions[..., None, :] < limit[..., :, None]

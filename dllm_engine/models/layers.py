@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig, MoEConfig
-from .context import ForwardContext
+from .context import ForwardContext, block_causal_mask
 from .parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
                        VocabParallelEmbedding, kv_heads_of)
 
@@ -459,6 +459,5 @@ class DiffusionLM(nn.Module):
             return None
         mask = valid[:, None, None, :].expand(-1, 1, positions.shape[1], -1)
         if self.config.is_block_causal:
-            blk = positions // self.config.block_size
-            mask = mask & (blk[:, None, None, :] <= blk[:, None, :, None])
+            mask = mask & block_causal_mask(positions, positions, self.config.block_size)[:, None]
         return mask

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from ..decoding.decoders import StepPlan
-from ..decoding.rules import rank_in_row
+from ..decoding.rules import greedy_tokens, rank_in_row
 from ..engine.sequence import Sequence
 from ..models.context import ForwardContext, Kept, compact
 from ..models.layers import DiffusionLM
@@ -324,9 +324,9 @@ class EarlySkip(Strategy):
             return [self.after_forward_rows([seq], [out])[0] for seq, out in zip(seqs, outputs)]
         group, positions, logits = zip(*live)
         counts = [pos.numel() for pos in positions]
-        scores = torch.cat(logits).float()  # [sum N, V], a copy
-        scores[:, group[0].ids.mask_id] = -float("inf")
-        top, tokens = scores.max(-1)
+        # [sum N, V], a new tensor: the mask is excluded in place
+        scores, tokens = greedy_tokens(torch.cat(logits).float(), group[0].ids.mask_id, owned=True)
+        top = scores.gather(1, tokens[:, None])[:, 0]
         conf = (top - torch.logsumexp(scores, -1)).exp()
         delayed = delayed_eos_rows(list(group), list(positions), list(tokens.split(counts)))
         for seq, pos, c, late in zip(group, positions, conf.split(counts), delayed):
