@@ -133,6 +133,8 @@ def test_after_forward_inspects_everything_but_commits_only_the_block():
     logits[8 - 3, 50], logits[8 - 3, 3] = 0.0, 12.0  # position 8 predicts EOS at ~0.998
     positions, kept = alp.after_forward(seq, plan.logit_positions, logits)
     assert positions.tolist() == [3, 4, 5, 6] and torch.equal(kept, logits[:4])
+    assert seq.canvas_len == 19  # the cut waits for the sequence's turn in the commit loop
+    alp.after_commit(seq, positions[:0])
     assert seq.canvas_len == 11 and seq.blocks == [(3, 7), (7, 11)]
     assert seq.strategy_state["adaptive-length"]["cuts"] == [8]
     # later steps of the block are untouched

@@ -135,13 +135,18 @@ def unconditional_logits(seq: Sequence, positions: Tensor, shift: int) -> tuple[
 
 
 def after_forward(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
-    """The decoder's side of a finished forward: block diffusion's cache is final before the
-    block (this forward wrote it), and a CFG plan's two halves become the guided logits."""
-    if seq.params.decoder.block_causal:
-        seq.committed_len = seq.block[0]
+    """The decoder's view of a finished forward: a CFG plan's two halves become the guided
+    logits. Changes nothing (``after_step`` does, at the sequence's turn)."""
     if seq.params.cfg_scale > 0:
         return guided_logits(seq, positions, logits)
     return positions, logits
+
+
+def after_step(seq: Sequence) -> None:
+    """The decoder's record of a finished forward, at the sequence's turn in the commit loop:
+    block diffusion's cache is final before the block (this forward wrote it)."""
+    if seq.params.decoder.block_causal:
+        seq.committed_len = seq.block[0]
 
 
 def guided_logits(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:

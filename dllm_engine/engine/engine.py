@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from ..decoding import confidence, greedy_tokens
-from ..decoding.decoders import (after_forward, cache_len, plan_step, predict, select, select_rows,
-                                 threshold_rule, uses_factor)
+from ..decoding.decoders import (after_forward, after_step, cache_len, plan_step, predict, select,
+                                 select_rows, threshold_rule, uses_factor)
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
 from .kv_cache import KVCache
@@ -127,31 +127,45 @@ class Engine:
         self.step_group(self.pipeline(seq.params.method), [seq], cache.view(row, row + 1))
 
     def step_group(self, pipeline: Pipeline, seqs: list[Sequence], cache) -> None:
+        """One step of a forward group: the plans, one forward, then each sequence's turn in row
+        order (``turn``).
+
+        Replay contract: nothing before the turns changes a sequence (plans, the forward and
+        ``after_forward`` write only this step's scratch, which the next plan overwrites); a
+        sequence's turn applies everything the step changes on it. A turn that raises leaves
+        the rows before it advanced and the rows after it exactly as they were before the step
+        (the server replays those alone, to the tokens they would have got), and marks its own
+        sequence, whose state may have moved before it raised."""
         plans = [pipeline.plan(s, plan_step(s, self.runner.shift)) for s in seqs]
         hooks = pipeline.layer_hooks(seqs, plans)
-        outputs = self.runner.forward(seqs, plans, cache, hooks)
-        outputs = [after_forward(seq, *out) for seq, out in zip(seqs, outputs)]  # the decoder's part
+        outputs, work = self.runner.forward_rows(seqs, plans, cache, hooks)
+        outputs = [after_forward(seq, *out) for seq, out in zip(seqs, outputs)]  # the decoder's view
         ready = [(seq, *out) for seq, out in zip(seqs, pipeline.after_forward_rows(seqs, outputs))]
         mask_id = seqs[0].ids.mask_id
         batched = pipeline.owner is None and all(batched_rule(s) and s.ids.mask_id == mask_id for s, *_ in ready)
-        decided = self.decide_rows(pipeline, ready) if batched else None
-        rule = partial(self.commit, pipeline=pipeline)
-        # per sequence, in row order as before: a commit that raises leaves the rows before it
-        # advanced and the rest untouched (the server replays those alone), and marks its own
-        # sequence, whose counters may have moved before it raised
-        for k, (seq, positions, logits) in enumerate(ready):
+        decided = self.decide_rows(pipeline, ready) if batched else [None] * len(ready)
+        for (seq, positions, logits), w, decision in zip(ready, work, decided):
             try:
-                if decided is None:
-                    committed = pipeline.commit(seq, positions, logits, rule)
-                else:
-                    committed, tokens, rows = decided[k]
-                    if positions.numel():
-                        seq.commit(committed, tokens, rows)
-                pipeline.after_commit(seq, committed)
-                seq.advance()
+                self.turn(pipeline, seq, w, positions, logits, decision)
             except Exception as e:
                 seq.step_error = e
                 raise
+
+    def turn(self, pipeline: Pipeline, seq: Sequence, work: float, positions: Tensor, logits: Tensor,
+             decision: tuple[Tensor, Tensor, Tensor] | None) -> None:
+        """Everything one step changes on ``seq``, in order: its stats, the decoder's record,
+        the commit (``decision``: what ``decide_rows`` chose; None: the commit rule runs now),
+        the strategies' records (``after_commit``), the cursor."""
+        self.runner.account(seq, work)
+        after_step(seq)
+        if decision is None:
+            committed = pipeline.commit(seq, positions, logits, partial(self.commit, pipeline=pipeline))
+        else:
+            committed, tokens, rows = decision
+            if positions.numel():
+                seq.commit(committed, tokens, rows)
+        pipeline.after_commit(seq, committed)
+        seq.advance()
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None = None
                ) -> Tensor:

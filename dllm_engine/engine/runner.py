@@ -73,8 +73,19 @@ class Runner:
 
     def forward(self, seqs: list[Sequence], plans: list[StepPlan], cache: KVCache,
                 hooks: LayerHooks | None = None) -> list[tuple[Tensor, Tensor]]:
+        """``forward_rows`` with its work accounted to each sequence at once (``account``)."""
+        outputs, work = self.forward_rows(seqs, plans, cache, hooks)
+        for seq, w in zip(seqs, work):
+            self.account(seq, w)
+        return outputs
+
+    def forward_rows(self, seqs: list[Sequence], plans: list[StepPlan], cache: KVCache,
+                     hooks: LayerHooks | None = None) -> tuple[list[tuple[Tensor, Tensor]], list[float]]:
         """One batched forward. Returns per sequence (positions [n], logits [n, V]) for the
-        planned logit positions that are still live at the last layer (a strategy may evict).
+        planned logit positions that are still live at the last layer (a strategy may evict),
+        and per sequence the tokens it computed, summed over layers, for ``account``: the
+        caller accounts each row at its turn, so a step that fails mid-group leaves the rows
+        after the failure as they were. Changes no sequence.
         Everything the layer loop needs is derived here, once (see ``ForwardContext``).
         With ``fixed_shapes`` a forward without layer hooks runs bucketed on ``cache`` widened
         to its padded rows (the pool keeps them spare); hooks that shrink the token set build
@@ -86,9 +97,10 @@ class Runner:
             cache = cache.widen(rows)
         step = self.inputs(plans, rows, fixed)
         flat, counts, logits, processed = self.run(step, self.context(step, cache, hooks))
-        self.account(seqs, processed or [n * self.num_layers for n in step.lengths])
+        work = processed or [n * self.num_layers for n in step.lengths]
         positions = pad_stack([p.logit_positions for p in plans], 0).reshape(-1)[flat]
-        return list(zip(positions.split(counts), logits.split(counts)))[: len(seqs)]  # not padding rows
+        outputs = list(zip(positions.split(counts), logits.split(counts)))
+        return outputs[: len(seqs)], work[: len(seqs)]  # not padding rows
 
     def inputs(self, plans: list[StepPlan], rows: int | None = None, fixed: bool = False) -> StepInputs:
         """The step's tensors: [B, T] from the plans, or ``fixed`` [rows, bucket(T)] (padding
@@ -168,17 +180,16 @@ class Runner:
                 mask[i, : len(p), : p.key_mask.shape[1]] = p.key_mask
         return num_keys, mask[:, None], span
 
-    def account(self, seqs: list[Sequence], processed: list[float]) -> None:
-        """nfe, processed_tokens (``processed``: tokens computed per row, summed over layers;
-        recorded layer-averaged), and the prompt's first pass as prefill."""
-        for seq, work in zip(seqs, processed):
-            work /= self.num_layers
-            seq.stats.nfe += 1
-            if not seq.prefilled:
-                seq.prefilled = True
-                seq.stats.prefill_tokens += seq.prompt_len
-                work -= seq.prompt_len
-            seq.stats.processed_tokens += work
+    def account(self, seq: Sequence, work: float) -> None:
+        """One forward of ``seq``: nfe, processed_tokens (``work``: the tokens it computed,
+        summed over layers; recorded layer-averaged), and the prompt's first pass as prefill."""
+        work /= self.num_layers
+        seq.stats.nfe += 1
+        if not seq.prefilled:
+            seq.prefilled = True
+            seq.stats.prefill_tokens += seq.prompt_len
+            work -= seq.prompt_len
+        seq.stats.processed_tokens += work
 
     def logits(self, wanted: Tensor, hidden: Tensor, ctx: ForwardContext) -> tuple[Tensor, list[int], Tensor]:
         """Logits of the ``wanted`` [B, N] cache slots whose token is still live, batched: a

@@ -32,13 +32,14 @@ class AdaptiveLength(Strategy):
     name: ClassVar[str] = KEY
 
     def setup(self, seq: Sequence) -> None:
-        seq.strategy_state[KEY] = {"commit_positions": None, "cuts": []}
+        # per step: the positions the commit rule sees, the canvas length to cut to; kept: the cuts
+        seq.strategy_state[KEY] = {"commit_positions": None, "cut_to": None, "cuts": []}
 
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
         """On a block's first step, also ask for the logits of every masked generation slot
         the forward computes (the current block's stay first, for the commit rule)."""
         state = seq.strategy_state[KEY]
-        state["commit_positions"] = None
+        state["commit_positions"] = state["cut_to"] = None  # this step's scratch
         if seq.step != 0:
             return plan
         extra = self.inspected_slots(seq, plan)
@@ -59,10 +60,11 @@ class AdaptiveLength(Strategy):
 
     def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
                            ) -> list[tuple[Tensor, Tensor]]:
-        """Inspect every predicted slot of the sequences at a block's first step, cut a canvas
-        where a stop token is confident, and hand only the originally planned (block)
-        positions on to the commit rule. Batched over the forward group: one host read (each
-        row's first confident stop and how many of its outputs are commit positions)."""
+        """Inspect every predicted slot of the sequences at a block's first step, decide where
+        a canvas is cut (a confident stop token; ``after_commit`` cuts it), and hand only the
+        originally planned (block) positions on to the commit rule. Batched over the forward
+        group: one host read (each row's first confident stop and how many of its outputs are
+        commit positions)."""
         rows = [i for i, s in enumerate(seqs) if s.strategy_state[KEY]["commit_positions"] is not None]
         if not rows:
             return outputs
@@ -77,23 +79,22 @@ class AdaptiveLength(Strategy):
                                for i, pos in zip(rows, positions.split(counts))])
         kept = torch.zeros(len(rows), dtype=torch.long, device=positions.device).index_add_(0, owner, is_commit.long())
         firsts, kept = torch.stack([stop, kept]).tolist()
-        for i, first in zip(rows, firsts):
-            self.cut(seqs[i], first)
+        for i, first in zip(rows, firsts):  # decided on the canvas the forward saw
+            seqs[i].strategy_state[KEY]["cut_to"] = None if first == NO_STOP else cut_at(seqs[i], first)
         index = torch.nonzero_static(is_commit, size=sum(kept))[:, 0]
         out = list(outputs)
         for i, pos, lg in zip(rows, positions[index].split(kept), logits[index].split(kept)):
             out[i] = (pos, lg)
         return out
 
-    @staticmethod
-    def cut(seq: Sequence, first: int) -> None:
-        """Cut ``seq``'s canvas after the block of its first confident stop (``NO_STOP``: none)."""
-        if first == NO_STOP:
-            return
-        new_len = cut_at(seq, first)
-        if new_len is not None:
-            seq.truncate(new_len)
-            seq.strategy_state[KEY]["cuts"].append(new_len - seq.prompt_len)
+    def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+        """Cut the canvas where ``after_forward_rows`` decided, before the sequence advances
+        (its new last block ends it)."""
+        state = seq.strategy_state[KEY]
+        if state["cut_to"] is not None:
+            seq.truncate(state["cut_to"])
+            state["cuts"].append(state["cut_to"] - seq.prompt_len)
+            state["cut_to"] = None
 
 
 NO_STOP = 1 << 62  # a row's first stop position when it has none

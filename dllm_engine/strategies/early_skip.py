@@ -120,6 +120,7 @@ class SkipState:
     window_lo: int = -1  # first canvas position of the hidden-state window
     hidden: dict[int, Tensor] = field(default_factory=dict)  # layer -> [W, d] over the block window
     pending: dict[int, Tensor] = field(default_factory=dict)  # this forward's update of ``hidden``
+    pending_conf: tuple[Tensor, Tensor] | None = None  # this forward's update of ``conf``: (positions, values)
 
 
 def state(seq: Sequence) -> SkipState:
@@ -252,7 +253,7 @@ class EarlySkip(Strategy):
         layers = sorted({i for f in fractions for i in prune_layers(f)})
         for seq in seqs:
             self.ensure_window(seq, layers)
-            state(seq).pending = {}
+            state(seq).pending, state(seq).pending_conf = {}, None  # this step's scratch
         rows = self.row_values(seqs, plans)
         rows["alpha"] = torch.tensor([s.params.skip_alpha for s in seqs], device=rows["conf"].device)
         counts = {i: self.layer_counts(seqs, fractions, i) for i in layers}
@@ -313,9 +314,9 @@ class EarlySkip(Strategy):
 
     def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
                            ) -> list[tuple[Tensor, Tensor]]:
-        """Record each predicted position's confidence (softmax probability of the argmax, the
-        mask id excluded, as the commit rule sees it; 0 for a delayed EOS) for the next step's
-        scores, over the whole group's logits at once (row-wise ops: each sequence gets what it
+        """Each predicted position's confidence (softmax probability of the argmax, the mask id
+        excluded, as the commit rule sees it; 0 for a delayed EOS), recorded for the next step's
+        scores at the sequence's turn (``after_commit``), over the whole group's logits at once (row-wise ops: each sequence gets what it
         would get alone)."""
         live = [(seq, pos, lg) for seq, (pos, lg) in zip(seqs, outputs) if pos.numel()]
         if not live:
@@ -330,7 +331,7 @@ class EarlySkip(Strategy):
         conf = (top - torch.logsumexp(scores, -1)).exp()
         delayed = delayed_eos_rows(list(group), list(positions), list(tokens.split(counts)))
         for seq, pos, c, late in zip(group, positions, conf.split(counts), delayed):
-            state(seq).conf[pos] = c.masked_fill(late, 0.0).to(state(seq).conf.dtype)
+            state(seq).pending_conf = (pos, c.masked_fill(late, 0.0).to(state(seq).conf.dtype))
         return outputs
 
     def confidence(self, seq: Sequence, positions: Tensor, tokens: Tensor, conf: Tensor) -> Tensor:
@@ -342,7 +343,13 @@ class EarlySkip(Strategy):
         return [c.masked_fill(late, 0.0) for c, late in zip(conf, delayed)]
 
     def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+        """The step's confidences and hidden states become the next step's; committed
+        positions have nothing left to decode (confidence 0)."""
         st = state(seq)
+        if st.pending_conf is not None:
+            positions, values = st.pending_conf
+            st.conf[positions] = values
+            st.pending_conf = None
         st.conf[committed] = 0.0
         st.last_committed = committed.clone()
         for layer, update in st.pending.items():

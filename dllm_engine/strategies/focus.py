@@ -144,6 +144,7 @@ class FocusState:
     step_rows: tuple["BlockRows", int] | None = None  # this step's group rows and this sequence's row
     kept: tuple[Tensor, Tensor] | None = None  # (positions, kept) of the step's live tokens, if it evicted
     would_keep: tuple[Tensor, Tensor] | None = None  # probe: (masked positions, bool kept)
+    probed: tuple[Tensor, Tensor, float] | None = None  # probe: (confidences, kept, threshold) to count
 
     @property
     def avg_decoded(self) -> float:
@@ -300,7 +301,7 @@ class TokenEviction(Strategy):
         keep = (~frozen).nonzero()[:, 0]  # one host read, then index without another
         if keep.numel() < len(plan):
             plan = plan.restrict(keep)
-        state.kept = state.would_keep = state.step_rows = None
+        state.kept = state.would_keep = state.step_rows = state.probed = None  # this step's scratch
         return plan
 
     def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> EvictionHooks | None:
@@ -326,14 +327,8 @@ class TokenEviction(Strategy):
 
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
                       ) -> tuple[Tensor, Tensor]:
-        """Mark what was computed through every layer, freeze stable K/V, and let only kept
-        tokens commit."""
+        """Let only kept tokens commit."""
         state = block_state(seq)
-        if state.step_rows is not None:
-            rows, i = state.step_rows
-            n = state.processed.numel()
-            state.processed |= rows.done[i, :n]
-            state.frozen |= rows.frozen[i, :n]
         # the runner returns logits of the tokens live at the last layer only; Dream reads
         # position p's at p - 1, which may have stayed while p was evicted
         kept = state.kept_positions() if self.model.config.logit_shift else None
@@ -343,8 +338,15 @@ class TokenEviction(Strategy):
         return positions, logits
 
     def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+        """Mark what the step computed through every layer, freeze stable K/V, and count the
+        commits (the eviction budget's running mean)."""
+        state = block_state(seq)
+        if state.step_rows is not None:
+            rows, i = state.step_rows
+            n = state.processed.numel()
+            state.processed |= rows.done[i, :n]
+            state.frozen |= rows.frozen[i, :n]
         if committed.numel():
-            state = block_state(seq)
             state.committed += int(committed.numel())
             state.steps += 1
 
@@ -420,8 +422,14 @@ class PredictorProbe(TokenEviction):
             row = {p: i for i, p in enumerate(positions.tolist())}
             _, conf = greedy_predictions(logits[[row[p] for p in masked.tolist()]], seq.ids.mask_id)
             threshold = seq.params.threshold if seq.params.threshold is not None else 0.9
-            seq.strategy_state[self.name].add(conf, kept, threshold)
+            block_state(seq).probed = (conf, kept, threshold)  # counted at the sequence's turn
         return positions, logits
+
+    def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+        state = block_state(seq)
+        if state.probed is not None:
+            seq.strategy_state[self.name].add(*state.probed)
+        super().after_commit(seq, committed)
 
     def diagnostics(self, seq: Sequence) -> dict:
         return {self.name: seq.strategy_state[self.name]}
