@@ -8,6 +8,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from .errors import UserError
 from .methods import DECODERS, STRATEGIES, Decoder, base_name, check_method, strategy_names
 
 REMASKING = ("low_confidence", "maskgit_plus", "random", "topk_margin", "entropy")
@@ -17,7 +18,7 @@ MAX_SEED = 2**63  # torch.Generator.manual_seed takes a signed 64-bit integer
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 
-class ParamError(ValueError):
+class ParamError(UserError):
     """A bad value of one SamplingParams field; ``param`` names it (the server's 400 says so)."""
 
     def __init__(self, param: str, message: str) -> None:
@@ -123,7 +124,7 @@ class SamplingParams:
         if self.strategies:
             try:
                 check_method(self.base_method, self.strategies)
-            except ValueError as e:
+            except UserError as e:
                 raise ParamError("method", str(e)) from None
 
     def check_counts(self) -> None:

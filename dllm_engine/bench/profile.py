@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..errors import UserError
 from ..engine.llm import LLM
 from ..sampling_params import SamplingParams
 from ..tasks import Example
@@ -300,13 +301,13 @@ def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: li
                 clock: str = "wall") -> list[ProfileRecord]:
     """Profile every spec at every batch size (interleaved, as ``dllm bench`` does)."""
     if not specs or not batch_sizes or any(b < 1 for b in batch_sizes):
-        raise ValueError(f"give at least one method spec and batch sizes >= 1, got {specs} / {batch_sizes}")
+        raise UserError(f"give at least one method spec and batch sizes >= 1, got {specs} / {batch_sizes}")
     if repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+        raise UserError(f"--repeats must be >= 1, got {repeats}")
     if clock not in CLOCKS:
-        raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+        raise UserError(f"--clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     if not examples:
-        raise ValueError("no prompts to profile")
+        raise UserError("no prompts to profile")
     from .offline import check_prompts, resolve_specs
     params = resolve_specs(specs, llm.resolve, defaults)  # validate all first, and every prompt
     prompts = check_prompts(llm, params, examples)  # against each, as dllm bench does

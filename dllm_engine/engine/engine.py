@@ -15,6 +15,7 @@ from collections import deque
 import torch
 from torch import Tensor
 
+from ..errors import UserError
 from ..decoding import confidence, greedy_tokens
 from ..decoding.decoders import (after_forward, after_step, cache_len, plan_step, predict, select,
                                  select_rows, threshold_rule, uses_factor)
@@ -46,7 +47,7 @@ class Engine:
         runner also drives the other ranks). ``fixed_shapes``: bucketed step shapes
         (``engine/shapes.py``); ``compile_step``: and their layer stack compiled."""
         if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+            raise UserError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.model = model
         self.runner = runner if runner is not None else Runner(model)
         self.runner.set_step_shapes(fixed_shapes, compile_step)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..errors import UserError
 from ..models import load_model
 from ..models.layers import DiffusionLM
 from ..models.loader import parse_device, read_config
@@ -164,8 +165,8 @@ class TensorParallel:
     def join_torchrun(cls, path, dtype, device: torch.device, size: int) -> "TensorParallel":
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if world != size:
-            raise ValueError(f"tensor_parallel_size {size} but torchrun started WORLD_SIZE {world} "
-                             f"processes; pass --nproc-per-node (x nodes) = {size}")
+            raise UserError(f"tensor_parallel_size {size} but torchrun started WORLD_SIZE {world} "
+                            f"processes; pass --nproc-per-node (x nodes) = {size}")
         device = rank_device(device, int(os.environ.get("LOCAL_RANK", rank)))
         if not dist.is_initialized():
             dist.init_process_group(backend_of(device), timeout=timedelta(seconds=TIMEOUT_S))
@@ -183,7 +184,7 @@ class TensorParallel:
             stop(procs)
             if owns_group:
                 dist.destroy_process_group()
-            raise ValueError("tensor-parallel ranks failed to load the model: " + "; ".join(errors))
+            raise UserError("tensor-parallel ranks failed to load the model: " + "; ".join(errors))
         return cls(model, channel, procs, owns_group)
 
     # -- running -----------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from typing import Callable, ClassVar
 import torch
 from torch import Tensor
 
+from ..errors import UserError
 from ..decoding.decoders import StepPlan
 from ..engine.sequence import Sequence
 from ..methods import STRATEGIES, StrategySpec
@@ -126,7 +127,7 @@ def strategy_class(name: str) -> type[Strategy]:
     try:
         return getattr(importlib.import_module(module), cls)
     except ModuleNotFoundError as e:
-        raise ValueError(f"strategy {name!r} is not available in this build ({e})") from None
+        raise UserError(f"strategy {name!r} is not available in this build ({e})") from None
 
 
 class Pipeline:
