@@ -144,6 +144,17 @@ class SkipHooks:
         # steps; the last column is a sink for the tokens a partial update leaves out
         self.num_candidates = num_candidates  # per row: live block tokens that may be skipped
 
+    def rank_message(self) -> dict:
+        """What another tensor-parallel rank needs to prune as this one does (plain data; it
+        keeps no hidden states for sequences: ``from_rank_message`` gives it none)."""
+        return {"rows": self.rows, "counts": self.counts, "window": self.window, "previous": self.previous,
+                "num_candidates": self.num_candidates}
+
+    @classmethod
+    def from_rank_message(cls, message: dict) -> "SkipHooks":
+        return cls([], message["rows"], message["counts"], message["window"], message["previous"],
+                   message["num_candidates"])
+
     def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: ForwardContext) -> None:
         return None
 

@@ -220,7 +220,7 @@ class EvictionHooks:
 
     def __init__(self, rows: BlockRows, num_masked: list[int], budget: Tensor, evicting: list[bool],
                  any_never: bool, states: list[FocusState], positions: Tensor) -> None:
-        self.rows = rows
+        self.rows, self.num_masked, self.step_positions = rows, num_masked, positions  # as given
         masked = compact(rows.candidate, num_masked)
         self.index, self.valid = masked.index, masked.valid  # [B, M]: the masked tokens
         self.positions = torch.gather(positions, 1, self.index)  # [B, M] their canvas positions
@@ -238,6 +238,20 @@ class EvictionHooks:
         q_m = torch.gather(q, 2, qi.expand(-1, q.shape[1], -1, q.shape[3]))  # [B, H, M, D]
         k_m = torch.gather(k, 2, qi.expand(-1, k.shape[1], -1, k.shape[3]))  # [B, Hkv, M, D]
         return masked_importance(q_m, k_m, valid)
+
+    def rank_message(self) -> dict:
+        """What another tensor-parallel rank needs to decide as this one does (plain data; it
+        records nothing on sequences: ``from_rank_message`` gives it no states)."""
+        rows = {f.name: getattr(self.rows, f.name) for f in dataclasses.fields(self.rows)}
+        return {"rows": rows, "num_masked": self.num_masked, "budget": self.budget, "evicting": self.evicting,
+                "any_never": self.any_never, "positions": self.step_positions, "dry_run": self.dry_run}
+
+    @classmethod
+    def from_rank_message(cls, message: dict) -> "EvictionHooks":
+        hooks = cls(BlockRows(**message["rows"]), message["num_masked"], message["budget"], message["evicting"],
+                    message["any_never"], [], message["positions"])
+        hooks.dry_run = message["dry_run"]
+        return hooks
 
     def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: ForwardContext) -> Kept | None:
         # layers 0 and 1 see the step's own token set: nothing shrinks it before layer 1
