@@ -262,7 +262,8 @@ def test_bench_ctrl_c_keeps_the_rows_measured(ckpt, tmp_path, capsys, monkeypatc
 
 def test_bench_spec_failing_mid_run_keeps_the_rows_and_names_the_spec(ckpt, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
-    stop_at_call(monkeypatch, 3, ValueError("the engine refused"))
+    from dllm_engine.errors import UserError
+    stop_at_call(monkeypatch, 3, UserError("the engine refused"))  # bad input found mid-run
     assert main(["bench", "--model", str(ckpt), "--methods", "reference", "dual-cache", *BENCH_ARGS,
                  "--out", str(out)]) == 2
     err = capsys.readouterr().err
