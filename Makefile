@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[test,lm-eval,distributed]"
 	touch $@
 
-.PHONY: venv demo test
+.PHONY: venv demo test test-fast
 venv: $(VENV)/.installed
 
 # one thread, as the README's benchmarks: on a busy machine more threads only contend
@@ -21,3 +21,7 @@ demo: venv
 test: venv
 	@echo "running the test suite: 3-5 minutes on 2 CPU cores"
 	$(PY) -m pytest -q
+
+# the inner loop: every test not marked slow (pyproject.toml's markers), under a minute
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow"

@@ -43,7 +43,7 @@ class SamplingParams:
     seed: int | None = None  # None: 0 offline (reproducible); the server draws one per request
     stop_token_ids: list[int] = field(default_factory=list)
     # end a sequence after a finished block that holds a stop token. None = the decoder's own
-    # behaviour: SDAR-style `block` and `adaptive-length` stop (SPEC §3, §6); LLaDA's generate.py and
+    # behaviour: SDAR-style `block` and `adaptive-length` stop; LLaDA's generate.py and
     # Fast-dLLM's prefix/dual caches decode the whole canvas, so `reference`, `prefix-cache` and
     # `dual-cache` do too unless asked (adaptive-length with False: the canvas cut alone)
     stop_at_eos: bool | None = None

@@ -43,7 +43,7 @@ def cut_length(seq, positions, tokens, conf):
 
 
 def reference_cut(seq, positions, tokens, conf):
-    """SPEC §6 written plainly, one sequence: the end of the block holding the first confident
+    """Adaptive length's cut rule written plainly, one sequence: the end of the block holding the first confident
     stop at or after prompt_len + min_length, never before the block of the last committed
     non-stop token; None when nothing is cut."""
     p = seq.params
@@ -143,6 +143,7 @@ def test_after_forward_inspects_everything_but_commits_only_the_block():
     assert plan.logit_positions.tolist() == [3, 4, 5, 6]
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("method,model_type", [("reference", "llada"), ("prefix-cache", "llada"),
                                                ("dual-cache", "llada"), ("dual-cache", "Dream"),
                                                ("block", "sdar")])
@@ -205,6 +206,7 @@ def test_min_length_holds_end_to_end(llms):
         assert seq.canvas_len - seq.prompt_len >= 24  # the block boundary after slot 17
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_adaptive_length_is_batch_invariant(llms):
     llm = llms["llada"]
     params = SamplingParams(method="dual-cache+adaptive-length", max_new_tokens=32, block_length=8,

@@ -11,6 +11,8 @@ import pytest
 
 from fixtures import write_checkpoint
 
+pytestmark = pytest.mark.slow  # the dllm command in subprocesses and checkpoint loads per case
+
 WAIT_S = 120
 
 

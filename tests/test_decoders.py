@@ -18,7 +18,7 @@ def llms(tmp_path_factory):
 
 
 def llada_reference(model, prompt, gen_length, block_length, steps, mask_id, cfg_scale=0.0):
-    """LLaDA generate.py as SPEC §3 states it: full forward each step, fixed-k low confidence,
+    """LLaDA generate.py: full forward each step, fixed-k low confidence,
     optional classifier-free guidance (second copy with the prompt masked)."""
     x = torch.tensor(prompt + [mask_id] * gen_length)
     p = len(prompt)
@@ -91,6 +91,7 @@ def test_classifier_free_guidance_equals_plain_sampler(llms):
     assert llm.generate(PROMPTS[:1], params)[0].token_ids != plain  # guidance changes the output
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_block_decoder_with_cache_equals_recomputing_the_prefix(llms):
     check_block_cache_is_exact(llms["sdar"])
 
@@ -118,6 +119,7 @@ def test_cached_decoders_match_reference_on_the_first_step_of_every_block(llms, 
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("method,model_type", [("reference", "llada"), ("prefix-cache", "llada"),
                                                ("dual-cache", "llada"), ("dual-cache", "Dream"),
                                                ("block", "sdar")])
@@ -192,11 +194,12 @@ def test_batched_selection_equals_each_rule_alone():
 
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("method,stops", [("reference", False), ("prefix-cache", False),
                                           ("dual-cache", False), ("dual-cache+adaptive-length", True)])
 def test_llada_decoders_decode_the_whole_canvas_unless_asked_to_stop(llms, method, stops):
     """LLaDA's generate.py and Fast-dLLM decode every block; stopping at a finished block that
-    holds a stop token is ALP's (SPEC §6) or the caller's choice."""
+    holds a stop token is adaptive length's or the caller's choice."""
     llm = llms["llada"]
     # token 25 is often predicted by the random model: as a stop id it ends sequences early
     params = SamplingParams(method=method, max_new_tokens=32, block_length=4, threshold=0.3,

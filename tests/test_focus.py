@@ -1,4 +1,4 @@
-"""FOCUS token eviction (SPEC §4): the selection math against plain re-implementations written
+"""FOCUS token eviction: the selection math against plain re-implementations written
 from the spec, the delayed in-block cache against a plain cached sampler, and engine behaviour
 (only kept tokens commit, batch invariance, lower redundancy)."""
 import dataclasses
@@ -27,7 +27,7 @@ def llms(tmp_path_factory):
     return {mt: LLM(write_checkpoint(root / mt, mt)) for mt in ("llada", "Dream", "sdar")}
 
 
-# -- plain references written from SPEC §4 -----------------------------------------------------
+# -- plain references written from the paper ---------------------------------------------------
 def plain_importance(q, k, masked):
     """One row, one head at a time: S = q_M k_Mᵀ/√d, window-3 max over keys, softmax, sums."""
     b, h, _, d = q.shape
@@ -267,6 +267,7 @@ def delayed_block_reference(model, prompt, gen_length, block_length, threshold, 
     return out[:cut], processed - len(prompt)
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("threshold", [0.3, 0.9])
 def test_eviction_off_equals_plain_delayed_cache_sampler(llms, threshold):
     llm = llms["sdar"]
@@ -323,6 +324,7 @@ def delayed_dual_cache_reference(model, prompt, gen_length, block_length, thresh
     return out[:cut], processed - len(prompt)
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type", ["llada", "Dream"])
 def test_dual_cache_eviction_off_equals_plain_delayed_cache_sampler(llms, model_type):
     llm = llms[model_type]
@@ -337,6 +339,7 @@ def test_dual_cache_eviction_off_equals_plain_delayed_cache_sampler(llms, model_
         assert out.stats.processed_tokens == processed
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_delayed_cache_strategy_is_focus_without_eviction(llms):
     """``block+delayed-cache`` (the paper's DC+ ablation) against a plain loop of its rule."""
     llm = llms["sdar"]
@@ -378,6 +381,7 @@ def run_with(llm, strategy, prompts, params):
         del llm.engine.pipelines[params.method]
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type,method", [("sdar", "block+focus"), ("llada", "dual-cache+focus"),
                                                ("Dream", "dual-cache+focus")])
 def test_only_kept_tokens_are_committed(llms, model_type, method):
@@ -390,6 +394,7 @@ def test_only_kept_tokens_are_committed(llms, model_type, method):
     assert all(t != llm.token_ids.mask_id for o in out for t in o.token_ids)
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_eviction_lowers_redundancy_below_block_and_delayed_cache(llms):
     llm = llms["sdar"]
     base = SamplingParams(method="block", max_new_tokens=64, block_length=32, threshold=0.9, stop_at_eos=False)
@@ -401,6 +406,7 @@ def test_eviction_lowers_redundancy_below_block_and_delayed_cache(llms):
     assert focus.redundancy < block.redundancy
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type,method", [("sdar", "block+focus"), ("llada", "dual-cache+focus"),
                                                ("Dream", "dual-cache+focus")])
 @pytest.mark.parametrize("alpha", [1.0, 1.5])
@@ -452,6 +458,7 @@ class FirstProbed(FirstSelection, PredictorProbe):
     pass
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type,method", [("sdar", "block+focus"), ("llada", "dual-cache+focus")])
 def test_probe_scores_the_selection_focus_makes_but_evicts_nothing(llms, model_type, method):
     llm = llms[model_type]

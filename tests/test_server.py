@@ -30,6 +30,8 @@ from dllm_engine.server.protocol import ApiError
 from dllm_engine.tasks import load_split
 from fixtures import write_checkpoint
 
+pytestmark = pytest.mark.slow  # live servers
+
 NAME = "tiny"
 DEFAULTS = SamplingParams(method="dual-cache", threshold=0.9, max_new_tokens=16, block_length=8)
 PROMPTS = [e.prompt for e in load_split(limit=6)][:32]  # held-out task prompts, varied lengths

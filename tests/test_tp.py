@@ -21,6 +21,8 @@ from dllm_engine.models.parallel import Shard, check_shardable
 from fixtures import (tiny_config, tiny_llada2_config, write_checkpoint, write_llada2_checkpoint,
                       write_llada_moe_checkpoint)
 
+pytestmark = pytest.mark.slow  # two-rank process groups
+
 FULL = ["reference", "dual-cache", "dual-cache+focus", "dual-cache+early-skip", "dual-cache+adaptive-length"]
 BLOCK = ["block", "block+focus", "block+adaptive-length"]
 # llada2_moe last: the dead-worker test ends the last family's group with a block request

@@ -3,7 +3,7 @@
 At each concurrency level, that many clients send streamed chat completions of held-out task
 prompts back to back until ``num_requests`` have been sent. Reported per level: throughput
 (output tokens / s over the level's wall time), requests / s, latency and time-to-first-chunk
-percentiles (p50/p95/p99), failures, accuracy (the task graders) and the server's SPEC §1 stats
+percentiles (p50/p95/p99), failures, accuracy (the task graders) and the server's stats (``SequenceStats``)
 (nfe, redundancy) summed from each response's usage."""
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ PROGRESS_DELAY_S = 2.0
 
 
 class GenerateResult(list):
-    """The outputs, in prompt order, plus ``stats`` (the call's summed SPEC §1 metrics),
+    """The outputs, in prompt order, plus ``stats`` (the call's summed ``SequenceStats``),
     ``method`` (as resolved for this model) and ``diagnostics`` (records of diagnostic
     strategies such as ``focus-probe``, summed over the call's sequences)."""
     stats: SequenceStats

@@ -122,7 +122,7 @@ def chat_prompt(example: Example) -> list[dict]:
 
 def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, limit: int | None = None,
              batch_size: int = 32, use_tqdm: bool = True, examples: list[Example] | None = None) -> EvalReport:
-    """Accuracy and SPEC §1 stats of ``params`` on the held-out split (or ``examples``)."""
+    """Accuracy and stats (``SequenceStats``) of ``params`` on the held-out split (or ``examples``)."""
     if batch_size < 1:
         raise UserError(f"batch size must be >= 1, got {batch_size}")
     examples = examples if examples is not None else load_split(tasks, limit=limit)

@@ -1,4 +1,4 @@
-"""``dllm serve``: an OpenAI-compatible HTTP server (SPEC §8) over an ``EngineClient``: the engine
+"""``dllm serve``: an OpenAI-compatible HTTP server over an ``EngineClient``: the engine
 loop in this process, or Ray Serve replicas (``server.replicated``).
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (both with SSE streaming of committed text,

@@ -293,7 +293,7 @@ def chat_logprobs(items: list[TokenLogprob] | None) -> dict | None:
 
 
 def usage(results: list[ChoiceResult], n: int = 1) -> dict:
-    """OpenAI usage plus the SPEC §1 stats, summed over the request's choices; each prompt's
+    """OpenAI usage plus the engine's stats (``SequenceStats``), summed over the request's choices; each prompt's
     tokens count once however many (``n``) choices sample it, as OpenAI counts them."""
     stats = SequenceStats.total([r.stats for r in results], 0.0)
     prompt = sum(r.prompt_tokens for r in results if r.index % n == 0)

@@ -9,7 +9,7 @@ is predicted with confidence >= ``eos_threshold`` (tau), the canvas is cut at th
 after the first such slot. Later forwards, key limits and the block list then use the shorter
 canvas, and the sequence finishes when its new last block completes.
 
-Rules (SPEC §6): slots before ``prompt_len + min_length`` are ignored; the cut never removes a
+Rules: slots before ``prompt_len + min_length`` are ignored; the cut never removes a
 committed non-stop token; tau > 1 never cuts. With block diffusion (SDAR) a forward computes only
 the current block, so ALP can at most end the sequence after the current block.
 """
@@ -105,7 +105,7 @@ def first_stops(seqs: list[Sequence], rows: list[int], positions: Tensor, tokens
     """[R]: per inspected row (``seqs[i]`` for i in ``rows``, whose ``counts`` candidates follow
     one another; ``owner`` maps each candidate to its row) the first position predicting a stop
     token with confidence >= its ``eos_threshold``, at or after ``prompt_len + min_length``;
-    ``NO_STOP`` where none (SPEC §6's rule, for every row at once)."""
+    ``NO_STOP`` where none (the module's rule, for every row at once)."""
     dev = positions.device
     if len({frozenset(seqs[i].ids.stop_ids) for i in rows}) == 1:
         stop = torch.isin(tokens, seqs[rows[0]].stop_tensor())

@@ -1,7 +1,7 @@
 """ES-dLLM early skipping on the dual-cache decoder (full-attention LLaDA / Dream).
 
 Paper: Zhu et al., "ES-dLLM: Efficient Inference for Diffusion Large Language Models by
-Early-Skipping", ICLR 2026, arXiv 2603.10088 (SPEC §5).
+Early-Skipping", ICLR 2026, arXiv 2603.10088.
 
 On a normal step the dual-cache decoder forwards only the current block. Early skipping shrinks
 that set inside the layer stack: at the output of every layer where the keep fraction p changes,

@@ -3,7 +3,7 @@ arXiv 2601.23278).
 
 Only ~10% of a block's tokens are committed per step, yet every step computes the whole block.
 FOCUS predicts, after layer 1, which masked tokens can be decoded this step and evicts the rest:
-layers 2.. (and layer 1's attention/MLP) run on the kept tokens only (SPEC §4).
+layers 2.. (and layer 1's attention/MLP) run on the kept tokens only.
 
 - Predictor: the importance of a masked token j is how much attention the block's masked queries
   give it, I_j = sum_{i,h} softmax_j(maxpool_j(q_i k_j / sqrt(d))) over the masked set only.
@@ -22,10 +22,10 @@ layers 2.. (and layer 1's attention/MLP) run on the kept tokens only (SPEC §4).
 Layer 1's K/V are written for the whole processing set before eviction (attention writes before
 calling ``after_qk``). Block positions never processed through all layers hold no valid K/V above
 layer 1, so from layer 1's attention on they are hidden from the kept queries; every other evicted
-position is attended to through its cached K/V (SPEC §4 step 6). The reference implementation
+position is attended to through its cached K/V. The reference implementation
 (LMDeploy fork) instead ends every query's key range at the rightmost processed (delayed cache) or
 kept (after eviction) block position, hiding cached positions to its right as well; on tiny-sdar's
-held-out split that variant scored no better, so the SPEC's rule stays.
+held-out split that variant scored no better, so the rule above stays.
 """
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ the block, all in ONE forward:
   copy, never copy 0's masks nor another copy (``copy_key_mask``). The shared tokens themselves
   are computed in copy 0's context, the sharing approximation of the paper. (Deviation: the
   official code's 4-copy layout copies the whole block, so each copy recomputes the committed
-  positions in its own context; the engine shares them in every layout, as SPEC §6 defines
-  "share" and as the official 8-copy layout does, which keeps one layout and one cost model.
+  positions in its own context; the engine shares them in every layout, as the paper's
+  "share" does and as the official 8-copy layout does, which keeps one layout and one cost model.
   Tokens differ only where a committed position's K/V depend on the drafts, seen at threshold
   0.99 on the copy-only tiny-llada of commit ffd686a.)
 
