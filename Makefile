@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[test,lm-eval,distributed,ui]"
 	touch $@
 
-.PHONY: venv demo test wheel browser playground
+.PHONY: venv demo test test-fast wheel browser playground
 venv: $(VENV)/.installed
 
 # Chromium from Debian's packages, for the playground's browser check (tests/test_playground_browser.py);
@@ -31,6 +31,10 @@ demo: venv
 test: venv browser
 	@echo "running the test suite: under 10 minutes on 2 CPU cores"
 	$(PY) -m pytest -q
+
+# the inner loop: every test not marked slow (pyproject.toml's markers), under a minute
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow"
 
 # the sdist and the wheel (with the embedded checkpoints) in dist/; docs/install.md
 wheel: venv

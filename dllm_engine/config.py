@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import UserError
+
 
 @dataclass
 class MoEConfig:
@@ -27,18 +29,18 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         if self.score_function not in ("sigmoid", "softmax"):
-            raise ValueError(f"score_function must be 'sigmoid' or 'softmax', got {self.score_function!r}")
+            raise UserError(f"score_function must be 'sigmoid' or 'softmax', got {self.score_function!r}")
         if self.num_experts % self.n_group:
-            raise ValueError(f"num_experts {self.num_experts} must be divisible by n_group {self.n_group}")
+            raise UserError(f"num_experts {self.num_experts} must be divisible by n_group {self.n_group}")
         per_group = self.num_experts // self.n_group
         if not 1 <= self.topk_group <= self.n_group:
-            raise ValueError(f"topk_group {self.topk_group} must be in [1, n_group={self.n_group}]")
+            raise UserError(f"topk_group {self.topk_group} must be in [1, n_group={self.n_group}]")
         if self.n_group > 1 and per_group < 2:
-            raise ValueError(f"group scores sum the top-2 experts of a group; "
-                             f"{per_group} expert(s) per group is too few")
+            raise UserError(f"group scores sum the top-2 experts of a group; "
+                            f"{per_group} expert(s) per group is too few")
         if not 1 <= self.num_experts_per_tok <= self.topk_group * per_group:
-            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
-                             f"[1, topk_group * experts per group = {self.topk_group * per_group}]")
+            raise UserError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
+                            f"[1, topk_group * experts per group = {self.topk_group * per_group}]")
 
 
 @dataclass
@@ -72,19 +74,19 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
-                raise ValueError(
+                raise UserError(
                     f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
             self.head_dim = self.hidden_size // self.num_heads
         if self.rotary_dim == 0:
             self.rotary_dim = self.head_dim
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in "
-                             f"(0, head_dim={self.head_dim}]")
+            raise UserError(f"rotary_dim {self.rotary_dim} must be even and in "
+                            f"(0, head_dim={self.head_dim}]")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise UserError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
         if self.attention not in ("full", "block_causal"):
-            raise ValueError(f"attention must be 'full' or 'block_causal', got {self.attention!r}")
+            raise UserError(f"attention must be 'full' or 'block_causal', got {self.attention!r}")
 
     @property
     def is_block_causal(self) -> bool:

@@ -13,6 +13,8 @@ import fnmatch
 import re
 from pathlib import Path
 
+from .errors import UserError
+
 # What the engine reads from a checkpoint (models/loader.py, tokenizer.py, engine/llm.py)
 ENGINE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
@@ -25,7 +27,7 @@ MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # org/name, as 
 LOGIN = "log in with `hf auth login` (`huggingface-cli login` before huggingface_hub 1.0) or set HF_TOKEN"
 
 
-class ModelNotFoundError(ValueError):
+class ModelNotFoundError(UserError):
     """A model that is neither a local path nor a Hugging Face id the engine can fetch and read."""
 
 

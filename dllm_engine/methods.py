@@ -3,7 +3,7 @@ the strategies, which combine, and the options each reads.
 
 This module owns the decoders. Every caller asks a ``Decoder`` what it does (is its attention
 block-causal? does it reuse the cache? which commit rule is its default?) and never compares its
-name. It imports nothing from the package, so validating a method string (``SamplingParams``,
+name. It imports nothing from the package but ``errors`` (which imports nothing), so validating a method string (``SamplingParams``,
 ``resolve``) reads data only and loads no runtime module; the runtime strategy classes take their
 flags from ``STRATEGIES`` (``strategies.base.Strategy.spec``).
 
@@ -21,6 +21,8 @@ dInfer's ``credit`` and ``hierarchical`` parallel decoders (every decoder) and L
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .errors import UserError
 
 
 @dataclass(frozen=True)
@@ -179,19 +181,19 @@ def check_method(base: str, names: list[str], logit_shift: int | None = None) ->
     specs = [STRATEGIES[n] for n in names]
     for spec in specs:
         if DECODERS[base] not in spec.bases:
-            raise ValueError(f"strategy {spec.name!r} runs on {', '.join(d.name for d in spec.bases)}, "
-                             f"not on {base!r}")
+            raise UserError(f"strategy {spec.name!r} runs on {', '.join(d.name for d in spec.bases)}, "
+                            f"not on {base!r}")
     shrink = [s.name for s in specs if s.shrinks_tokens]
     if len(shrink) > 1:
-        raise ValueError(f"{shrink[0]!r} and {shrink[1]!r} both drop tokens inside the forward; "
-                         f"use one of them")
+        raise UserError(f"{shrink[0]!r} and {shrink[1]!r} both drop tokens inside the forward; "
+                        f"use one of them")
     owners = [s.name for s in specs if s.owns_commit]
     if len(owners) > 1:
-        raise ValueError(f"{owners[0]!r} and {owners[1]!r} both replace the commit rule; use one of them")
+        raise UserError(f"{owners[0]!r} and {owners[1]!r} both replace the commit rule; use one of them")
     if owners and shrink:
-        raise ValueError(f"{owners[0]!r} verifies every copy of the block at the last layer, and "
-                         f"{shrink[0]!r} drops tokens before it; use one of them")
+        raise UserError(f"{owners[0]!r} verifies every copy of the block at the last layer, and "
+                        f"{shrink[0]!r} drops tokens before it; use one of them")
     unshifted = [s.name for s in specs if s.needs_unshifted_logits]
     if logit_shift and unshifted:
-        raise ValueError(f"{unshifted[0]!r} needs a model without logit shift (LLaDA); this model "
-                         f"reads position p's logits at p - 1 (Dream)")
+        raise UserError(f"{unshifted[0]!r} needs a model without logit shift (LLaDA); this model "
+                        f"reads position p's logits at p - 1 (Dream)")

@@ -7,6 +7,8 @@ import os
 import secrets
 from pathlib import Path
 
+from .errors import UserError
+
 
 def write_json_atomic(path: str | Path, obj) -> None:
     """Write ``obj`` as indented JSON to ``path`` all at once: a temporary file in the same
@@ -43,7 +45,7 @@ def prepare_out_dir(out_dir: str | Path) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"cannot write to output folder {str(out)!r}: {e.strerror}") from None
+        raise UserError(f"cannot write to output folder {str(out)!r}: {e.strerror}") from None
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import warnings
 
+from .errors import UserError
 from .methods import (DECODERS, DEFAULT_PRESET, JOINT_THRESHOLD_PRESETS, STRATEGIES, check_commit_rule, check_method,
                       default_decoder)
 from .sampling_params import ParamError, SamplingParams
@@ -53,8 +54,8 @@ def generation_defaults(generation_config: dict | None) -> dict:
                   "this engine's steps per block", steps)
     try:
         SamplingParams(**gen)
-    except ValueError as e:
-        raise ValueError(f"generation_config.json: {e}") from None
+    except UserError as e:
+        raise UserError(f"generation_config.json: {e}") from None
     return gen
 
 
@@ -154,7 +155,7 @@ def check_against_model(p: SamplingParams, methods: tuple[str, ...], logit_shift
                          f"threshold or steps")
     try:
         check_method(p.base_method, p.strategies, logit_shift)
-    except ValueError as e:
+    except UserError as e:
         raise ParamError("method", str(e)) from None
     try:
         check_commit_rule(p.base_method, p.strategies, p.commit_rule)

@@ -8,6 +8,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from .errors import UserError
 from .methods import (COMMIT_RULES, DECODERS, JOINT_THRESHOLD, JOINT_THRESHOLD_PRESETS, STRATEGIES, CommitRuleSpec,
                       Decoder, base_name, check_commit_rule, check_method, strategy_names)
 
@@ -19,7 +20,7 @@ MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 PROBABILITY_CONFIDENCES = ("low_confidence", "maskgit_plus")  # the softmax probability of the token
 
 
-class ParamError(ValueError):
+class ParamError(UserError):
     """A bad value of one SamplingParams field; ``param`` names it (the server's 400 says so)."""
 
     def __init__(self, param: str, message: str) -> None:
@@ -138,7 +139,7 @@ class SamplingParams:
         if self.strategies:
             try:
                 check_method(self.base_method, self.strategies)
-            except ValueError as e:
+            except UserError as e:
                 raise ParamError("method", str(e)) from None
 
     def check_counts(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .errors import UserError
 from .sampling_params import SamplingParams
 
 FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
@@ -22,7 +23,7 @@ def convert(name: str, raw: str) -> object:
         return [int(x) for x in raw.split("/")]
     if "bool" in kind:
         if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
-            raise ValueError(raw)
+            raise UserError(raw)
         return raw.lower() in ("1", "true", "yes")
     if "float" in kind:
         return float(raw)
@@ -38,10 +39,10 @@ def parse_spec(spec: str, **defaults) -> SamplingParams:
     for item in filter(None, rest.split(",")):
         name, eq, raw = item.partition("=")
         if not eq or name not in FIELD_TYPES or name == "method":
-            raise ValueError(f"bad field {item!r} in spec {spec!r}; expected field=value with a "
-                             f"SamplingParams field")
+            raise UserError(f"bad field {item!r} in spec {spec!r}; expected field=value with a "
+                            f"SamplingParams field")
         try:
             fields[name] = convert(name, raw)
         except ValueError:
-            raise ValueError(f"bad value {raw!r} for {name} in spec {spec!r}") from None
+            raise UserError(f"bad value {raw!r} for {name} in spec {spec!r}") from None
     return SamplingParams(method=method or None, **fields)

@@ -15,6 +15,7 @@ from tokenizers import AddedToken, Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
+from .errors import UserError
 from .tasks.registry import VOCAB
 
 PAD, UNK, BOS, EOS = "<|pad|>", "<|unk|>", "<|startoftext|>", "<|endoftext|>"
@@ -70,8 +71,8 @@ def build_tokenizer() -> Tokenizer:
 def tokenizer_config(family: str) -> dict:
     """The ``tokenizer_config.json`` contents for ``family`` ("llada" or "sdar")."""
     if family not in FAMILY_TOKENIZER_CONFIG:
-        raise ValueError(f"unknown tokenizer family {family!r}; "
-                         f"known: {sorted(FAMILY_TOKENIZER_CONFIG)}")
+        raise UserError(f"unknown tokenizer family {family!r}; "
+                        f"known: {sorted(FAMILY_TOKENIZER_CONFIG)}")
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -154,7 +155,7 @@ def read_tokenizer_config(folder: Path) -> dict:
         if file.is_file():
             value = json.loads(file.read_text(encoding="utf-8"))
             if not isinstance(value, dict):
-                raise ValueError(f"{file}: expected a JSON object")
+                raise UserError(f"{file}: expected a JSON object")
             config.update({k: v for k, v in value.items() if v is not None or k not in config})
     return config
 
@@ -197,8 +198,8 @@ def qwen2_bpe(folder: Path, added: dict[int, AddedToken]) -> Tokenizer:
     taken = {i: t for t, i in vocab.items()}
     for i, token in added.items():
         if taken.get(i, token.content) != token.content:
-            raise ValueError(f"added token {token.content!r} has id {i}, which vocab.json gives "
-                             f"to {taken[i]!r}")
+            raise UserError(f"added token {token.content!r} has id {i}, which vocab.json gives "
+                            f"to {taken[i]!r}")
         vocab[token.content] = i
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=None, continuing_subword_prefix="",
                         end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
@@ -221,12 +222,12 @@ def tokenizer_without_code(folder: Path):
     elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
         backend = qwen2_bpe(folder, added)
     else:
-        raise ValueError("no tokenizer.json, nor vocab.json + merges.txt")
+        raise UserError("no tokenizer.json, nor vocab.json + merges.txt")
     for i, token in sorted(added.items()):  # in the vocabulary already: declared (special) again
         (backend.add_special_tokens if token.special else backend.add_tokens)([token])
         if backend.token_to_id(token.content) != i:
-            raise ValueError(f"added token {token.content!r} is declared with id {i} but gets "
-                             f"{backend.token_to_id(token.content)}")
+            raise UserError(f"added token {token.content!r} is declared with id {i} but gets "
+                            f"{backend.token_to_id(token.content)}")
     options = {k: token_content(config.get(k)) for k in SPECIAL_TOKEN_KEYS}
     options = {k: v for k, v in options.items() if v is not None}
     if isinstance(config.get("model_max_length"), int):

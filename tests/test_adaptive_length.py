@@ -43,7 +43,7 @@ def cut_length(seq, positions, tokens, conf):
 
 
 def reference_cut(seq, positions, tokens, conf):
-    """SPEC §6 written plainly, one sequence: the end of the block holding the first confident
+    """Adaptive length's cut rule written plainly, one sequence: the end of the block holding the first confident
     stop at or after prompt_len + min_length, never before the block of the last committed
     non-stop token; None when nothing is cut."""
     p = seq.params
@@ -133,6 +133,8 @@ def test_after_forward_inspects_everything_but_commits_only_the_block():
     logits[8 - 3, 50], logits[8 - 3, 3] = 0.0, 12.0  # position 8 predicts EOS at ~0.998
     positions, kept = alp.after_forward(seq, plan.logit_positions, logits)
     assert positions.tolist() == [3, 4, 5, 6] and torch.equal(kept, logits[:4])
+    assert seq.canvas_len == 19  # the cut waits for the sequence's turn in the commit loop
+    alp.after_commit(seq, positions[:0])
     assert seq.canvas_len == 11 and seq.blocks == [(3, 7), (7, 11)]
     assert seq.strategy_state["adaptive-length"]["cuts"] == [8]
     # later steps of the block are untouched
@@ -141,6 +143,7 @@ def test_after_forward_inspects_everything_but_commits_only_the_block():
     assert plan.logit_positions.tolist() == [3, 4, 5, 6]
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("method,model_type", [("reference", "llada"), ("prefix-cache", "llada"),
                                                ("dual-cache", "llada"), ("dual-cache", "Dream"),
                                                ("block", "sdar")])
@@ -203,6 +206,7 @@ def test_min_length_holds_end_to_end(llms):
         assert seq.canvas_len - seq.prompt_len >= 24  # the block boundary after slot 17
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_adaptive_length_is_batch_invariant(llms):
     llm = llms["llada"]
     params = SamplingParams(method="dual-cache+adaptive-length", max_new_tokens=32, block_length=8,

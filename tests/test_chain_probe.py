@@ -10,6 +10,8 @@ from dllm_engine.eval.chain_probe import (chain_probe, copy_masked_rows, result_
 from dllm_engine.tasks import load_split
 from fixtures import write_checkpoint
 
+pytestmark = pytest.mark.slow  # probe runs over the held-out split
+
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
 

@@ -16,6 +16,8 @@ from dllm_engine.eval import evaluate
 from dllm_engine.eval.chain_probe import chain_probe
 from dllm_engine.tasks import load_split
 
+pytestmark = pytest.mark.slow  # the shipped checkpoints on held-out tasks
+
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 PER_TASK = 4  # 24 held-out prompts
 

@@ -11,6 +11,8 @@ import pytest
 
 from fixtures import write_checkpoint
 
+pytestmark = pytest.mark.slow  # the dllm command in subprocesses and checkpoint loads per case
+
 WAIT_S = 120
 
 
@@ -179,3 +181,39 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"dllm-engine {version('dllm-engine')}"
+
+
+BUG = """
+import sys
+from dllm_engine.models import loader
+def read_config(*args, **kwargs):
+    raise ValueError("an internal invariant broke")
+loader.read_config = read_config  # deep inside: the LLM reads its checkpoint's config through it
+from dllm_engine.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_bug_keeps_its_traceback_and_exits_1(argv_cases):
+    """A ValueError that is not a UserError is a bug, not bad input: the real entry point shows
+    its traceback and exits 1 (a user error stays one line, exit 2: the cases above)."""
+    argv = argv_cases["device tpu"][0][:3]  # generate --model GOOD
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", BUG, *argv], env=env, capture_output=True, text=True,
+                          timeout=WAIT_S)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" in proc.stderr and "ValueError: an internal invariant broke" in proc.stderr
+    assert "error: an internal invariant broke" not in proc.stderr
+
+
+def test_a_bug_propagates_from_main(argv_cases, monkeypatch, capsys):
+    from dllm_engine.cli import main
+    from dllm_engine.models import loader
+
+    def read_config(*args, **kwargs):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(loader, "read_config", read_config)
+    with pytest.raises(ValueError, match="an internal invariant broke"):
+        main(argv_cases["device tpu"][0][:3])
+    assert "error:" not in capsys.readouterr().err

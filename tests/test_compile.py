@@ -12,6 +12,8 @@ from dllm_engine import LLM, SamplingParams
 from dllm_engine.models.compiled import compile_model, is_compiled, uncompile_model
 from fixtures import write_checkpoint
 
+pytestmark = pytest.mark.slow  # torch.compile
+
 PROMPTS = [[42, 13, 14, 15, 16, 17, 18], [20, 21, 22], [30, 31, 32, 33, 34]]
 
 

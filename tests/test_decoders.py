@@ -18,7 +18,7 @@ def llms(tmp_path_factory):
 
 
 def llada_reference(model, prompt, gen_length, block_length, steps, mask_id, cfg_scale=0.0):
-    """LLaDA generate.py as SPEC §3 states it: full forward each step, fixed-k low confidence,
+    """LLaDA generate.py: full forward each step, fixed-k low confidence,
     optional classifier-free guidance (second copy with the prompt masked)."""
     x = torch.tensor(prompt + [mask_id] * gen_length)
     p = len(prompt)
@@ -92,6 +92,7 @@ def test_classifier_free_guidance_equals_plain_sampler(llms):
     assert llm.generate(PROMPTS[:1], params)[0].token_ids != plain  # guidance changes the output
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_block_decoder_with_cache_equals_recomputing_the_prefix(llms):
     check_block_cache_is_exact(llms["sdar"])
 
@@ -119,6 +120,7 @@ def test_cached_decoders_match_reference_on_the_first_step_of_every_block(llms, 
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("method,model_type", [("reference", "llada"), ("prefix-cache", "llada"),
                                                ("dual-cache", "llada"), ("dual-cache", "Dream"),
                                                ("block", "sdar")])
@@ -193,6 +195,7 @@ def test_batched_selection_equals_each_rule_alone():
 
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("method", ["reference", "prefix-cache", "dual-cache", "dual-cache+adaptive-length"])
 def test_llada_decoders_stop_after_the_stop_block_unless_asked_not_to(llms, method):
     """Every decoder stops after the finished block holding the first stop token by default;
@@ -281,3 +284,25 @@ def test_offline_logprobs_are_those_of_the_committed_tokens(llms):
         assert top_ids[0] == token and logprob == pytest.approx(top_values[0])  # greedy: the argmax
         assert len(top_ids) == 3 and top_values == sorted(top_values, reverse=True) and top_values[0] <= 0
     assert llm.generate([PROMPTS[0]], params.replace(logprobs=None))[0].logprobs is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_the_commit_rule_leaves_the_callers_logits_as_they_were(llms, temperature):
+    """Every commit path excludes the mask on its own tensor: the greedy batch, the per-sequence
+    rule and the rule a strategy replaces (jump-share verifies its copies)."""
+    from dllm_engine.strategies.base import Pipeline
+    llm = llms["llada"]
+    for method in ("dual-cache", "dual-cache+jump-share"):
+        seqs = [llm.make_sequence(p, SamplingParams(method=method, max_new_tokens=8, block_length=8,
+                                                    temperature=temperature)) for p in PROMPTS[:2]]
+        engine, pipeline = llm.engine, Pipeline.named(method.split("+")[1:], llm.model)
+        for seq in seqs:
+            pipeline.setup(seq)
+        logits = [torch.randn(8, llm.model.config.vocab_size) for _ in seqs]
+        before = [lg.clone() for lg in logits]
+        ready = [(s, s.masked_positions(), lg) for s, lg in zip(seqs, logits)]
+        engine.decide_rows(pipeline, ready)
+        for seq, positions, lg in ready:
+            engine.decide(pipeline, seq, positions, lg)
+            pipeline.commit(seq, positions, lg, engine.commit)
+        assert all(torch.equal(a, b) for a, b in zip(logits, before))

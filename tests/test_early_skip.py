@@ -129,9 +129,9 @@ def test_bonuses_and_ties_on_a_hand_example():
     assert keep.tolist() == [[True, True, True, False, False, False]]  # tie 2 vs 4: lower index
     keep = select_kept(score, cand, cand, torch.tensor([4]))
     assert keep.tolist() == [[True, True, True, False, True, False]]
-    index, valid, lengths = compact(torch.tensor([[False, True, False, True], [True, False, False, False]]))
-    assert index.tolist() == [[1, 3], [0, 1]] and valid.tolist() == [[True, True], [True, False]]
-    assert lengths == [2, 1]
+    kept = compact(torch.tensor([[False, True, False, True], [True, False, False, False]]))
+    assert kept.index.tolist() == [[1, 3], [0, 1]] and kept.valid.tolist() == [[True, True], [True, False]]
+    assert kept.lengths == [2, 1]
 
 
 # -- end to end -----------------------------------------------------------------------------
@@ -141,6 +141,7 @@ def tokens(llm, prompts, **kw):
     return llm.generate(prompts, SamplingParams(**kw))
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type", ["llada", "Dream"])
 @pytest.mark.parametrize("threshold", [None, 0.5])
 def test_keep_fraction_one_equals_dual_cache(llms, model_type, threshold):
@@ -152,6 +153,7 @@ def test_keep_fraction_one_equals_dual_cache(llms, model_type, threshold):
         assert got.stats.processed_tokens == want.stats.processed_tokens
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type", ["llada", "Dream"])
 def test_refresh_every_step(llms, model_type):
     """block_refresh=1 with canvas block starts: nothing is ever skipped (= dual-cache);
@@ -166,6 +168,7 @@ def test_refresh_every_step(llms, model_type):
     assert got.stats.nfe == 16 * len(PROMPTS) and got.stats.processed_tokens == want
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type", ["llada", "Dream"])
 def test_block_start_forwards_from_the_last_commits(llms, model_type, monkeypatch):
     """Without refresh_blocks (the reference's policy) a block's first step is no cache rebuild:
@@ -206,6 +209,7 @@ def test_skipping_changes_the_work_and_is_exercised(llms):
     assert got.stats.nfe == dual.stats.nfe  # one token per step either way (fixed steps)
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type", ["llada", "Dream"])
 def test_processed_tokens_on_a_long_block(llms, model_type):
     """Block 32, one commit per step: at least 3 tokens go on. 8 layers, p = (1, .5, .25) at
@@ -239,6 +243,7 @@ def test_refresh_counts_steps_across_the_generation(llms):
     assert got.processed_tokens == pytest.approx(base + 2 * full + 5 * block + 9 * skipped)
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type", ["llada", "Dream"])
 @pytest.mark.parametrize("threshold", [None, 0.5])
 def test_batch_invariance(llms, model_type, threshold):
@@ -251,6 +256,7 @@ def test_batch_invariance(llms, model_type, threshold):
         assert alone.stats.processed_tokens == out.stats.processed_tokens
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_mixed_schedules_in_one_batch(llms):
     """Sequences with different options share one forward, each with its own kept set."""
     llm = llms["llada", 8]
@@ -333,6 +339,7 @@ def test_skipped_positions_keep_their_kv_and_stay_attended(llms):
     llm.engine.cancel(seq.seq_id)
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_each_row_keeps_its_own_set_and_dream_keeps_the_token_before_the_block(llms, monkeypatch):
     llm = llms["Dream", 8]
     seen = []
@@ -422,7 +429,7 @@ def test_row_values_of_a_group_equal_each_sequence_alone(llms, model_type):
             assert not together[key][i, t:].any()
 
 
-# -- the official defaults (issue 21 item 10) --------------------------------------------------
+# -- the official defaults -------------------------------------------------------------------
 def test_delay_eos_follows_the_official_rule():
     """An EOS predicted while its left in-block neighbour is masked and no EOS is committed yet
     gets confidence 0 (the official delay_eos_generation), for the commit rule and the skip score."""

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dllm_engine import LLM, SamplingParams
+from dllm_engine.errors import UserError
 from dllm_engine.models import load_model
 from fixtures import write_checkpoint
 
@@ -46,7 +47,7 @@ def test_unknown_model_type(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unknown model_type 'gpt2'.*llada"):
+    with pytest.raises(UserError, match="unknown model_type 'gpt2'.*llada"):
         load_model(tmp_path)
 
 
@@ -62,7 +63,7 @@ def test_missing_and_extra_tensors_are_named(tmp_path):
     def rename(t):
         t["model.transformer.blocks.0.q_proj.weigh"] = t.pop("model.transformer.blocks.0.q_proj.weight")
     edit_tensors(tmp_path, rename)
-    with pytest.raises(ValueError, match=r"missing tensors \['model.transformer.blocks.0.q_proj.weight'\]"
+    with pytest.raises(UserError, match=r"missing tensors \['model.transformer.blocks.0.q_proj.weight'\]"
                                          r".*unexpected tensors \['model.transformer.blocks.0.q_proj.weigh'\]"):
         load_model(tmp_path)
 
@@ -73,29 +74,29 @@ def test_wrong_shape_is_named(tmp_path):
     def shrink(t):
         t["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
     edit_tensors(tmp_path, shrink)
-    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight has shape \(3, 3\)"):
+    with pytest.raises(UserError, match=r"model.layers.1.mlp.up_proj.weight has shape \(3, 3\)"):
         load_model(tmp_path)
 
 
 def test_bad_dtype(tmp_path):
     write_checkpoint(tmp_path, "llada", tokenizer=False)
-    with pytest.raises(ValueError, match="dtype 'float8'"):
+    with pytest.raises(UserError, match="dtype 'float8'"):
         load_model(tmp_path, dtype="float8")
 
 
 @pytest.mark.parametrize("prompt", ["", "   ", []])
 def test_empty_prompt(llada, prompt):
-    with pytest.raises(ValueError, match="prompt is empty"):
+    with pytest.raises(UserError, match="prompt is empty"):
         llada.generate([prompt], SamplingParams(max_new_tokens=8, block_length=8))
 
 
 def test_out_of_vocab_prompt(llada):
-    with pytest.raises(ValueError, match=r"outside \[0, 96\)"):
+    with pytest.raises(UserError, match=r"outside \[0, 96\)"):
         llada.generate([[1, 999]], SamplingParams(max_new_tokens=8, block_length=8))
 
 
 def test_prompt_beyond_context(llada):
-    with pytest.raises(ValueError, match=r"max_new_tokens \(128, 128 canvas slots.*exceed the model's context of 4096"):
+    with pytest.raises(UserError, match=r"max_new_tokens \(128, 128 canvas slots.*exceed the model's context of 4096"):
         llada.generate([[1] * 4000], SamplingParams(max_new_tokens=128, block_length=32))
 
 
@@ -110,7 +111,7 @@ def test_any_max_new_tokens_rounds_the_canvas_up_and_cuts_the_answer(llada):
 
 @pytest.mark.parametrize("steps,msg", [(0, "steps must be a positive integer"), (9, "steps 9 must be <= block_length 8")])
 def test_steps_bounds(llada, steps, msg):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(UserError, match=msg):
         llada.generate([[1, 2]], SamplingParams(max_new_tokens=8, block_length=8, steps=steps))
 
 
@@ -124,7 +125,7 @@ def test_steps_bounds(llada, steps, msg):
     ("factor", -1.0, "factor must be > 0"),
 ])
 def test_bad_sampling_params(field, value, msg):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(UserError, match=msg):
         SamplingParams(**{field: value})
 
 
@@ -144,7 +145,7 @@ def test_bad_sampling_params(field, value, msg):
     ("method", 3, "method must be a string"),
 ])
 def test_values_of_the_wrong_type_are_refused_by_name(field, value, msg):
-    with pytest.raises(ValueError, match=msg) as err:
+    with pytest.raises(UserError, match=msg) as err:
         SamplingParams(**{field: value})
     assert err.value.param == field
 
@@ -165,37 +166,37 @@ def test_numpy_integers_are_integers(llada):
     (torch.tensor([1, 2]), r"got Tensor \(pass .tolist\(\)\)"),
 ])
 def test_prompts_of_the_wrong_type_are_refused(llada, prompts, msg):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(UserError, match=msg):
         llada.generate(prompts, SamplingParams(max_new_tokens=8, block_length=8))
 
 
 def test_a_prompt_holding_the_mask_token_is_refused(llada):
     """Block diffusion would fill a mask in the prompt's last block (and count it decoded)."""
     mask = llada.token_ids.mask_id
-    with pytest.raises(ValueError, match=rf"prompt holds the mask token \(id {mask}\)"):
+    with pytest.raises(UserError, match=rf"prompt holds the mask token \(id {mask}\)"):
         llada.generate([[5, mask, 6]], SamplingParams(max_new_tokens=8, block_length=8))
     assert not llada.engine.has_work()
 
 
 def test_params_must_be_sampling_params_and_stop_ids_in_the_vocabulary(llada):
-    with pytest.raises(ValueError, match=r"params must be a SamplingParams, got dict \(SamplingParams\(\*\*params\)\)"):
+    with pytest.raises(UserError, match=r"params must be a SamplingParams, got dict \(SamplingParams\(\*\*params\)\)"):
         llada.generate([[1, 2]], {"max_new_tokens": 8})
     vocab = llada.model.config.vocab_size
-    with pytest.raises(ValueError, match=rf"stop_token_ids must be ids in \[0, {vocab}\)") as err:
+    with pytest.raises(UserError, match=rf"stop_token_ids must be ids in \[0, {vocab}\)") as err:
         llada.generate([[1, 2]], SamplingParams(max_new_tokens=8, block_length=8, stop_token_ids=[vocab]))
     assert err.value.param == "stop_token_ids"
     assert not llada.engine.has_work()
 
 
 def test_method_the_family_cannot_run(llada):
-    with pytest.raises(ValueError, match="method 'block' cannot run on this model's attention pattern"):
+    with pytest.raises(UserError, match="method 'block' cannot run on this model's attention pattern"):
         llada.generate([[1, 2]], SamplingParams(method="block", max_new_tokens=8, block_length=8))
 
 
 def test_chat_needs_a_conversation(llada):
-    with pytest.raises(ValueError, match="conversation is empty"):
+    with pytest.raises(UserError, match="conversation is empty"):
         llada.chat([[]])
-    with pytest.raises(ValueError, match="a conversation is a list of messages"):
+    with pytest.raises(UserError, match="a conversation is a list of messages"):
         llada.chat("hello")
 
 
@@ -205,19 +206,19 @@ def test_chat_needs_a_conversation(llada):
     ("focus_alpha", float("inf")), ("skip_alpha", float("nan")), ("top_p", float("nan")),
     ("keep_fractions", (1.0, float("nan"), 0.25))])
 def test_non_finite_numbers_are_refused_by_name(field, value):
-    with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+    with pytest.raises(UserError, match=f"{field} must be a finite number"):
         SamplingParams(**{field: value})
 
 
 @pytest.mark.parametrize("seed", [-1, 2**63, 2**70])
 def test_seed_out_of_range_names_the_field(seed):
-    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\)") as err:
+    with pytest.raises(UserError, match=r"seed must be an integer in \[0, 2\*\*63\)") as err:
         SamplingParams(seed=seed)
     assert err.value.param == "seed"
 
 
 def test_a_long_prompt_gets_the_engines_error_not_a_tokenizer_warning(llada, capfd):
-    with pytest.raises(ValueError, match="exceed the model's context of 4096"):
+    with pytest.raises(UserError, match="exceed the model's context of 4096"):
         llada.generate(["sort : " + "a " * 5000], SamplingParams(max_new_tokens=8, block_length=8))
     captured = capfd.readouterr()
     assert "longer than the specified maximum" not in captured.err + captured.out
@@ -232,7 +233,7 @@ def test_a_long_prompt_gets_the_engines_error_not_a_tokenizer_warning(llada, cap
 def test_malformed_checkpoint_files_are_named(tmp_path, name, text, message):
     write_checkpoint(tmp_path, "llada")
     (tmp_path / name).write_text(text)
-    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / name}") + ".*" + re.escape(message.split(": ", 1)[-1])):
+    with pytest.raises(UserError, match=re.escape(f"{tmp_path / name}") + ".*" + re.escape(message.split(": ", 1)[-1])):
         LLM(tmp_path)
 
 
@@ -241,7 +242,7 @@ def test_config_missing_a_key_is_named(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     del cfg["hidden_size"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"config.json: missing key 'hidden_size' \(needed by model_type 'sdar'\)"):
+    with pytest.raises(UserError, match=r"config.json: missing key 'hidden_size' \(needed by model_type 'sdar'\)"):
         load_model(tmp_path)
 
 
@@ -251,5 +252,5 @@ def test_devices_this_build_cannot_use(tmp_path, device, message):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     write_checkpoint(tmp_path, "llada", tokenizer=False)
-    with pytest.raises(ValueError, match=f"device '{device}' {message}"):
+    with pytest.raises(UserError, match=f"device '{device}' {message}"):
         LLM(tmp_path, device=device)

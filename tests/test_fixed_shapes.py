@@ -55,6 +55,7 @@ def test_fixed_shapes_give_the_dynamic_tokens(llms, family, method):
     assert b.stats.processed_tokens == pytest.approx(a.stats.processed_tokens)  # padding is not work
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_fixed_shapes_with_guidance_and_a_prompt_alone(llms):
     """Classifier-free guidance (an explicit key mask per row) and batch invariance: a prompt
     alone (one row) and inside the padded batch get the same tokens."""
@@ -71,6 +72,7 @@ def signatures(llm: LLM, method: str, prompts: list[list[int]]) -> set[tuple]:
     return log.signatures
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_fixed_shapes_collapse_the_forward_shapes(llms):
     """dual-cache over prompts of 9 and 13 tokens (canvases 41 and 45, one bucket: 48): one
     canvas step and one block step, masked, each prompt alone or both together (where dynamic
@@ -106,6 +108,7 @@ def test_a_static_pool_marks_its_storage_for_cuda_graphs():
     assert not hasattr(KVCache(1, 1, 4, torch.float32, "cpu").k[0], "_dynamo_static_input_type")
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_compile_step_is_for_one_process_and_dense_layers(tmp_path):
     with pytest.raises(ValueError, match="compile_step is for one process"):
         check_compile(False, 2, compile_step=True)
@@ -113,6 +116,7 @@ def test_compile_step_is_for_one_process_and_dense_layers(tmp_path):
         LLM(write_llada2_checkpoint(tmp_path), compile_step=True)
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_step_gives_eager_tokens_and_reuses_its_graphs(llms, family="sdar", method="block"):
     """One graph per shape bucket, compiled on first use: a second run over the same shapes
     compiles nothing (dynamo's frame counter does not move). A fresh LLM: ``block`` reaches new
@@ -132,6 +136,7 @@ def test_compiled_step_gives_eager_tokens_and_reuses_its_graphs(llms, family="sd
     assert compiled.engine.runner.step_forward is None and compiled.engine.runner.fixed_shapes
 
 
+@pytest.mark.slow  # a bench run
 def test_bench_runs_each_spec_as_loaded_then_with_fixed_shapes(llms, tmp_path):
     from dllm_engine.bench import run_bench
     from dllm_engine.bench.offline import table

@@ -1,6 +1,7 @@
-"""FOCUS token eviction (SPEC §4): the selection math against plain re-implementations written
+"""FOCUS token eviction: the selection math against plain re-implementations written
 from the spec, the delayed in-block cache against a plain cached sampler, and engine behaviour
 (only kept tokens commit, batch invariance, lower redundancy)."""
+import dataclasses
 import math
 
 import pytest
@@ -26,7 +27,7 @@ def llms(tmp_path_factory):
     return {mt: LLM(write_checkpoint(root / mt, mt)) for mt in ("llada", "Dream", "sdar")}
 
 
-# -- plain references written from SPEC §4 -----------------------------------------------------
+# -- plain references written from the paper ---------------------------------------------------
 def plain_importance(q, k, masked):
     """One row, one head at a time: S = q_M k_Mᵀ/√d, window-3 max over keys, softmax, sums."""
     b, h, _, d = q.shape
@@ -92,7 +93,8 @@ def test_importance_matches_plain_reference_with_gqa_and_ragged_rows():
     masked[1, :] = True  # all masked
     masked[2, 5] = True  # a single token: importance = number of heads
     # row 3: nothing masked
-    index, valid, _ = compact(masked)
+    kept = compact(masked)
+    index, valid = kept.index, kept.valid
     got = EvictionHooks.importance(q, k, index, valid)
     want = plain_importance(q, k, masked)
     for row in range(b):
@@ -208,9 +210,22 @@ def test_delayed_cache_ready_needs_the_right_neighbour():
 def test_never_processed_evicted_slots_are_hidden_from_attention():
     ctx = ForwardContext(positions=torch.tensor([[4, 5, 6, 7]]), token_valid=torch.ones(1, 4, dtype=torch.bool),
                          key_limit=torch.full((1, 4), 8))
-    EvictionHooks.hide_unprocessed(ctx, torch.tensor([[False, False, True, False]]))
-    assert ctx.attn_mask.shape == (1, 1, 4, 8)
-    assert ctx.attn_mask[0, 0].tolist() == [[True] * 6 + [False, True]] * 4
+    hidden = EvictionHooks.unprocessed_keys(ctx, torch.tensor([[False, False, True, False]]))
+    kept = ctx.keep(compact(torch.ones(1, 4, dtype=torch.bool), hidden_keys=hidden))
+    assert kept.attn_mask.shape == (1, 1, 4, 8)
+    assert kept.attn_mask[0, 0].tolist() == [[True] * 6 + [False, True]] * 4
+    assert ctx.attn_mask is None  # the context it came from is unchanged
+
+
+def test_a_context_is_never_changed_in_place():
+    """Hooks return what they keep; ``keep`` makes a new context and the old one stays."""
+    ctx = ForwardContext(positions=torch.tensor([[4, 5, 6, 7]]), token_valid=torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.positions = torch.tensor([[4]])
+    kept = ctx.keep(compact(torch.tensor([[False, True, False, True]])))
+    assert kept.positions.tolist() == [[5, 7]] and kept.token_index.tolist() == [[1, 3]]
+    assert kept.live_counts() == [2] and ctx.live_counts() == [4]
+    assert ctx.positions.tolist() == [[4, 5, 6, 7]] and ctx.token_index.tolist() == [[0, 1, 2, 3]]
 
 
 # -- the engine -------------------------------------------------------------------------------
@@ -252,6 +267,7 @@ def delayed_block_reference(model, prompt, gen_length, block_length, threshold, 
     return out[:cut], processed - len(prompt)
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("threshold", [0.3, 0.9])
 def test_eviction_off_equals_plain_delayed_cache_sampler(llms, threshold):
     llm = llms["sdar"]
@@ -308,6 +324,7 @@ def delayed_dual_cache_reference(model, prompt, gen_length, block_length, thresh
     return out[:cut], processed - len(prompt)
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type", ["llada", "Dream"])
 def test_dual_cache_eviction_off_equals_plain_delayed_cache_sampler(llms, model_type):
     llm = llms[model_type]
@@ -323,6 +340,7 @@ def test_dual_cache_eviction_off_equals_plain_delayed_cache_sampler(llms, model_
         assert out.stats.processed_tokens == processed
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_delayed_cache_strategy_is_focus_without_eviction(llms):
     """``block+delayed-cache`` (the paper's DC+ ablation) against a plain loop of its rule."""
     llm = llms["sdar"]
@@ -364,6 +382,7 @@ def run_with(llm, strategy, prompts, params):
         del llm.engine.pipelines[params.method]
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type,method", [("sdar", "block+focus"), ("llada", "dual-cache+focus"),
                                                ("Dream", "dual-cache+focus")])
 def test_only_kept_tokens_are_committed(llms, model_type, method):
@@ -376,6 +395,7 @@ def test_only_kept_tokens_are_committed(llms, model_type, method):
     assert all(t != llm.token_ids.mask_id for o in out for t in o.token_ids)
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_eviction_lowers_redundancy_below_block_and_delayed_cache(llms):
     llm = llms["sdar"]
     base = SamplingParams(method="block", max_new_tokens=64, block_length=32, threshold=0.9, stop_at_eos=False)
@@ -387,6 +407,7 @@ def test_eviction_lowers_redundancy_below_block_and_delayed_cache(llms):
     assert focus.redundancy < block.redundancy
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type,method", [("sdar", "block+focus"), ("llada", "dual-cache+focus"),
                                                ("Dream", "dual-cache+focus")])
 @pytest.mark.parametrize("alpha", [1.0, 1.5])
@@ -438,6 +459,7 @@ class FirstProbed(FirstSelection, PredictorProbe):
     pass
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type,method", [("sdar", "block+focus"), ("llada", "dual-cache+focus")])
 def test_probe_scores_the_selection_focus_makes_but_evicts_nothing(llms, model_type, method):
     llm = llms[model_type]

@@ -1,4 +1,4 @@
-"""Contracts of issue 21: every method combination decided up front, order-free pipelines,
+"""Contracts: every method combination decided up front, order-free pipelines,
 per-request strategy state, replay-safe plans, a usable engine after a failed call, a cache that
 shrinks and copies only the rows that move, no silent fallbacks."""
 import asyncio
@@ -50,7 +50,8 @@ def accepted(llm: LLM, method: str) -> bool:
     return True
 
 
-# -- item 1: the combination matrix ------------------------------------------------------------
+# -- the combination matrix --------------------------------------------------------------------
+@pytest.mark.slow  # over 2 s
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_combination_is_refused_up_front_or_completes(ckpts, llms, family):
     shared = llms[family]
@@ -102,7 +103,7 @@ def test_family_free_conflicts_are_refused_when_the_method_is_parsed():
         SamplingParams(method="dual-cache+early-skip+focus")
 
 
-# -- item 2: the order of the method string does not matter --------------------------------------
+# -- the order of the method string does not matter ----------------------------------------------
 def test_strategies_run_in_stage_order_whatever_the_method_says(llms):
     llm = llms["llada"]
     a = llm.generate(PROMPTS, SamplingParams(method="dual-cache+jump-share+adaptive-length", **OPTIONS))
@@ -128,13 +129,14 @@ def test_a_strategy_that_commits_hides_no_other_strategy(llms, monkeypatch):
     assert len(seen) == out.stats.nfe and sum(seen) == out.stats.decoded_tokens
 
 
-# -- item 3: per-request state, replay-safe plans ---------------------------------------------
+# -- per-request state, replay-safe plans -----------------------------------------------------
 REPLAYED = [("sdar", "block+focus"), ("sdar", "block+focus-probe"), ("llada", "dual-cache+focus"),
             ("llada", "dual-cache+early-skip"), ("Dream", "dual-cache+early-skip"),
             ("llada", "dual-cache+adaptive-length"), ("llada", "dual-cache+jump-share"),
             ("llada", "dual-cache+early-skip:block_refresh=3,prompt_refresh=5")]
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("family,spec", REPLAYED)
 def test_planning_a_step_twice_changes_nothing(llms, monkeypatch, family, spec):
     """The server replays a failed step: ``plan`` must leave no trace."""
@@ -174,6 +176,7 @@ def assert_same_state(a, b) -> None:
         assert a == b
 
 
+@pytest.mark.slow  # over 2 s
 def test_diagnostics_are_per_call_and_per_request(llms):
     llm = llms["sdar"]
     params = SamplingParams(method="block+focus-probe", **OPTIONS)
@@ -185,7 +188,8 @@ def test_diagnostics_are_per_call_and_per_request(llms):
     assert both == first + other  # each request counts its own steps
 
 
-# -- item 4: the engine never sees an unresolved method ------------------------------------------
+# -- the engine never sees an unresolved method --------------------------------------------------
+@pytest.mark.slow  # over 2 s
 def test_default_params_reach_the_engine_resolved(llms):
     out = llms["sdar"].generate([PROMPTS[0]], SamplingParams())
     explicit = llms["sdar"].generate([PROMPTS[0]], SamplingParams(method="block"))
@@ -194,7 +198,7 @@ def test_default_params_reach_the_engine_resolved(llms):
         llms["sdar"].engine.pipeline(None)
 
 
-# -- item 8: a failed call leaves the engine empty and usable ------------------------------------
+# -- a failed call leaves the engine empty and usable --------------------------------------------
 def test_a_call_that_raises_mid_step_leaves_the_engine_usable(llms, monkeypatch):
     from dllm_engine.strategies.adaptive_length import AdaptiveLength
     llm = llms["llada"]
@@ -212,7 +216,7 @@ def test_a_call_that_raises_mid_step_leaves_the_engine_usable(llms, monkeypatch)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-# -- item 5: the KV cache pools -----------------------------------------------------------------
+# -- the KV cache pools -------------------------------------------------------------------------
 def filled_cache(ids, length):
     cache = KVCache(2, 1, 2, torch.float32, "cpu")
     cache.arrange(ids, length)
@@ -244,6 +248,7 @@ def test_the_cache_shrinks_when_the_long_sequences_leave():
     assert cache.nbytes == 0
 
 
+@pytest.mark.slow  # over 2 s
 def test_a_long_request_widens_only_its_own_group(llms):
     llm = llms["llada"]
     engine = llm.engine
@@ -262,7 +267,7 @@ def test_a_long_request_widens_only_its_own_group(llms):
     assert engine.cache_bytes == 0 and engine.running == []  # every pool went with its sequences
 
 
-# -- item 6: no silent fallbacks -----------------------------------------------------------------
+# -- no silent fallbacks -------------------------------------------------------------------------
 def test_a_step_past_the_schedule_commits_every_mask_left():
     params = SamplingParams(method="dual-cache", max_new_tokens=8, block_length=8, steps=2)
     p = resolve_params(params, ("dual-cache",))

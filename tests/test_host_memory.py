@@ -28,6 +28,7 @@ def test_a_library_llm_leaves_the_allocator_alone(ckpt, calls):
     assert calls == [1]
 
 
+@pytest.mark.slow  # bench runs
 @pytest.mark.parametrize("flag,state", [([], "on"), (["--no-keep-freed-memory"], "off")])
 def test_the_cli_asks_for_it_and_the_bench_says_so(ckpt, calls, capsys, tmp_path, flag, state):
     argv = ["bench", "--model", str(ckpt), "--methods", "dual-cache", "--batch-sizes", "1", "--tasks", "sort",

@@ -112,6 +112,7 @@ def test_cli_generate_and_revision_by_id(capsys):
     assert "method: block" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # subprocesses
 def test_download_prints_the_snapshot_folder(cache, tmp_path, capsys):
     """The installed command, as ``$(dllm download ID)`` runs it: the environment chooses the cache."""
     done = subprocess.run([sys.executable, "-m", "dllm_engine.cli", "download", "org/tiny-llada"],
@@ -125,6 +126,7 @@ def test_download_prints_the_snapshot_folder(cache, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == [str(other / "models--org--tiny-llada" / "snapshots" / OLD)]
 
 
+@pytest.mark.slow  # subprocesses
 def test_uncached_id_offline_names_the_cache(cache, tmp_path):
     done = subprocess.run([sys.executable, "-m", "dllm_engine.cli", "download", "org/missing"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120,
@@ -218,6 +220,7 @@ def test_every_model_command_takes_a_revision(command, capsys):
     assert "--revision" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_bench_by_id(tmp_path, capsys):
     """dllm bench reads the config before the weights: the id is resolved once, for both."""
     assert main(["bench", "--model", "org/tiny-llada", "--methods", "dual-cache", "--tasks", "sort", "--limit", "1",

@@ -192,6 +192,7 @@ def test_jump_share_advances_faster_and_decodes_every_slot_once(llms, method):
         assert o.stats.decoded_tokens == 32 and len(o.token_ids) <= 32
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_full_odb_configuration_is_batch_invariant(llms, temperature):
     llm = llms["llada"]

@@ -1,5 +1,5 @@
 """LLaDA2.0 (llada2_moe): logits parity with transformers' Glm4Moe, checkpoint layout, router math,
-MoE dispatch, and block decoding (SPEC §2-3)."""
+MoE dispatch, and block decoding."""
 import json
 
 import pytest
@@ -70,6 +70,7 @@ def block_causal_mask(valid, block_size):
     return mask | torch.eye(t, dtype=torch.bool)[None, None]  # pad rows attend to themselves
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_logits_match_transformers_glm4moe_with_left_padding(tmp_path):
     folder = write_llada2_checkpoint(tmp_path, tokenizer=False)
     model = load_model(folder)
@@ -226,10 +227,12 @@ def llm(tmp_path_factory):
     return LLM(write_llada2_checkpoint(tmp_path_factory.mktemp("llada2")))
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_block_decoder_with_cache_equals_recomputing_the_prefix(llm):
     check_block_cache_is_exact(llm)
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("method", ["block", "block+focus"])
 @pytest.mark.parametrize("threshold", [None, 0.5])
 def test_batch_invariance(llm, method, threshold):
@@ -240,6 +243,7 @@ def test_batch_invariance(llm, method, threshold):
         assert llm.generate([prompt], params)[0].token_ids == out.token_ids
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_focus_evicts_tokens_on_the_moe_model(llm):
     params = SamplingParams(method="block", max_new_tokens=16, block_length=8, stop_at_eos=False)
     base = llm.generate(PROMPTS, params).stats

@@ -222,6 +222,7 @@ def test_cached_decoders_match_reference_on_the_first_step_of_every_block(llm, m
     assert any(len(o.token_ids) > 2 for o in got)
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("method", ["reference", "prefix-cache", "dual-cache", "dual-cache+focus",
                                     "dual-cache+early-skip"])
 @pytest.mark.parametrize("threshold", [None, 0.5])
@@ -236,6 +237,7 @@ STRATEGIES = ["dual-cache+focus", "dual-cache+early-skip", "dual-cache+adaptive-
               "reference+adaptive-length", "prefix-cache+jump-share", "dual-cache+jump-share"]
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_every_full_attention_strategy_runs(llm):
     """Each strategy that applies to full attention generates on the MoE model; FOCUS and early
     skipping compute fewer tokens than dual-cache for the same decoded ones."""
@@ -263,6 +265,7 @@ def generated(llm, params):
     return [o.token_ids for o in out], [o.stats.nfe for o in out], out.stats.processed_tokens
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("threshold", [None, 0.5])
 def test_each_strategy_switched_off_gives_its_base_decoders_tokens(llm, threshold):
     """Early skipping keeping every token, adaptive length never confident enough to cut, and
@@ -281,6 +284,7 @@ def test_each_strategy_switched_off_gives_its_base_decoders_tokens(llm, threshol
     assert generated(llm, no_cut)[:2] == generated(llm, stopping)[:2]
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 def test_focus_without_eviction_equals_the_plain_delayed_cache_sampler(llm):
     from test_focus import NO_EVICTION, delayed_dual_cache_reference
     ids = llm.token_ids

@@ -25,6 +25,8 @@ from dllm_engine.tasks import load_split  # noqa: E402
 from fixtures import write_checkpoint  # noqa: E402
 from test_server import serving  # noqa: E402
 
+pytestmark = pytest.mark.slow  # lm-evaluation-harness runs and live servers
+
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 LIMIT = 2  # prompts per task
 
@@ -332,7 +334,8 @@ def test_loglikelihood_keeps_the_end_of_a_context_longer_than_the_window(small_w
     assert len(prompt) > 64
     [(value, greedy)] = lm.loglikelihood([request("loglikelihood", LONG_TEXT, " 1 2 3")], True)
     assert value == lm.score(prompt[-(64 - len(target)):], target)  # as lm-eval's HF model: the last tokens
-    assert isinstance(greedy, bool)  # the greedy check fits its canvas too (it crashed)
+    # the greedy check fits its canvas too (it crashed): the decoded target is the argmax's or not
+    assert greedy == lm.greedy([(prompt[-(64 - len(target)):], target)])[0]
     assert any("cut" in w for w in dllm_warnings())
     with pytest.raises(ValueError, match="continuation of 64 tokens does not fit"):
         lm.loglikelihood([request("loglikelihood", "sort", " " + "1 " * 63 + "2")], True)
@@ -351,7 +354,8 @@ def test_generate_until_cuts_a_long_context_to_the_resolved_canvas(small_window,
     assert gen.seq.prompt_len == room and gen.seq.canvas[:room].tolist() == ids[-room:]
     assert gen.seq.canvas_len <= window
     [text] = lm.generate_until([request("generate_until", LONG_TEXT, gen_kwargs)], True)
-    assert isinstance(text, str)
+    lm.run([gen])  # the same request on its own: the text is its decoded answer
+    assert text == gen.text == lm.decode(gen.seq.output_ids()[: gen.max_tokens])
 
 
 def test_sampled_repeats_get_distinct_seeds(random_ckpt):
@@ -404,7 +408,8 @@ def test_empty_inputs_as_lm_eval_s_hf_model(random_ckpt):
     gen = lm.generation("", {"until": [], "max_gen_toks": 4})
     assert gen.seq.prompt_len == 1 and int(gen.seq.canvas[0]) == bos
     [text] = lm.generate_until([request("generate_until", "", {"max_gen_toks": 4})], True)
-    assert isinstance(text, str)
+    lm.run([gen])  # the same request on its own: the text is its decoded answer
+    assert text == gen.text == lm.decode(gen.seq.output_ids()[: gen.max_tokens])
     # no BOS token: the EOS token is the prefix, as lm-eval's prefix_token_id
     lm.llm.tokenizer.bos_token = None
     eos = lm.llm.tokenizer.eos_token_id

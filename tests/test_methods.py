@@ -128,7 +128,7 @@ def test_validating_a_method_loads_no_runtime_module():
                          cwd=PACKAGE.parent, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)}).stdout
     described, loaded = out.strip().splitlines()
     assert described.startswith("dual-cache+early-skip+adaptive-length ") and "keep_fractions=" in described
-    assert loaded.split() == ["dllm_engine", "dllm_engine.methods", "dllm_engine.resolve",
+    assert loaded.split() == ["dllm_engine", "dllm_engine.errors", "dllm_engine.methods", "dllm_engine.resolve",
                               "dllm_engine.sampling_params", "dllm_engine.spec"]
 
 

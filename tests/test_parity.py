@@ -1,4 +1,4 @@
-"""Logits parity of each family with the matching `transformers` class (SPEC §2)."""
+"""Logits parity of each family with the matching `transformers` class."""
 import pytest
 import torch
 import transformers

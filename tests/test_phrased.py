@@ -112,6 +112,7 @@ def _mutations(answer: str) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # over 2 s
 @pytest.mark.parametrize("task", TRACED)
 def test_checker_rejects_near_misses(task: str) -> None:
     for ex in _samples(task, 60):

@@ -12,6 +12,8 @@ from dllm_engine.cli import main
 from dllm_engine.spec import parse_spec
 from fixtures import write_checkpoint
 
+pytestmark = pytest.mark.slow  # profiling runs
+
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the README's code blocks
+
 ROOT = Path(__file__).resolve().parent.parent
 REASONS = {"gpu": "needs a GPU and a real checkpoint", "network": "downloads from the Hugging Face Hub",
            "server": "starts a server", "benchmark": "minutes of CPU", "training": "hours of CPU",

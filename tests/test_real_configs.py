@@ -140,6 +140,7 @@ def test_generation_config_steps_count_only_beside_block_length():
 
 
 # -- 2. Dream's tokenizer: DreamTokenizer + auto_map (remote code) -----------------------------------
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("tokenizer_json", [False, True], ids=["vocab+merges", "tokenizer.json"])
 def test_dream_tokenizer_loads_without_its_remote_code(tmp_path, tokenizer_json):
     folder, ids = write_dream(tmp_path / "dream", tokenizer_json=tokenizer_json)
@@ -157,8 +158,9 @@ def test_dream_tokenizer_loads_without_its_remote_code(tmp_path, tokenizer_json)
     assert tok.decode(prompt) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert ids["<|im_end|>"] in llm.token_ids.stop_ids  # Dream's end of turn
     out = llm.chat([{"role": "user", "content": "the cat"}], SMALL)
-    assert isinstance(out[0].text, str)
-    assert llm.generate("the cat", SMALL)[0].token_ids is not None
+    assert out[0].text == tok.decode(out[0].token_ids, skip_special_tokens=True)
+    # a text prompt is its encoding: the same tokens as the token-id prompt
+    assert llm.generate("the cat", SMALL)[0].token_ids == llm.generate([llm.encode("the cat")], SMALL)[0].token_ids
 
 
 def test_a_tokenizer_that_cannot_load_leaves_token_prompts_working(tmp_path):
@@ -228,6 +230,7 @@ def write_bf16(folder: Path, model_type: str = "llada2_moe", **config) -> dict:
     return load_file(str(folder / "model.safetensors"))
 
 
+@pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("key", ["torch_dtype", "dtype"])  # transformers 4 / 5
 def test_auto_dtype_is_the_configs(tmp_path, key):
     stored = write_bf16(tmp_path, **{"torch_dtype": DROP, key: "bfloat16"})
@@ -279,6 +282,7 @@ print(status("VmHWM") - before)
 """
 
 
+@pytest.mark.slow  # a full-size load
 def test_loading_holds_about_one_copy_of_the_weights(tmp_path):
     """Peak memory of a bf16 load: the bf16 model plus one shard, not the checkpoint read whole,
     an fp32 model and its bf16 cast (3.4x the checkpoint before)."""

@@ -25,6 +25,8 @@ from dllm_engine.server import create_app  # noqa: E402
 from dllm_engine.server.replicated import ReplicaOptions, Scaling, deploy  # noqa: E402
 from dllm_engine.tasks import load_split  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Ray Serve replicas
+
 MODEL = CHECKPOINTS / "tiny-llada"
 DEFAULTS = SamplingParams(method="dual-cache", threshold=0.9, max_new_tokens=32, block_length=8)
 # per replica / queued at the front: 2 * 8 + 40 requests at once. Ray Serve may refuse a burst

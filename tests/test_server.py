@@ -30,6 +30,8 @@ from dllm_engine.server.protocol import ApiError
 from dllm_engine.tasks import load_split
 from fixtures import write_checkpoint
 
+pytestmark = pytest.mark.slow  # live servers
+
 NAME = "tiny"
 DEFAULTS = SamplingParams(method="dual-cache", threshold=0.9, max_new_tokens=16, block_length=8)
 PROMPTS = [e.prompt for e in load_split(limit=6)][:32]  # held-out task prompts, varied lengths
@@ -474,6 +476,26 @@ def test_api_key_is_checked_on_the_api_routes(ckpt):
         assert c.get("/health").status_code == 200  # probes need no key
         r = c.post("/v1/completions", json=SHORT, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_a_user_error_is_a_400_and_a_bug_a_500(ckpt, monkeypatch):
+    """Bad input (a UserError) names itself in a 400; any other exception in a handler is a bug:
+    a 500 in the OpenAI error format, raised on so that the server logs its traceback."""
+    from fastapi.testclient import TestClient
+    llm = LLM(ckpt)
+    with TestClient(create_app(llm, DEFAULTS, NAME), raise_server_exceptions=False) as c:
+        r = c.post("/v1/completions", json={**SHORT, "temperature": -1})
+        assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+
+        def broken(*args, **kwargs):
+            raise ValueError("an internal invariant broke")
+
+        monkeypatch.setattr(llm, "resolve_for_prompt", broken)
+        r = c.post("/v1/completions", json=SHORT)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "ValueError: an internal invariant broke" in r.json()["error"]["message"]
+    with TestClient(create_app(llm, DEFAULTS, NAME)) as c, pytest.raises(ValueError, match="invariant"):
+        c.post("/v1/completions", json=SHORT)  # not swallowed: the server's log gets it
 
 
 def test_with_an_api_key_an_abandoned_request_is_still_cancelled(ckpt):

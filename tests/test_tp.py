@@ -21,6 +21,8 @@ from dllm_engine.models.parallel import Shard, check_shardable
 from fixtures import (tiny_config, tiny_llada2_config, write_checkpoint, write_llada2_checkpoint,
                       write_llada_moe_checkpoint)
 
+pytestmark = pytest.mark.slow  # two-rank process groups
+
 FULL = ["reference", "dual-cache", "dual-cache+focus", "dual-cache+early-skip", "dual-cache+adaptive-length"]
 BLOCK = ["block", "block+focus", "block+adaptive-length"]
 # llada2_moe last: the dead-worker test ends the last family's group with a block request
@@ -233,3 +235,40 @@ def test_dead_worker_is_an_error_and_the_server_answers_503(pair):
         assert httpx.get(f"{url}/health", timeout=30).status_code == 503
     with pytest.raises(WorkerDied, match="rank 1"):
         llm.generate(PROMPTS[:1], SamplingParams(method="block", max_new_tokens=8, block_length=8))
+
+
+PLAIN = (int, float, bool, str, type(None), torch.Tensor)
+
+
+def plain_data(value) -> bool:
+    """Whether ``value`` is ints, floats, bools, strings, None and tensors inside tuples, lists
+    and dicts only (no Sequence, strategy state or hooks object)."""
+    if isinstance(value, (tuple, list)):
+        return all(plain_data(v) for v in value)
+    if isinstance(value, dict):
+        return all(plain_data(k) and plain_data(v) for k, v in value.items())
+    return type(value) in PLAIN or isinstance(value, torch.Tensor)
+
+
+@pytest.mark.parametrize("family,method", [("llada", "dual-cache+early-skip"), ("llada", "dual-cache+focus"),
+                                           ("llada", "dual-cache+focus-probe"), ("sdar", "block+focus"),
+                                           ("llada", "dual-cache+jump-share")])
+def test_the_step_message_is_plain_data(tmp_path, monkeypatch, family, method):
+    """What rank 0 sends each step (built here in one process, at every step of a run): plain
+    data, hooks included, which the other ranks rebuild into hooks of the same class."""
+    from dllm_engine.engine.runner import Runner
+    llm = LLM(write(tmp_path, family))
+    messages, run = [], Runner.run
+
+    def recording(self, step, ctx):
+        messages.append((parallel.step_message([("new", 0)], step, (0, 0, len(step.lengths)), ctx.hooks),
+                         type(ctx.hooks)))
+        return run(self, step, ctx)
+
+    monkeypatch.setattr(Runner, "run", recording)
+    llm.generate(PROMPTS, SamplingParams(method=method, max_new_tokens=16, block_length=8))
+    with_hooks = [(m, kind) for m, kind in messages if m[4] is not None]
+    assert messages and (with_hooks or method.endswith("jump-share"))
+    assert all(plain_data(m) for m, _ in messages)
+    for message, kind in with_hooks:
+        assert type(parallel.rank_hooks(message[4])) is kind

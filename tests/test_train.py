@@ -12,6 +12,8 @@ from dllm_engine.train.trainer import grow_vocab
 from dllm_engine.train.data import (LONG_TAILS, MAX_CANVAS, MIN_T, SUFFIX_WINDOW, block_causal_mask,
                                     block_diffusion_mask, noise, pack_rows)
 
+pytestmark = pytest.mark.slow  # training runs
+
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
             batch_size=4, warmup=2, save_every=2, block_size=8)
 

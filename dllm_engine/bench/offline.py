@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
 from ..engine.llm import LLM
 from ..engine.sequence import stop_share
 from ..eval import evaluate
@@ -159,15 +160,15 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
     process's command line); table.md is rewritten with results.json. ``use_tqdm``: a progress
     bar per spec and batch size (stderr), cleared when its row prints."""
     if not specs:
-        raise ValueError("give at least one method spec")
+        raise UserError("give at least one method spec")
     if any(b < 1 for b in batch_sizes) or not batch_sizes:
-        raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
+        raise UserError(f"batch sizes must be >= 1, got {batch_sizes}")
     if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+        raise UserError(f"repeats must be >= 1, got {repeats}")
     variants = (["compiled"] if compare_compiled else []) + list(variants or [])
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
-        raise ValueError(f"unknown bench variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+        raise UserError(f"unknown bench variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     out = prepare_out_dir(out_dir)
     params = resolve_specs(specs, llm.resolve, defaults)  # validate all first
     meta = meta or collect_meta(device=llm.device)
@@ -191,12 +192,12 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
                             rows[i, name] = record
                         if round_ == repeats:
                             save(records, rows[i, name], results, progress, meta)
-    except (KeyboardInterrupt, ValueError) as e:  # keep what was measured: the plot of the rows so far
+    except (KeyboardInterrupt, UserError) as e:  # keep what was measured: the plot of the rows so far
         if records:
             plot(records, out / "throughput.png")
         if isinstance(e, KeyboardInterrupt):
             raise BenchInterrupted(saved(len(records), "row", results)) from None
-        raise ValueError(f"{running}: {e} ({saved(len(records), 'row', results)})") from None
+        raise UserError(f"{running}: {e} ({saved(len(records), 'row', results)})") from None
     plot(records, out / "throughput.png")
     return records
 
@@ -234,16 +235,16 @@ def check_prompts(llm: LLM, params: dict[str, SamplingParams], examples: list[Ex
     for e in examples:
         try:
             prompts.append(llm.check_ids(llm.apply_chat_template(chat_prompt(e))))
-        except ValueError as error:
-            raise ValueError(f"a prompt of task {e.task}: {error}") from None
+        except UserError as error:
+            raise UserError(f"a prompt of task {e.task}: {error}") from None
         lengths[len(prompts[-1])] = e
     longest = max(lengths)
     for spec, p in params.items():
         try:
             llm.resolve_for_prompt(p, longest)
-        except ValueError as e:
-            raise ValueError(f"spec {spec!r} on the longest prompt (task {lengths[longest].task}, "
-                             f"{longest} tokens): {e}") from None
+        except UserError as e:
+            raise UserError(f"spec {spec!r} on the longest prompt (task {lengths[longest].task}, "
+                            f"{longest} tokens): {e}") from None
     return prompts
 
 
@@ -254,8 +255,8 @@ def resolve_specs(specs: list[str], resolve, defaults: dict | None = None) -> di
     for spec in specs:
         try:
             resolved[spec] = resolve(parse_spec(spec, **(defaults or {})))
-        except ValueError as e:
-            raise ValueError(f"spec {spec!r}: {e}") from None
+        except UserError as e:
+            raise UserError(f"spec {spec!r}: {e}") from None
     return resolved
 
 

@@ -10,8 +10,9 @@ deterministic, so every pass makes the same steps:
    groups computed, no hooks, no cache writes, no stats). The floor is the model's forward on
    the step's tensors alone; everything else (planning, building the step's tensors, masks,
    packing, hooks, K/V writes, logits selection, commit, bookkeeping) is the overhead.
-   Recording a call costs a pre-hook and a shallow copy of its context (~50 us a layer, a few
-   percent of a tiny model's step), which is why the timed pass runs without it;
+   Recording a call costs a pre-hook and a hook-free twin of its context (``dataclasses.replace``
+   of a frozen context, a few percent of a tiny model's step), which is why the timed pass runs
+   without it;
 3. syncs: a ``TorchDispatchMode`` counts host synchronisations (ops whose result the host
    reads, or whose output shape depends on data: ``aten._local_scalar_dense`` / ``aten.item`` /
    ``aten.is_nonzero`` behind ``.item()``, ``int()``, ``bool()``, ``nonzero``, boolean indexing, ``equal``, ...), a
@@ -24,7 +25,7 @@ deterministic, so every pass makes the same steps:
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..errors import UserError
 from ..engine.llm import LLM
 from ..sampling_params import SamplingParams
 from ..tasks import Example
@@ -154,20 +156,25 @@ class ReadOnlyCache:
         return self.k[:, :, :length], self.v[:, :, :length]
 
 
-def frozen_context(ctx, layer: int):
-    """A copy of ``ctx`` as ``layer`` saw it, without hooks, stats or cache writes."""
-    snap = copy.copy(ctx)
-    snap.hooks, snap.processed = None, None
-    snap.cache = ReadOnlyCache(ctx.cache, layer) if ctx.cache is not None else None
-    snap.derived = dict(ctx.derived)
-    return snap
+def replay_context(ctx, layer: int):
+    """``ctx`` (frozen: what ``layer`` saw) without hooks, and with the layer's K/V as the
+    step read them and no cache writes: a replay runs the layer alone."""
+    cache = ReadOnlyCache(ctx.cache, layer) if ctx.cache is not None else None
+    return dataclasses.replace(ctx, hooks=None, cache=cache)
 
 
-def ready(snap, num_keys: int) -> None:
-    """Compute what the layer would derive from ``snap`` (masks, packing, row groups)."""
-    snap.attn_mask = snap.attention_mask(num_keys)
-    snap.live_index()
-    snap.attention_rows()
+def ready(snap, num_keys: int):
+    """``snap`` with what the layer would derive computed beforehand (masks, packing, row
+    groups), so the replay times the layer's own work."""
+    return dataclasses.replace(snap, attn_mask=snap.attention_mask(num_keys)).prepare()
+
+
+def prepared(args: tuple) -> tuple:
+    """A recorded call's arguments, a decoder layer's context ``ready``."""
+    if len(args) == 1:
+        return args
+    h, snap = args
+    return h, ready(snap, snap.num_keys() if snap.cache is not None else h.shape[1])
 
 
 class FloorRecorder:
@@ -186,17 +193,13 @@ class FloorRecorder:
         if not self.recording:
             return
         if len(args) > 1:  # a decoder layer: (hidden, ctx)
-            args = (args[0], frozen_context(args[1], module.self_attn.layer_idx))
+            args = (args[0], replay_context(args[1], module.self_attn.layer_idx))
         self.calls.append((module, args))
 
     @torch.inference_mode()
     def replay(self) -> None:
         """Run the recorded calls on their own, adding their time to ``seconds``; clears them."""
-        calls, self.calls = self.calls, []
-        for _, args in calls:
-            if len(args) > 1:
-                h, snap = args
-                ready(snap, snap.num_keys() if snap.cache is not None else h.shape[1])
+        calls, self.calls = [(module, prepared(args)) for module, args in self.calls], []
         self.recording = False
         start = self.clock()
         for module, args in calls:
@@ -269,7 +272,7 @@ def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[
 def floor_seconds(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
                   steps: int, clock=time.perf_counter) -> float:
     """The floor of the same ``steps`` (greedy steps repeat), in a pass of its own: recording
-    a module call (a pre-hook, a shallow copy of its context) costs a few percent of a tiny
+    a module call (a pre-hook, a hook-free twin of its context) costs a few percent of a tiny
     model's step, so the timed pass runs without the recorder."""
     recorder = FloorRecorder(llm.model, clock)
     try:
@@ -298,13 +301,13 @@ def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: li
                 clock: str = "wall") -> list[ProfileRecord]:
     """Profile every spec at every batch size (interleaved, as ``dllm bench`` does)."""
     if not specs or not batch_sizes or any(b < 1 for b in batch_sizes):
-        raise ValueError(f"give at least one method spec and batch sizes >= 1, got {specs} / {batch_sizes}")
+        raise UserError(f"give at least one method spec and batch sizes >= 1, got {specs} / {batch_sizes}")
     if repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+        raise UserError(f"--repeats must be >= 1, got {repeats}")
     if clock not in CLOCKS:
-        raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+        raise UserError(f"--clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     if not examples:
-        raise ValueError("no prompts to profile")
+        raise UserError("no prompts to profile")
     from .offline import check_prompts, resolve_specs
     params = resolve_specs(specs, llm.resolve, defaults)  # validate all first, and every prompt
     prompts = check_prompts(llm, params, examples)  # against each, as dllm bench does

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
 from ..outputs import write_json_atomic
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -154,11 +155,11 @@ def load_run(out_dir: str | Path) -> tuple[list[dict], dict]:
         rows = json.loads((out / "results.json").read_text(encoding="utf-8"))
         meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
     except FileNotFoundError as e:
-        raise ValueError(f"{out} is not a dllm bench output folder: {Path(e.filename).name} is missing") from None
+        raise UserError(f"{out} is not a dllm bench output folder: {Path(e.filename).name} is missing") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{out}: unreadable results ({e})") from None
+        raise UserError(f"{out}: unreadable results ({e})") from None
     if not isinstance(rows, list) or not rows:
-        raise ValueError(f"{out}/results.json holds no rows")
+        raise UserError(f"{out}/results.json holds no rows")
     return rows, meta
 
 
@@ -181,7 +182,7 @@ def update_page(page: str | Path, name: str, out_dir: str | Path, image_dir: str
     the page has it, appending it otherwise); its plot is copied to ``image_dir/NAME.png``
     (default: ``img/`` beside the page) and linked relative to the page."""
     if not SECTION_NAME.match(name):
-        raise ValueError(f"section name {name!r}: use lower-case letters, digits and '-'")
+        raise UserError(f"section name {name!r}: use lower-case letters, digits and '-'")
     rows, meta = load_run(out_dir)
     page = Path(page)
     image = None

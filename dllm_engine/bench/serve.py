@@ -3,7 +3,7 @@
 At each concurrency level, that many clients send streamed chat completions of held-out task
 prompts back to back until ``num_requests`` have been sent. Reported per level: throughput
 (output tokens / s over the level's wall time), requests / s, latency and time-to-first-chunk
-percentiles (p50/p95/p99), failures, accuracy (the task graders) and the server's SPEC §1 stats
+percentiles (p50/p95/p99), failures, accuracy (the task graders) and the server's stats (``SequenceStats``)
 (nfe, redundancy) summed from each response's usage."""
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from ..errors import UserError
 from ..outputs import BenchInterrupted, prepare_out_dir, saved, write_json_atomic
 from ..tasks import Example, grade, load_split
 
@@ -160,12 +161,12 @@ def parse_length_mix(text: str) -> list[int]:
         try:
             n, c = int(tokens), int(count)
         except ValueError:
-            raise ValueError(f"bad length mix item {item!r}; expected TOKENSxCOUNT, e.g. 64x200") from None
+            raise UserError(f"bad length mix item {item!r}; expected TOKENSxCOUNT, e.g. 64x200") from None
         if n < 1 or c < 1:
-            raise ValueError(f"length mix item {item!r} needs positive tokens and count")
+            raise UserError(f"length mix item {item!r} needs positive tokens and count")
         slots += [((k + 0.5) / c, n) for k in range(c)]
     if not slots:
-        raise ValueError("the length mix is empty; expected e.g. 64x200,960x10")
+        raise UserError("the length mix is empty; expected e.g. 64x200,960x10")
     return [n for _, n in sorted(slots)]
 
 
@@ -173,8 +174,8 @@ def served_model(url: str, timeout: float) -> str:
     try:
         models = httpx.get(url.rstrip("/") + "/v1/models", timeout=timeout).json()["data"]
     except (httpx.HTTPError, ValueError, KeyError) as e:
-        raise ValueError(f"no dllm server answering at {url} ({type(e).__name__}: {e}); "
-                         f"start one with `dllm serve`") from None
+        raise UserError(f"no dllm server answering at {url} ({type(e).__name__}: {e}); "
+                        f"start one with `dllm serve`") from None
     return models[0]["id"]
 
 
@@ -187,10 +188,10 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
     given, checked before the run) and returns the per-level results. ``lengths`` (``parse_length_mix``)
     gives each request its own max_tokens and sets the number of requests."""
     if not concurrency or min(concurrency) < 1:
-        raise ValueError(f"concurrency levels must be >= 1, got {concurrency}")
+        raise UserError(f"concurrency levels must be >= 1, got {concurrency}")
     num_requests = len(lengths) if lengths else num_requests
     if num_requests < 1:
-        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+        raise UserError(f"num_requests must be >= 1, got {num_requests}")
     folder = None
     if out is not None:  # a bad --out fails now, not after the whole load test
         folder = prepare_out_dir(out)

@@ -5,6 +5,8 @@ import argparse
 import sys
 from importlib.metadata import version
 
+from ..errors import UserError
+
 from .bench import add_bench, run_bench
 from .bench_serve import add_bench_serve, run_bench_serve
 from .chain_probe import add_chain_probe, run_chain_probe
@@ -41,20 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one ``dllm`` command; the exit code: 0, 2 for bad input, 130 when interrupted."""
+    """Run one ``dllm`` command; the exit code: 0, 2 for bad input (one ``error:`` line), 130
+    when interrupted. Any other exception is a bug: it propagates with its traceback (exit 1)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "serve"]:  # the load generator lives beside the offline bench
         argv = ["bench-serve", *argv[2:]]
-    if argv[:1] == ["lm-eval"]:  # every other argument belongs to lm-eval's own parser
-        try:
-            return run_lm_eval(argv[1:])
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            return 130
-    args = build_parser().parse_args(argv)
     try:
+        if argv[:1] == ["lm-eval"]:  # every other argument belongs to lm-eval's own parser
+            return run_lm_eval(argv[1:])
+        args = build_parser().parse_args(argv)
         COMMANDS[args.command][1](args)
-    except (ValueError, OSError) as e:  # bad input: one line, no traceback
+    # bad input, or the environment refusing a path or port the user gave: one line, no traceback
+    except (UserError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C: one line (a bench says what it kept), the shell's 130

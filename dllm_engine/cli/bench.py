@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UserError
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
 from .common import add_model_args, prepare_out, set_threads, split_ints
 
@@ -44,7 +45,7 @@ def run_bench(args: argparse.Namespace) -> None:
     from ..models.compiled import check_compile
     from ..tasks import load_split
     if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+        raise UserError(f"--repeats must be >= 1, got {args.repeats}")
     set_threads(args.threads)
     examples = load_split(args.tasks, limit=args.limit)  # a typo fails before the model loads
     args.tasks = list(dict.fromkeys(e.task for e in examples))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UserError
 from .common import prepare_out, split_ints
 
 
@@ -34,7 +35,7 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         try:
             extra.update(json.loads(args.options))
         except (json.JSONDecodeError, TypeError, ValueError) as e:
-            raise ValueError(f"--options must be a JSON object: {e}") from None
+            raise UserError(f"--options must be a JSON object: {e}") from None
     lengths = parse_length_mix(args.length_mix) if args.length_mix else None
     prepare_out(args.out, "serve_bench.json")
     print(f"server: {args.url}  requests per level: {len(lengths) if lengths else args.num_requests}  "

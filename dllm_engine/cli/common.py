@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import UserError
+
 if TYPE_CHECKING:  # the command line imports the engine lazily, per command
     from ..sampling_params import SamplingParams
 
@@ -71,7 +73,7 @@ def set_threads(threads: int | None) -> None:
     if threads is None:
         return
     if threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
+        raise UserError(f"--threads must be >= 1, got {threads}")
     import torch
     torch.set_num_threads(threads)
 
@@ -134,9 +136,9 @@ def check_json_path(path: str | None) -> None:
         return
     target = Path(path)
     if target.is_dir():
-        raise ValueError(f"--json {path}: is a folder; give a file name")
+        raise UserError(f"--json {path}: is a folder; give a file name")
     if not target.parent.is_dir():
-        raise ValueError(f"--json {path}: folder {target.parent} does not exist")
+        raise UserError(f"--json {path}: folder {target.parent} does not exist")
 
 
 def prepare_out(out: str | None, name: str) -> None:

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from ..errors import UserError
+
+PACKAGE = Path(__file__).resolve().parents[1]  # dllm_engine/
 
 
 def add_lm_eval_tasks(sub: argparse._SubParsersAction) -> None:
@@ -37,8 +42,21 @@ def run_lm_eval(argv: list[str]) -> int:
         sys.argv = ["lm-eval", *argv, *extra]
         try:
             cli_evaluate()
-        except (ValueError, OSError, NotImplementedError) as e:  # bad model_args of dllm, an unknown
-            # task, a request type a model cannot answer, ...: one line, as the other commands
+        except (UserError, OSError, NotImplementedError) as e:  # bad model_args of dllm, a request
+            # type a model cannot answer, ...: one line, as the other commands
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except ValueError as e:
+            if raised_in_this_package(e):  # not a UserError: a bug of ours keeps its traceback
+                raise
+            print(f"error: {e}", file=sys.stderr)  # lm-eval refusing its own arguments (an unknown task)
+            return 2
     return 0
+
+
+def raised_in_this_package(error: BaseException) -> bool:
+    """Whether the innermost frame of ``error``'s traceback is dllm_engine code."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(PACKAGE)

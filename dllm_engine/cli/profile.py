@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UserError
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
 from .common import add_model_args, set_threads, split_ints
 
@@ -29,13 +30,13 @@ def run_profile(args: argparse.Namespace) -> None:
     from ..bench.profile import HEADER, run_profile as profile, table
     from ..tasks import load_split
     if args.tensor_parallel_size != 1:  # its floor pass calls modules whose collectives need every rank
-        raise ValueError("dllm profile replays the model's modules in this process; run it with "
-                         "--tensor-parallel-size 1")
+        raise UserError("dllm profile replays the model's modules in this process; run it with "
+                        "--tensor-parallel-size 1")
     if args.compile_step:  # its floor would time the eager modules, not the compiled graph
-        raise ValueError("dllm profile replays each module eagerly, so it cannot time a compiled "
-                         "step; use --fixed-shapes here, and dllm bench --compile-step for its speed")
+        raise UserError("dllm profile replays each module eagerly, so it cannot time a compiled "
+                        "step; use --fixed-shapes here, and dllm bench --compile-step for its speed")
     if args.repeats < 1:  # before the weights load
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+        raise UserError(f"--repeats must be >= 1, got {args.repeats}")
     examples = load_split(args.tasks, limit=args.limit)  # a typo fails before the model loads
     set_threads(args.threads)
     llm = common.load_llm(args)  # as dllm bench: freed host memory kept unless --no-keep-freed-memory

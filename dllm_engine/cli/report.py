@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UserError
+
 
 def add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="print a dllm bench run's markdown table, or write it (with its "
@@ -18,7 +20,7 @@ def add_report(sub: argparse._SubParsersAction) -> None:
 def run_report(args: argparse.Namespace) -> None:
     from ..bench.report import load_run, table, update_page
     if (args.page is None) != (args.section is None):
-        raise ValueError("--page and --section go together")
+        raise UserError("--page and --section go together")
     if args.page is None:
         rows, meta = load_run(args.run)
         print(f"commit {meta.get('commit')}, {meta['date']}, {meta['machine']}\n{meta['command']}\n")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UserError
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
 from .common import (DEFAULT_MODEL, add_model_args, add_sampling_args, non_negative_int, sampling_params,
                      set_threads)
@@ -57,7 +58,7 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
 def serve_model(args: argparse.Namespace) -> str:
     """``dllm serve MODEL`` or ``dllm serve --model MODEL`` (vLLM accepts both)."""
     if args.model and args.model_option and args.model != args.model_option:
-        raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}; give one")
+        raise UserError(f"two models given: {args.model!r} and --model {args.model_option!r}; give one")
     return args.model or args.model_option or str(DEFAULT_MODEL)
 
 
@@ -65,19 +66,19 @@ def check_listen(host: str, port: int) -> None:
     """Fail before loading anything if the server could not listen on host:port."""
     import socket
     if not 1 <= port <= 65535:
-        raise ValueError(f"--port {port} is not a TCP port; use 1..65535")
+        raise UserError(f"--port {port} is not a TCP port; use 1..65535")
     try:
         socket.create_server((host, port)).close()
     except OSError as e:
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def run_serve(args: argparse.Namespace) -> None:
     if args.replicas is not None:
         return run_serve_replicated(args)
     if args.ray_address is not None:
-        raise ValueError("--ray-address needs --replicas N or --replicas auto: the single-process "
-                         "server runs no Ray")
+        raise UserError("--ray-address needs --replicas N or --replicas auto: the single-process "
+                        "server runs no Ray")
     from ..server import run_server
     model = serve_model(args)
     check_listen(args.host, args.port)
@@ -103,12 +104,12 @@ def seed_policy(seed: int | None) -> str:
 def run_serve_replicated(args: argparse.Namespace) -> None:
     import os
     if args.tensor_parallel_size != 1:
-        raise ValueError("--tensor-parallel-size with --replicas is not supported yet: a replica "
-                         "runs in one process; use one or the other")
+        raise UserError("--tensor-parallel-size with --replicas is not supported yet: a replica "
+                        "runs in one process; use one or the other")
     try:
         from ..server.replicated import ReplicaOptions, Scaling, run_replicated
     except ImportError as e:
-        raise ValueError(f"--replicas needs Ray Serve ({e}): pip install -e '.[distributed]'") from None
+        raise UserError(f"--replicas needs Ray Serve ({e}): pip install -e '.[distributed]'") from None
     from .. import LLM
     model = serve_model(args)
     scaling = Scaling(None if args.replicas == "auto" else args.replicas, args.min_replicas,

@@ -10,9 +10,11 @@ import torch
 from torch import Tensor
 
 from ..engine.sequence import Sequence
+from ..models.context import block_causal_limit
 from ..sampling_params import SamplingParams
 from .commit_rules import rule_for
-from .rules import factor_select, rank_in_row, threshold_select, topk_select
+from .rules import (confidence, factor_select, rank_in_row, sample_tokens, threshold_select, topk_select,
+                    without_mask)
 
 
 @dataclass
@@ -41,8 +43,7 @@ class StepPlan:
         predict ``logit_positions``."""
         positions = torch.arange(lo, hi, device=seq.canvas.device)
         if seq.params.decoder.block_causal:
-            bl = seq.params.block_length
-            limit = (positions // bl + 1) * bl
+            limit = block_causal_limit(positions, seq.params.block_length)
         else:
             limit = torch.full_like(positions, seq.canvas_len)
         return cls(positions, limit, logit_positions)
@@ -137,13 +138,18 @@ def unconditional_logits(seq: Sequence, positions: Tensor, shift: int) -> tuple[
 
 
 def after_forward(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
-    """The decoder's side of a finished forward: block diffusion's cache is final before the
-    block (this forward wrote it), and a CFG plan's two halves become the guided logits."""
-    if seq.params.decoder.block_causal:
-        seq.committed_len = seq.block[0]
+    """The decoder's view of a finished forward: a CFG plan's two halves become the guided
+    logits. Changes nothing (``after_step`` does, at the sequence's turn)."""
     if seq.params.cfg_scale > 0:
         return guided_logits(seq, positions, logits)
     return positions, logits
+
+
+def after_step(seq: Sequence) -> None:
+    """The decoder's record of a finished forward, at the sequence's turn in the commit loop:
+    block diffusion's cache is final before the block (this forward wrote it)."""
+    if seq.params.decoder.block_causal:
+        seq.committed_len = seq.block[0]
 
 
 def guided_logits(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -156,6 +162,17 @@ def guided_logits(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Ten
 def cache_len(seq: Sequence) -> int:
     """Cache positions a sequence needs (CFG keeps a second, unconditional canvas)."""
     return seq.canvas_len * (2 if seq.params.cfg_scale > 0 else 1)
+
+
+def predict(seq: Sequence, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The commit rule's predictions over candidate logits [N, V]: (the logits with the mask
+    excluded, a new tensor (their rows are what a committed token records as its logprobs);
+    the token x0 [N] drawn under the sequence's sampling options, the argmax when greedy; its
+    confidence [N] under ``remasking``). ``select`` then picks which to commit."""
+    p = seq.params
+    logits = without_mask(logits, seq.ids.mask_id)
+    x0 = sample_tokens(logits, p.temperature, seq.generator, p.top_k, p.top_p)
+    return logits, x0, confidence(logits, x0, p.remasking, seq.generator)
 
 
 def select(seq: Sequence, conf: Tensor) -> Tensor:

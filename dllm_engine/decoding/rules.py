@@ -34,15 +34,28 @@ def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator
     return scores.masked_fill(logits64 == -float("inf"), -1.0).argmax(-1)
 
 
-def greedy_predictions(logits: Tensor, mask_id: int | Tensor) -> tuple[Tensor, Tensor]:
-    """(argmax token [N], its softmax probability [N]) of logits [N, V], in fp32 on a copy; the
-    mask (``mask_id``: one id, or [N] per row) is never a prediction."""
-    logits = logits.float().clone()
+def without_mask(logits: Tensor, mask_id: int | Tensor, owned: bool = False) -> Tensor:
+    """``logits`` [N, V] with -inf in the mask's column (``mask_id``: one id, or [N] per row):
+    a mask is never a valid prediction (committing one would leave the slot masked forever).
+    A new tensor, so the caller's logits stay as they were; ``owned``: the caller built
+    ``logits`` for this (a concatenation, a copy) and lets it be written in place instead."""
+    out = logits if owned else logits.clone()
     if isinstance(mask_id, Tensor):
-        logits.scatter_(1, mask_id[:, None], -float("inf"))
-    else:
-        logits[:, mask_id] = -float("inf")
-    conf, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
+        return out.scatter_(1, mask_id[:, None], -float("inf"))
+    out[:, mask_id] = -float("inf")
+    return out
+
+
+def greedy_tokens(logits: Tensor, mask_id: int | Tensor, owned: bool = False) -> tuple[Tensor, Tensor]:
+    """(``without_mask(logits)``, its argmax [N]): the greedy prediction, never the mask."""
+    logits = without_mask(logits, mask_id, owned)
+    return logits, logits.argmax(-1)
+
+
+def greedy_predictions(logits: Tensor, mask_id: int | Tensor) -> tuple[Tensor, Tensor]:
+    """(most probable token [N], its softmax probability [N]) of logits [N, V], in fp32; the
+    mask (``mask_id``: one id, or [N] per row) is never a prediction."""
+    conf, tokens = torch.softmax(without_mask(logits.float(), mask_id), dim=-1).max(dim=-1)
     return tokens, conf
 
 

@@ -15,10 +15,11 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from ..decoding import confidence, sample_tokens
+from ..errors import UserError
+from ..decoding import confidence, greedy_tokens
 from ..decoding.commit_rules import rule_for
-from ..decoding.decoders import (after_forward, cache_len, plan_step, select, select_rows, threshold_rule,
-                                 uses_factor)
+from ..decoding.decoders import (after_forward, after_step, cache_len, plan_step, predict, select,
+                                 select_rows, threshold_rule, uses_factor)
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
 from .kv_cache import KVCache
@@ -49,7 +50,7 @@ class Engine:
         runner also drives the other ranks). ``fixed_shapes``: bucketed step shapes
         (``engine/shapes.py``); ``compile_step``: and their layer stack compiled."""
         if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+            raise UserError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.model = model
         self.runner = runner if runner is not None else Runner(model)
         self.runner.set_step_shapes(fixed_shapes, compile_step)
@@ -130,33 +131,47 @@ class Engine:
         self.step_group(self.pipeline(seq.params.method), [seq], cache.view(row, row + 1))
 
     def step_group(self, pipeline: Pipeline, seqs: list[Sequence], cache) -> None:
+        """One step of a forward group: the plans, one forward, then each sequence's turn in row
+        order (``turn``).
+
+        Replay contract: nothing before the turns changes a sequence (plans, the forward and
+        ``after_forward`` write only this step's scratch, which the next plan overwrites); a
+        sequence's turn applies everything the step changes on it. A turn that raises leaves
+        the rows before it advanced and the rows after it exactly as they were before the step
+        (the server replays those alone, to the tokens they would have got), and marks its own
+        sequence, whose state may have moved before it raised."""
         plans = [pipeline.plan(s, plan_step(s, self.runner.shift)) for s in seqs]
         hooks = pipeline.layer_hooks(seqs, plans)
-        outputs = self.runner.forward(seqs, plans, cache, hooks)
-        outputs = [after_forward(seq, *out) for seq, out in zip(seqs, outputs)]  # the decoder's part
+        outputs, work = self.runner.forward_rows(seqs, plans, cache, hooks)
+        outputs = [after_forward(seq, *out) for seq, out in zip(seqs, outputs)]  # the decoder's view
         ready = [(seq, *out) for seq, out in zip(seqs, pipeline.after_forward_rows(seqs, outputs))]
         mask_id = seqs[0].ids.mask_id
         batched = pipeline.owner is None and all(batched_rule(s) and s.ids.mask_id == mask_id for s, *_ in ready)
-        decided = self.decide_rows(pipeline, ready) if batched else None
-        rule = partial(self.commit, pipeline=pipeline)
-        # per sequence, in row order as before: a commit that raises leaves the rows before it
-        # advanced and the rest untouched (the server replays those alone), and marks its own
-        # sequence, whose counters may have moved before it raised
-        for k, (seq, positions, logits) in enumerate(ready):
+        decided = self.decide_rows(pipeline, ready) if batched else [None] * len(ready)
+        for (seq, positions, logits), w, decision in zip(ready, work, decided):
             try:
-                if decided is None:
-                    committed = pipeline.commit(seq, positions, logits, rule)
-                else:
-                    committed, tokens, rows = decided[k]
-                    if positions.numel():
-                        seq.commit(committed, tokens, rows)
-                pipeline.after_commit(seq, committed)
-                if seq.trace is not None:  # record_steps: close the step's record (engine/trace.py)
-                    seq.trace.end_step(seq, pipeline.step_records(seq))
-                seq.advance()
+                self.turn(pipeline, seq, w, positions, logits, decision)
             except Exception as e:
                 seq.step_error = e
                 raise
+
+    def turn(self, pipeline: Pipeline, seq: Sequence, work: float, positions: Tensor, logits: Tensor,
+             decision: tuple[Tensor, Tensor, Tensor] | None) -> None:
+        """Everything one step changes on ``seq``, in order: its stats, the decoder's record,
+        the commit (``decision``: what ``decide_rows`` chose; None: the commit rule runs now),
+        the strategies' records (``after_commit``), the cursor."""
+        self.runner.account(seq, work)
+        after_step(seq)
+        if decision is None:
+            committed = pipeline.commit(seq, positions, logits, partial(self.commit, pipeline=pipeline))
+        else:
+            committed, tokens, rows = decision
+            if positions.numel():
+                seq.commit(committed, tokens, rows)
+        pipeline.after_commit(seq, committed)
+        if seq.trace is not None:  # record_steps: close the step's record (engine/trace.py)
+            seq.trace.end_step(seq, pipeline.step_records(seq))
+        seq.advance()
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None = None
                ) -> Tensor:
@@ -166,11 +181,7 @@ class Engine:
             return positions
         if (rule := rule_for(seq)) is not None:  # a named commit rule (decoding/commit_rules.py)
             return rule.commit(seq, positions, logits, pipeline)
-        p = seq.params
-        # a mask is never a valid prediction; committing one would leave the slot masked forever
-        logits[:, seq.ids.mask_id] = -float("inf")
-        x0 = sample_tokens(logits, p.temperature, seq.generator, p.top_k, p.top_p)
-        conf = confidence(logits, x0, p.remasking, seq.generator)
+        logits, x0, conf = predict(seq, logits)
         if pipeline is not None:
             conf = pipeline.confidence(seq, positions, x0, conf)
         chosen = select(seq, conf)
@@ -181,9 +192,8 @@ class Engine:
     def decide(pipeline: Pipeline, seq: Sequence, positions: Tensor, logits: Tensor
                ) -> tuple[Tensor, Tensor, Tensor]:
         """``commit``'s decision for one greedy sequence (``batched_rule``), nothing written."""
-        logits[:, seq.ids.mask_id] = -float("inf")
-        x0 = logits.argmax(-1)
-        conf = pipeline.confidence(seq, positions, x0, confidence(logits, x0, "low_confidence", None))
+        logits, x0, conf = predict(seq, logits)
+        conf = pipeline.confidence(seq, positions, x0, conf)
         picked = select(seq, conf).nonzero()[:, 0]  # one host read, not one per bool index
         return positions[picked], x0[picked], logits[picked]
 
@@ -203,9 +213,8 @@ class Engine:
         if not live:
             return decided
         counts = [pos.numel() for _, _, pos, _ in live]
-        logits = torch.cat([lg for *_, lg in live])  # [sum N, V]
-        logits[:, live[0][1].ids.mask_id] = -float("inf")  # never commit the mask
-        x0 = logits.argmax(-1)
+        # [sum N, V], a new tensor: the mask is excluded in place
+        logits, x0 = greedy_tokens(torch.cat([lg for *_, lg in live]), live[0][1].ids.mask_id, owned=True)
         conf = confidence(logits, x0, "low_confidence", None)
         positions = torch.cat([pos for _, _, pos, _ in live])
         if pipeline.adjusts_confidence:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..errors import UserError
 from ..hub import model_name, resolve_model
 from ..models import load_model
 from ..models.compiled import check_compile, compile_model
@@ -42,7 +43,7 @@ PROGRESS_DELAY_S = 2.0
 
 
 class GenerateResult(list):
-    """The outputs, in prompt order, plus ``stats`` (the call's summed SPEC §1 metrics),
+    """The outputs, in prompt order, plus ``stats`` (the call's summed ``SequenceStats``),
     ``method`` (as resolved for this model) and ``diagnostics`` (records of diagnostic
     strategies such as ``focus-probe``, summed over the call's sequences)."""
     stats: SequenceStats
@@ -101,7 +102,7 @@ class LLM:
         not bit-exact; one process only)."""
         self.device = parse_device(device)
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
+            raise UserError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         check_compile(compile, tensor_parallel_size, compile_step)
         self.path = resolve_model(model, revision)  # bad options above fail before any download
         self.name = model_name(model)
@@ -171,18 +172,18 @@ class LLM:
         mask = next((i for i in (token_id(c, None) for c in candidates) if i is not None), None)
         if mask is None:
             by_name = f" (nor a {family.mask_token} token)" if family.mask_token else ""
-            raise ValueError(f"{self.path}: no mask_token_id in config.json, generation_config.json "
-                             f"or the tokenizer{by_name}")
+            raise UserError(f"{self.path}: no mask_token_id in config.json, generation_config.json "
+                            f"or the tokenizer{by_name}")
         if mask >= cfg.vocab_size:
-            raise ValueError(f"{self.path}: mask token id {mask} is outside the model's vocabulary "
-                             f"of {cfg.vocab_size}")
+            raise UserError(f"{self.path}: mask token id {mask} is outside the model's vocabulary "
+                            f"of {cfg.vocab_size}")
         stops = [i for i in (token_id(x, None) for x in ids_list(gen.get("eos_token_id"))) if i is not None]
         if cfg.eos_token_id >= 0:
             stops.append(cfg.eos_token_id)
         if tok is not None and token_id(tok.eos_token_id, None) is not None:
             stops.append(tok.eos_token_id)
         if not stops:
-            raise ValueError(f"{self.path}: no eos_token_id in config.json or the tokenizer")
+            raise UserError(f"{self.path}: no eos_token_id in config.json or the tokenizer")
         eos = cfg.eos_token_id if cfg.eos_token_id >= 0 else stops[0]
         end_of_turn = self.token_by_name(family.end_of_turn_token)
         if end_of_turn is not None:
@@ -192,13 +193,13 @@ class LLM:
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, (str, list, tuple)):
-            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
-                             + (" (pass .tolist())" if hasattr(prompt, "tolist") else ""))
+            raise UserError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+                            + (" (pass .tolist())" if hasattr(prompt, "tolist") else ""))
         if isinstance(prompt, str):
             if not prompt.strip():
-                raise ValueError("prompt is empty")
+                raise UserError("prompt is empty")
             if self.tokenizer is None:
-                raise ValueError(f"{self.path} has no tokenizer; pass token-id prompts")
+                raise UserError(f"{self.path} has no tokenizer; pass token-id prompts")
             with quiet_transformers():  # the context check below says it better than its warning
                 ids = self.tokenizer.encode(prompt, add_special_tokens=False)
             return self.check_ids(ids)
@@ -207,22 +208,22 @@ class LLM:
     def check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.model.config.vocab_size
         if not ids:
-            raise ValueError("prompt is empty")
+            raise UserError("prompt is empty")
         if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
-            raise ValueError("a token-id prompt holds integers only, got "
-                             + ", ".join(sorted({type(i).__name__ for i in ids})))
+            raise UserError("a token-id prompt holds integers only, got "
+                            + ", ".join(sorted({type(i).__name__ for i in ids})))
         if any(i < 0 or i >= vocab for i in ids):
-            raise ValueError(f"prompt has token ids outside [0, {vocab}), the model's vocabulary")
+            raise UserError(f"prompt has token ids outside [0, {vocab}), the model's vocabulary")
         if self.token_ids.mask_id in ids:  # block diffusion would fill it in the prompt's last block
-            raise ValueError(f"prompt holds the mask token (id {self.token_ids.mask_id}): the decoders "
-                             "fill masks after the prompt only (infilling is not supported)")
+            raise UserError(f"prompt holds the mask token (id {self.token_ids.mask_id}): the decoders "
+                            "fill masks after the prompt only (infilling is not supported)")
         return [int(i) for i in ids]
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"{self.path} has no chat template in its tokenizer_config.json")
+            raise UserError(f"{self.path} has no chat template in its tokenizer_config.json")
         if not messages:
-            raise ValueError("conversation is empty")
+            raise UserError("conversation is empty")
         with quiet_transformers():
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                            tokenize=True, return_dict=False))
@@ -254,8 +255,8 @@ class LLM:
     def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
                  use_tqdm: bool = False) -> GenerateResult:
         if not isinstance(prompts, (str, list, tuple)):
-            raise ValueError("prompts are a string, a list of token ids, or a list of those; got "
-                             + type(prompts).__name__ + (" (pass .tolist())" if hasattr(prompts, "tolist") else ""))
+            raise UserError("prompts are a string, a list of token ids, or a list of those; got "
+                            + type(prompts).__name__ + (" (pass .tolist())" if hasattr(prompts, "tolist") else ""))
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         return self.run([self.encode(p) for p in prompts], params, use_tqdm)
@@ -265,8 +266,8 @@ class LLM:
         if not isinstance(conversations, (list, tuple)) or not all(
                 isinstance(m, dict) or (isinstance(m, (list, tuple)) and all(isinstance(x, dict) for x in m))
                 for m in conversations):
-            raise ValueError("a conversation is a list of messages, {'role': ..., 'content': ...}; "
-                             "chat takes one conversation or a list of them")
+            raise UserError("a conversation is a list of messages, {'role': ..., 'content': ...}; "
+                            "chat takes one conversation or a list of them")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self.run([self.check_ids(self.apply_chat_template(c)) for c in conversations],
@@ -274,12 +275,12 @@ class LLM:
 
     def run(self, prompt_ids: list[list[int]], params: SamplingParams | None, use_tqdm: bool) -> GenerateResult:
         if not prompt_ids:
-            raise ValueError("no prompts given")
+            raise UserError("no prompts given")
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}"
-                             + (" (SamplingParams(**params))" if isinstance(params, dict) else ""))
+            raise UserError(f"params must be a SamplingParams, got {type(params).__name__}"
+                            + (" (SamplingParams(**params))" if isinstance(params, dict) else ""))
         seqs = [self.make_sequence(ids, params) for ids in prompt_ids]  # validate all first
         start = time.perf_counter()
         try:

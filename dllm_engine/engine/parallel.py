@@ -1,11 +1,13 @@
 """Tensor parallelism over torch.distributed: ``tensor_parallel_size`` processes, one per device.
 
 Rank 0 is the engine: it schedules, plans, runs the strategies and commits, exactly as in one
-process. Every step it sends the step's inputs (``StepInputs``, the layer hooks of the step's
-strategies, which KV pool rows to use, and the pool changes since the last step) to the other
-ranks, which run the same forward on their slice of the model (``models/parallel.py``); the
-collectives inside the model (all-reduce after row-parallel layers, the logits gathered to rank
-0) keep every rank's hidden states identical, so a hook decides the same on every rank.
+process. Every step it sends the other ranks a plain step message (``step_message``: the step's
+tensors, the pool changes since the last step, which KV pool rows to use, and the data the
+step's layer hooks decide from; ints, lists and tensors only, never a sequence or a strategy
+object). They rebuild the hooks from it and run the same forward on their slice of the model
+(``models/parallel.py``); the collectives inside the model (all-reduce after row-parallel
+layers, the logits gathered to rank 0) keep every rank's hidden states identical, so a hook
+decides the same on every rank.
 
 Two ways to start:
 - spawned: ``LLM(path, tensor_parallel_size=N)`` in a plain process starts N - 1 daemon worker
@@ -20,6 +22,8 @@ by rank 0 (``WorkerDied``) and the group is shut down; a worker whose rank 0 die
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import io
 import logging
 import os
@@ -34,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..errors import UserError
 from ..models import load_model
 from ..models.layers import DiffusionLM
 from ..models.loader import parse_device, read_config
@@ -108,12 +113,45 @@ class ParallelRunner(Runner):
 
     def run(self, step: StepInputs, ctx) -> tuple:
         view = ctx.cache
-        where = (view.cache.cache_id, view.rows) if hasattr(view, "cache") else (view.cache_id, slice(None))
+        if hasattr(view, "cache"):  # a view of a pool's rows
+            where = (view.cache.cache_id, view.rows.start, view.rows.stop)
+        else:
+            where = (view.cache_id, None, None)
         n = len(self.cache_log)
         ops = self.cache_log[:n]
         del self.cache_log[:n]
-        self.parallel.send(("step", ops, step, where, ctx.hooks))
+        self.parallel.send(step_message(ops, step, where, ctx.hooks))
         return self.parallel.guard(super().run, step, ctx)
+
+
+# Bytes per step, mean over a run (torch.save of the message, as ``Channel.send`` sends it; 24
+# held-out prompts, load_split(["sort", "copy"], limit=4), in one batch, max_new_tokens 64):
+# tiny-llada dual-cache+early-skip 1,659,682 when the hooks object was pickled (it carried the
+# group's Sequences: canvases, every strategy state) -> 867,292 now (what is left is tensors the
+# forward reads: at a skipping step ~810,000 for the hidden-state windows the skip scores compare
+# with, ~260,000 for the step's [B, 1, T, S] mask);
+# tiny-sdar block+focus 64,527 -> 56,371 (EvictionHooks carried each sequence's FocusState).
+def step_message(ops: list, step: StepInputs, where: tuple, hooks) -> tuple:
+    """What rank 0 sends the other ranks for one step, plain data only (ints, bools, strings,
+    lists, tuples, dicts, tensors): the pool changes ``ops``, the step's tensors, the pool rows
+    ``where`` (cache id, first row, end row; None, None: the whole pool) and the layer hooks'
+    ``rank_message`` with the class that rebuilds them (``rank_hooks``)."""
+    fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
+    return ("step", ops, fields, where, None if hooks is None else hooks_message(hooks))
+
+
+def hooks_message(hooks) -> dict:
+    """A hooks object as plain data: its class ("module:Class") and its ``rank_message``."""
+    return {"class": f"{type(hooks).__module__}:{type(hooks).__qualname__}", **hooks.rank_message()}
+
+
+def rank_hooks(message: dict | None):
+    """The hooks a worker runs, rebuilt by their class's ``from_rank_message``."""
+    if message is None:
+        return None
+    fields = dict(message)
+    module, name = fields.pop("class").split(":")
+    return getattr(importlib.import_module(module), name).from_rank_message(fields)
 
 
 class TensorParallel:
@@ -164,8 +202,8 @@ class TensorParallel:
     def join_torchrun(cls, path, dtype, device: torch.device, size: int) -> "TensorParallel":
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if world != size:
-            raise ValueError(f"tensor_parallel_size {size} but torchrun started WORLD_SIZE {world} "
-                             f"processes; pass --nproc-per-node (x nodes) = {size}")
+            raise UserError(f"tensor_parallel_size {size} but torchrun started WORLD_SIZE {world} "
+                            f"processes; pass --nproc-per-node (x nodes) = {size}")
         device = rank_device(device, int(os.environ.get("LOCAL_RANK", rank)))
         if not dist.is_initialized():
             dist.init_process_group(backend_of(device), timeout=timedelta(seconds=TIMEOUT_S))
@@ -183,7 +221,7 @@ class TensorParallel:
             stop(procs)
             if owns_group:
                 dist.destroy_process_group()
-            raise ValueError("tensor-parallel ranks failed to load the model: " + "; ".join(errors))
+            raise UserError("tensor-parallel ranks failed to load the model: " + "; ".join(errors))
         return cls(model, channel, procs, owns_group)
 
     # -- running -----------------------------------------------------------------------------
@@ -386,12 +424,14 @@ class Worker:
             with torch.inference_mode():
                 getattr(self, kind)(*args)
 
-    def step(self, ops: list, step: StepInputs, where: tuple, hooks) -> None:
+    def step(self, ops: list, fields: dict, where: tuple, hooks: dict | None) -> None:
+        """Rank 0's ``step_message``: the same forward on this rank's slice."""
         self.apply(ops)
-        cache_id, rows = where
+        cache_id, start, stop = where
         cache = self.caches[cache_id]
-        view = cache.view(rows.start, rows.stop) if rows != slice(None) else cache
-        self.runner.run(step, self.runner.context(step, view, hooks))
+        view = cache if start is None else cache.view(start, stop)
+        step = StepInputs(**fields)
+        self.runner.run(step, self.runner.context(step, view, rank_hooks(hooks)))
 
     def apply(self, ops: list) -> None:
         """Rank 0's KV pool changes since the last step, in order."""

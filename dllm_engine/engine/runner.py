@@ -73,8 +73,19 @@ class Runner:
 
     def forward(self, seqs: list[Sequence], plans: list[StepPlan], cache: KVCache,
                 hooks: LayerHooks | None = None) -> list[tuple[Tensor, Tensor]]:
+        """``forward_rows`` with its work accounted to each sequence at once (``account``)."""
+        outputs, work = self.forward_rows(seqs, plans, cache, hooks)
+        for seq, w in zip(seqs, work):
+            self.account(seq, w)
+        return outputs
+
+    def forward_rows(self, seqs: list[Sequence], plans: list[StepPlan], cache: KVCache,
+                     hooks: LayerHooks | None = None) -> tuple[list[tuple[Tensor, Tensor]], list[float]]:
         """One batched forward. Returns per sequence (positions [n], logits [n, V]) for the
-        planned logit positions that are still live at the last layer (a strategy may evict).
+        planned logit positions that are still live at the last layer (a strategy may evict),
+        and per sequence the tokens it computed, summed over layers, for ``account``: the
+        caller accounts each row at its turn, so a step that fails mid-group leaves the rows
+        after the failure as they were. Changes no sequence.
         Everything the layer loop needs is derived here, once (see ``ForwardContext``).
         With ``fixed_shapes`` a forward without layer hooks runs bucketed on ``cache`` widened
         to its padded rows (the pool keeps them spare); hooks that shrink the token set build
@@ -85,11 +96,11 @@ class Runner:
         if rows > len(plans):
             cache = cache.widen(rows)
         step = self.inputs(plans, rows, fixed)
-        ctx = self.context(step, cache, hooks)
-        flat, counts, logits = self.run(step, ctx)
-        self.account(seqs, ctx)
+        flat, counts, logits, processed = self.run(step, self.context(step, cache, hooks))
+        work = processed or [n * self.num_layers for n in step.lengths]
         positions = pad_stack([p.logit_positions for p in plans], 0).reshape(-1)[flat]
-        return list(zip(positions.split(counts), logits.split(counts)))[: len(seqs)]  # not padding rows
+        outputs = list(zip(positions.split(counts), logits.split(counts)))
+        return outputs[: len(seqs)], work[: len(seqs)]  # not padding rows
 
     def inputs(self, plans: list[StepPlan], rows: int | None = None, fixed: bool = False) -> StepInputs:
         """The step's tensors: [B, T] from the plans, or ``fixed`` [rows, bucket(T)] (padding
@@ -117,22 +128,25 @@ class Runner:
                           slots, lengths, logit_slots, span, fixed)
 
     def context(self, step: StepInputs, cache, hooks: LayerHooks | None) -> ForwardContext:
-        """Without hooks no layer changes the token set, so ``account`` counts the work from
-        the row lengths and the layer loop keeps no per-layer tally (``processed`` None)."""
+        """The step's forward context (frozen: the layer loop derives any narrower one)."""
         return ForwardContext(positions=step.positions, token_valid=step.valid, attn_mask=step.mask,
                               key_length=step.num_keys, cache=cache, hooks=hooks,
-                              processed=None if hooks is None else [0.0] * len(step.lengths),
                               row_lengths=step.lengths,
                               slots=step.slots, slot_span=step.slot_span, shard=self.model.shard,
                               fixed_shapes=step.fixed_shapes,
                               position_bound=step.num_keys)  # a query sees its own key: position < S
 
-    def run(self, step: StepInputs, ctx: ForwardContext) -> tuple[Tensor, list[int], Tensor]:
+    def run(self, step: StepInputs, ctx: ForwardContext
+            ) -> tuple[Tensor, list[int], Tensor, list[float] | None]:
         """The forward and the LM head over the wanted live tokens: (flat index of each logits
-        row into [B, N] of ``step.logit_slots``, rows per sequence, logits)."""
-        forward = self.step_forward if step.fixed_shapes else None  # fixed: no hooks (``forward``)
-        hidden = (forward or self.model.forward_layers)(step.token_ids, self.model.prepare_context(ctx))
-        return self.logits(step.logit_slots, hidden, ctx)
+        row into [B, N] of ``step.logit_slots``, rows per sequence, logits, the layer loop's
+        count of computed tokens per row: None without hooks, when no layer changes the set)."""
+        ctx = self.model.prepare_context(ctx)
+        if step.fixed_shapes and self.step_forward is not None:  # fixed: no hooks (``forward``)
+            hidden, processed = self.step_forward(step.token_ids, ctx), None
+        else:
+            hidden, ctx, processed = self.model.run_layers(step.token_ids, ctx)
+        return *self.logits(step.logit_slots, hidden, ctx), processed
 
     @staticmethod
     def attention_keys(plans: list[StepPlan], limit: Tensor, valid: Tensor, slots: Tensor | None = None,
@@ -166,17 +180,16 @@ class Runner:
                 mask[i, : len(p), : p.key_mask.shape[1]] = p.key_mask
         return num_keys, mask[:, None], span
 
-    def account(self, seqs: list[Sequence], ctx: ForwardContext) -> None:
-        """nfe, processed_tokens (layer-averaged), and the prompt's first pass as prefill."""
-        processed = ctx.processed or [n * self.num_layers for n in ctx.row_lengths]
-        for seq, work in zip(seqs, processed):
-            work /= self.num_layers
-            seq.stats.nfe += 1
-            if not seq.prefilled:
-                seq.prefilled = True
-                seq.stats.prefill_tokens += seq.prompt_len
-                work -= seq.prompt_len
-            seq.stats.processed_tokens += work
+    def account(self, seq: Sequence, work: float) -> None:
+        """One forward of ``seq``: nfe, processed_tokens (``work``: the tokens it computed,
+        summed over layers; recorded layer-averaged), and the prompt's first pass as prefill."""
+        work /= self.num_layers
+        seq.stats.nfe += 1
+        if not seq.prefilled:
+            seq.prefilled = True
+            seq.stats.prefill_tokens += seq.prompt_len
+            work -= seq.prompt_len
+        seq.stats.processed_tokens += work
 
     def logits(self, wanted: Tensor, hidden: Tensor, ctx: ForwardContext) -> tuple[Tensor, list[int], Tensor]:
         """Logits of the ``wanted`` [B, N] cache slots whose token is still live, batched: a

@@ -19,7 +19,7 @@ def stop_share(output_tokens: int, decoded_tokens: int) -> float:
 
 @dataclass
 class SequenceStats:
-    """SPEC §1 metrics of one sequence (or, summed, of a call)."""
+    """The work and output counts of one sequence (or, summed, of a call)."""
     nfe: int = 0
     decoded_tokens: int = 0
     output_tokens: int = 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..errors import UserError
 from ..engine.llm import LLM
 from ..tasks import Example
 from ..train.data import block_causal_mask
@@ -100,8 +101,8 @@ def chain_probe(llm: LLM, examples: list[Example], open_word: str = "=",
     vocab = tok.get_vocab()
     missing = [w for w in (open_word, close_word) if w not in vocab]
     if missing:
-        raise ValueError(f"{llm.path}: the tokenizer has no {' / '.join(map(repr, missing))}: "
-                         "not a checkpoint trained on the worked tasks")
+        raise UserError(f"{llm.path}: the tokenizer has no {' / '.join(map(repr, missing))}: "
+                        "not a checkpoint trained on the worked tasks")
     open_id, close_id = vocab[open_word], vocab[close_word]
     rows: dict[str, ChainProbeRow] = {}
     device = next(model.parameters()).device
@@ -112,8 +113,8 @@ def chain_probe(llm: LLM, examples: list[Example], open_word: str = "=",
         answer = tok.encode(ex.answer, add_special_tokens=False)
         try:  # a model whose vocabulary predates the task's words: by name, not an IndexError
             llm.check_ids(prompt + answer)
-        except ValueError as e:
-            raise ValueError(f"a prompt of task {ex.task}: {e}") from None
+        except UserError as e:
+            raise UserError(f"a prompt of task {ex.task}: {e}") from None
         targets = [len(prompt) + i for i in result_positions(answer, open_id, close_id)]
         row = rows.setdefault(ex.task, ChainProbeRow(ex.task))
         if not targets:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from ..errors import UserError
 from ..engine.llm import LLM
 from ..engine.sequence import SequenceStats
 from ..sampling_params import SamplingParams
@@ -122,10 +123,10 @@ def chat_prompt(example: Example) -> list[dict]:
 def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, limit: int | None = None,
              batch_size: int = 32, use_tqdm: bool = True, examples: list[Example] | None = None,
              desc: str | None = None) -> EvalReport:
-    """Accuracy and SPEC §1 stats of ``params`` on the held-out split (or ``examples``);
+    """Accuracy and stats (``SequenceStats``) of ``params`` on the held-out split (or ``examples``);
     ``use_tqdm``: a progress bar of the prompts done, named ``desc`` (default: eval METHOD)."""
     if batch_size < 1:
-        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+        raise UserError(f"batch size must be >= 1, got {batch_size}")
     examples = examples if examples is not None else load_split(tasks, limit=limit)
     params = llm.resolve(params)
     report = EvalReport(method=params.method)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import UserError
 from ..models.layers import DiffusionLM
 
 
@@ -30,10 +31,10 @@ class LikelihoodConfig:
 
     def __post_init__(self) -> None:
         if self.mc_batch < 1 or self.mc_num < 1 or self.mc_num % self.mc_batch:
-            raise ValueError(f"mc_num ({self.mc_num}) must be a positive multiple of mc_batch "
-                             f"({self.mc_batch})")
+            raise UserError(f"mc_num ({self.mc_num}) must be a positive multiple of mc_batch "
+                            f"({self.mc_batch})")
         if self.cfg_scale < 0:
-            raise ValueError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
+            raise UserError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
 
 
 def segments(model: DiffusionLM, prompt_len: int, total_len: int) -> list[tuple[int, int]]:
@@ -80,8 +81,8 @@ def masked_logprobs(model: DiffusionLM, noisy: Tensor, targets: Tensor, is_maske
 
 def masked_logits(model: DiffusionLM, ids: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
     if model.shard is not None:  # the other ranks run engine steps only
-        raise ValueError("loglikelihood scoring runs in one process; load the model with "
-                         "tensor_parallel_size 1 for it")
+        raise UserError("loglikelihood scoring runs in one process; load the model with "
+                        "tensor_parallel_size 1 for it")
     hidden = model.forward_context(ids, model.plain_context(ids, None))  # [B, T, d]
     if model.config.logit_shift:  # Dream: position i reads the output at i - 1
         cols = (cols - model.config.logit_shift).clamp(min=0)
@@ -120,12 +121,12 @@ def loglikelihood(model: DiffusionLM, prompt_ids: list[int], continuation_ids: l
     fixed ``cfg.seed`` (every call starts its own generator, so the value does not depend on what
     was scored before)."""
     if not prompt_ids or not continuation_ids:
-        raise ValueError("loglikelihood needs a non-empty prompt and a non-empty continuation")
+        raise UserError("loglikelihood needs a non-empty prompt and a non-empty continuation")
     window = model.config.max_position_embeddings
     if len(prompt_ids) + len(continuation_ids) > window:  # positions past it were never trained
-        raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and the continuation "
-                         f"({len(continuation_ids)}) exceed the model's context of {window} tokens; "
-                         f"cut the prompt on the left (as the lm-eval model does)")
+        raise UserError(f"the prompt ({len(prompt_ids)} tokens) and the continuation "
+                        f"({len(continuation_ids)}) exceed the model's context of {window} tokens; "
+                        f"cut the prompt on the left (as the lm-eval model does)")
     device = next(model.parameters()).device
     ids = torch.tensor(prompt_ids + continuation_ids, dtype=torch.long, device=device)
     generator = torch.Generator().manual_seed(cfg.seed)

@@ -31,6 +31,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import normalize_gen_kwargs
 from tqdm import tqdm
 
+from ..errors import UserError
 from ..engine.llm import LLM, quiet_transformers
 from ..engine.sequence import Sequence, SequenceStats
 from ..engine.stop_strings import committed_end, committed_ids, find_stop, tokens_through_stop
@@ -76,15 +77,15 @@ def sampling_fields(options: dict) -> dict:
     anything else is refused with the names that are accepted."""
     unknown = sorted(set(options) - set(FIELD_TYPES))
     if unknown:
-        raise ValueError(f"unknown dllm model_args {unknown}: use pretrained, revision, method, dtype, "
-                         f"device, batch_size, mc_num, mc_batch, mc_cfg_scale, check_greedy, stats_path or a "
-                         f"SamplingParams field ({', '.join(FIELD_TYPES)})")
+        raise UserError(f"unknown dllm model_args {unknown}: use pretrained, revision, method, dtype, "
+                        f"device, batch_size, mc_num, mc_batch, mc_cfg_scale, check_greedy, stats_path or a "
+                        f"SamplingParams field ({', '.join(FIELD_TYPES)})")
     fields = {}
     for name, value in options.items():
         try:
             fields[name] = convert(name, str(value))
         except ValueError:
-            raise ValueError(f"bad value {value!r} for model_args {name}") from None
+            raise UserError(f"bad value {value!r} for model_args {name}") from None
     return fields
 
 
@@ -93,7 +94,7 @@ def engine_batch(batch_size: int | str | None, max_batch_size: int | None) -> in
     if batch_size is None or str(batch_size).startswith("auto"):
         return max_batch_size or 256
     if int(batch_size) < 1:
-        raise ValueError(f"batch_size must be >= 1 or 'auto', got {batch_size}")
+        raise UserError(f"batch_size must be >= 1 or 'auto', got {batch_size}")
     return int(batch_size)
 
 
@@ -124,7 +125,7 @@ class DllmLM(LM):
         self.llm = LLM(str(pretrained), revision=revision, dtype=dtype, device=available_device(device),
                        max_num_seqs=engine_batch(batch_size, max_batch_size))
         if self.llm.tokenizer is None:
-            raise ValueError(f"{pretrained} has no tokenizer; lm-eval sends text")
+            raise UserError(f"{pretrained} has no tokenizer; lm-eval sends text")
         spec = parse_spec(method or "", **fields)
         # resolved once to fail before any request; the other fields stay unset, so a task's
         # max_gen_toks can still apply (make_sequence resolves each request)
@@ -164,7 +165,7 @@ class DllmLM(LM):
         answer (``gen_prefix``), which then continues the final assistant message; a template that
         refuses the system role gets the conversation without it."""
         if not self.chat_template():
-            raise ValueError(f"{self.llm.path} has no chat template; run without --apply_chat_template")
+            raise UserError(f"{self.llm.path} has no chat template; run without --apply_chat_template")
 
         def render(messages: list[dict[str, str]]) -> str:
             return self.llm.tokenizer.apply_chat_template(
@@ -244,9 +245,9 @@ class DllmLM(LM):
         ids = self.tokens(context) or [self.prefix_token_id]
         room = self.room(params)
         if room < 1:
-            raise ValueError(f"max_gen_toks {params.max_new_tokens} ({params.generation_slots} canvas "
-                             f"slots in blocks of {params.block_length}) leaves no room for a prompt in "
-                             f"the model's context of {self.window} tokens")
+            raise UserError(f"max_gen_toks {params.max_new_tokens} ({params.generation_slots} canvas "
+                            f"slots in blocks of {params.block_length}) leaves no room for a prompt in "
+                            f"the model's context of {self.window} tokens")
         if len(ids) > room:
             log.warning("context of %d tokens cut to its last %d to fit the model's context of %d "
                         "tokens beside the canvas", len(ids), room, self.window)
@@ -344,8 +345,8 @@ class DllmLM(LM):
         for prompt, target in pairs:
             room = self.window - len(target)
             if room < 1:
-                raise ValueError(f"a continuation of {len(target)} tokens does not fit the model's "
-                                 f"context of {self.window} tokens with a context token before it")
+                raise UserError(f"a continuation of {len(target)} tokens does not fit the model's "
+                                f"context of {self.window} tokens with a context token before it")
             if len(prompt) > room:
                 prompt, cut = prompt[-room:], cut + 1
             fitted.append((prompt, target))

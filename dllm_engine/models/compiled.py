@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import UserError
 from .layers import MLP, DiffusionLM, RMSNorm, rms_norm
 
 
@@ -73,8 +74,8 @@ def check_compile(compile: bool, tensor_parallel_size: int, compile_step: bool =
     trace the ranks' collectives, which no test covers."""
     for name, on in (("compile", compile), ("compile_step", compile_step)):
         if on and tensor_parallel_size > 1:
-            raise ValueError(f"{name} is for one process (a compiled layer would skip or trace the "
-                             "tensor-parallel all-reduce); drop it or use tensor_parallel_size 1")
+            raise UserError(f"{name} is for one process (a compiled layer would skip or trace the "
+                            "tensor-parallel all-reduce); drop it or use tensor_parallel_size 1")
 
 
 STEP_GRAPHS = 64  # compiled step graphs dynamo may keep: one per (rows, tokens, keys) bucket
@@ -90,8 +91,8 @@ def compile_step(model: DiffusionLM):
     Refused for MoE models: their dispatch sizes each expert's matmul by its token count, a
     host read that would send the whole stack back to eager."""
     if model.config.moe is not None:
-        raise ValueError("compile_step cannot capture MoE layers (each expert's matmul is sized by "
-                         "its token count, read from the device); use fixed_shapes without compile_step")
+        raise UserError("compile_step cannot capture MoE layers (each expert's matmul is sized by "
+                        "its token count, read from the device); use fixed_shapes without compile_step")
     cuda = next(model.parameters()).device.type == "cuda"
     return torch.compile(model.forward_layers, dynamic=False, mode="reduce-overhead" if cuda else None,
                          **step_recompile_limit())

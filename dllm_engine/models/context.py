@@ -1,12 +1,15 @@
 """The per-forward context: what attention and the layer loop need besides the hidden state.
 
 The runner builds one ``ForwardContext`` per forward. Attention reads positions, masks and the
-KV cache from it; strategies (token eviction, early skipping) enter through ``hooks`` and shrink
-the active token set with ``shrink``. Model files never grow a per-method argument.
+KV cache from it; strategies (token eviction, early skipping) enter through ``hooks``, which
+return what they keep (``Kept``) and never write into a context. A context is frozen: the live
+token set changes only through ``ForwardContext.keep``, which returns a new context, and the
+layer loop (``models/layers.py``) carries the current one from layer to layer. Model files never
+grow a per-method argument.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 import torch
@@ -40,13 +43,15 @@ def row_groups(lengths: list[int], width: int, device: torch.device | str = "cpu
 
 
 class Kept(NamedTuple):
-    """A subset of each row's live tokens, left-packed: what a hook returns to shrink the set."""
+    """What a hook returns to shrink the live set: a subset of each row's live tokens,
+    left-packed, and optionally cache keys no query may attend to any more."""
     index: Tensor  # [B, K] column of each kept token in the current set
     valid: Tensor  # [B, K] False for row padding
     lengths: list[int]  # kept tokens per row (host ints; K = max)
+    hidden_keys: Tensor | None = None  # [B, S] cache slots hidden from every query from now on
 
 
-def compact(keep: Tensor, lengths: list[int] | None = None) -> Kept:
+def compact(keep: Tensor, lengths: list[int] | None = None, hidden_keys: Tensor | None = None) -> Kept:
     """``keep`` [B, T] bool as a ``Kept``: each row's kept tokens in order. ``lengths``: the kept
     count per row when the caller knows it; else one host read (it sizes the new set)."""
     if lengths is None:
@@ -54,23 +59,29 @@ def compact(keep: Tensor, lengths: list[int] | None = None) -> Kept:
     width = max(lengths, default=0)
     index = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]
     counts = torch.tensor(lengths, device=keep.device)
-    return Kept(index, torch.arange(width, device=keep.device)[None] < counts[:, None], lengths)
+    return Kept(index, torch.arange(width, device=keep.device)[None] < counts[:, None], lengths, hidden_keys)
 
 
 class LayerHooks(Protocol):
     """What a strategy may do inside the layer loop. Each returns ``None`` to change nothing,
-    or a ``Kept`` (``compact``) to continue with that subset of tokens."""
+    or a ``Kept`` (``compact``) to continue with that subset of tokens; neither writes into
+    ``ctx`` (it is frozen)."""
 
     def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: "ForwardContext") -> Kept | None: ...
 
     def after_layer(self, layer_idx: int, hidden: Tensor, ctx: "ForwardContext") -> Kept | None: ...
 
 
-@dataclass
+@dataclass(frozen=True)
 class ForwardContext:
     """Everything a layer needs is known before the layer loop (the runner computes it once
     per step): the key count, the mask (or None: every query sees every key), the live tokens
-    per row. Inside the loop only a hook's ``shrink`` reads the device (the kept counts)."""
+    per row. Inside the loop only a hook's ``Kept`` reads the device (the kept counts).
+
+    Frozen: no layer or hook changes a context. ``keep`` (a hook's ``Kept``) and ``replace``
+    make new ones; the facts derived from the live set (``live_index``, ``attention_rows``) are
+    computed once per context and memoised in ``derived``, which is not an init field, so a new
+    context starts without them."""
     positions: Tensor  # [B, T] position id (= canvas index) of each query token
     token_valid: Tensor  # [B, T] False for row padding
     key_limit: Tensor | None = None  # [B, T] query t sees cache keys < key_limit (turned into attn_mask)
@@ -79,29 +90,32 @@ class ForwardContext:
     cache: object | None = None  # KVCache: write(layer, k, v, positions, valid) / read(layer, S)
     hooks: LayerHooks | None = None
     token_index: Tensor | None = None  # [B, T] index of each live token in the original query set
-    processed: list[float] | None = None  # per row: query tokens computed, summed over layers
     cos: Tensor | None = None
     sin: Tensor | None = None
     key_length: int | None = None  # S, the cache positions attention reads (default max key_limit)
     row_lengths: list[int] | None = None  # live tokens per row, left-packed (None: unknown layout)
     slot_span: tuple[int, int] | None = None  # every row writes slots [lo, hi) in order, no padding
-    derived: dict = field(default_factory=dict, repr=False)  # facts of the live set; shrink clears it
     shard: object | None = None  # parallel.Shard of a tensor-parallel model; None in one process
     position_bound: int | None = None  # every position is below it (host); None: read once (RoPE)
     fixed_shapes: bool = False  # never pack or split rows (a fixed-shape step: engine/shapes.py)
+    # memo of the live set's facts; not an init field, so ``replace`` starts a new one
+    derived: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        """Fill the defaults (construction only: ``object.__setattr__`` on a frozen dataclass)."""
+        def default(name: str, value) -> None:
+            object.__setattr__(self, name, value)
         if self.token_index is None:
             b, t = self.positions.shape
-            self.token_index = torch.arange(t, device=self.positions.device).expand(b, t)
+            default("token_index", torch.arange(t, device=self.positions.device).expand(b, t))
         if self.slots is None:
-            self.slots = self.positions
+            default("slots", self.positions)
         if self.key_length is None:
-            self.key_length = self.default_key_length()
+            default("key_length", self.default_key_length())
         if self.key_limit is not None:
             if self.attn_mask is None:
-                self.attn_mask = limit_mask(self.key_limit, self.token_valid, self.key_length)
-            self.key_limit = None
+                default("attn_mask", limit_mask(self.key_limit, self.token_valid, self.key_length))
+            default("key_limit", None)
 
     def default_key_length(self) -> int:
         if self.attn_mask is not None:
@@ -109,11 +123,6 @@ class ForwardContext:
         if self.key_limit is not None:
             return int(self.key_limit.max())
         return self.positions.shape[1]
-
-    def count_layer(self) -> None:
-        """Add the live tokens of one layer to ``processed`` (SPEC: processed_tokens)."""
-        if self.processed is not None:
-            self.processed = [p + n for p, n in zip(self.processed, self.live_counts())]
 
     def all_reduce(self, x: Tensor) -> Tensor:
         """``x`` summed over tensor-parallel ranks (a sum over attention heads that each rank
@@ -127,14 +136,6 @@ class ForwardContext:
     def attention_mask(self, num_keys: int) -> Tensor | None:
         """[B, 1, T, S] bool: which keys each query attends to; None when it is every key."""
         return None if self.attn_mask is None else self.attn_mask[..., :num_keys]
-
-    def hide_keys(self, hidden: Tensor) -> None:
-        """No query attends to the keys ``hidden`` [B, S] marks (FOCUS: slots without K/V)."""
-        b, t = self.token_valid.shape
-        mask = self.attn_mask
-        if mask is None:
-            mask = torch.ones(b, 1, t, self.key_length, dtype=torch.bool, device=hidden.device)
-        self.attn_mask = mask & ~hidden[:, None, None, : mask.shape[-1]]
 
     def gather(self, x: Tensor, index: Tensor) -> Tensor:
         """Select tokens ``index`` [B, K] along dim 1 of ``x`` [B, T, ...]."""
@@ -173,7 +174,7 @@ class ForwardContext:
         return self.derived["rows"]
 
     def prepare(self) -> "ForwardContext":
-        """Derive the live set's facts now, before the layer loop."""
+        """Derive the live set's facts now, before the layer loop (returns ``self``)."""
         self.live_index()
         self.attention_rows()
         return self
@@ -192,24 +193,27 @@ class ForwardContext:
         b, t = self.token_valid.shape
         return y.new_zeros(b * t, y.shape[-1]).index_copy(0, index, y).view(b, t, -1)
 
-    def shrink(self, keep_index: Tensor, keep_valid: Tensor, lengths: list[int] | None = None) -> None:
-        """Continue with tokens ``keep_index`` [B, K] only (FOCUS eviction, ES-dLLM skipping);
-        ``lengths``: kept tokens per row when the caller knows them (``Kept``)."""
-        self.derived.clear()
-        self.slot_span = None
-        self.positions = self.gather(self.positions, keep_index)
-        self.token_valid = self.gather(self.token_valid, keep_index) & keep_valid
-        self.token_index = self.gather(self.token_index, keep_index)
-        self.slots = self.gather(self.slots, keep_index)
-        self.row_lengths = lengths if lengths is not None else keep_valid.sum(1).tolist()
-        if self.attn_mask is not None:
-            idx = keep_index[:, None, :, None].expand(-1, self.attn_mask.shape[1], -1,
-                                                      self.attn_mask.shape[-1])
-            self.attn_mask = torch.gather(self.attn_mask, 2, idx)
-        if self.cos is not None:
-            self.cos = self.gather(self.cos, keep_index)
-            self.sin = self.gather(self.sin, keep_index)
-        self.prepare()
+    def keep(self, kept: Kept) -> "ForwardContext":
+        """The context of the tokens ``kept`` (a hook's ``Kept``: FOCUS eviction, ES-dLLM
+        skipping), prepared: the one place the live set changes. Its hidden keys come off the
+        mask first (they concern every query, kept or not)."""
+        index = kept.index
+        mask = self.attn_mask if kept.hidden_keys is None else self.masked_keys(kept.hidden_keys)
+        if mask is not None:
+            mask = torch.gather(mask, 2, index[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1]))
+        cos_sin = {} if self.cos is None else {"cos": self.gather(self.cos, index), "sin": self.gather(self.sin, index)}
+        return replace(self, positions=self.gather(self.positions, index),
+                       token_valid=self.gather(self.token_valid, index) & kept.valid,
+                       token_index=self.gather(self.token_index, index), slots=self.gather(self.slots, index),
+                       row_lengths=kept.lengths, slot_span=None, attn_mask=mask, **cos_sin).prepare()
+
+    def masked_keys(self, hidden: Tensor) -> Tensor:
+        """[B, 1, T, S] mask in which no query attends to the keys ``hidden`` [B, S] marks."""
+        b, t = self.token_valid.shape
+        mask = self.attn_mask
+        if mask is None:
+            mask = torch.ones(b, 1, t, self.key_length, dtype=torch.bool, device=hidden.device)
+        return mask & ~hidden[:, None, None, : mask.shape[-1]]
 
 
 def limit_mask(key_limit: Tensor, valid: Tensor, num_keys: int) -> Tensor | None:
@@ -219,3 +223,18 @@ def limit_mask(key_limit: Tensor, valid: Tensor, num_keys: int) -> Tensor | None
         return None
     keys = torch.arange(num_keys, device=key_limit.device)
     return keys[None, None, None, :] < key_limit[:, None, :, None]
+
+
+def block_causal_limit(positions: Tensor, block_size: int) -> Tensor:
+    """Block-causal attention as key limits: a query at position p sees the keys at positions
+    below ``(p // block_size + 1) * block_size``, i.e. its own block and every block before it
+    (blocks of ``block_size`` positions counted from 0). The one definition of the pattern: the
+    engine decodes with the request's ``block_length``, the plain forward and the trainer use
+    the checkpoint's trained ``block_size``."""
+    return (positions // block_size + 1) * block_size
+
+
+def block_causal_mask(query_positions: Tensor, key_positions: Tensor, block_size: int) -> Tensor:
+    """[..., Tq, Tk] bool: which keys each query sees under ``block_causal_limit``."""
+    limit = block_causal_limit(query_positions, block_size)
+    return key_positions[..., None, :] < limit[..., :, None]

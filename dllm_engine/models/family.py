@@ -5,6 +5,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Callable
 
+from ..errors import UserError
 from ..config import ModelConfig
 
 
@@ -66,8 +67,8 @@ def check_rope(hf: dict, model_type: str) -> None:
         kind = value.get("rope_type", value.get("type", "default")) if isinstance(value, dict) else value
         scaled = key == "rope_scaling" and isinstance(value, dict) and set(value) - PLAIN_ROPE_KEYS
         if kind not in (None, "default") or scaled:
-            raise ValueError(f"{key} {value!r} is not supported for {model_type}: the engine "
-                             f"implements plain RoPE only (rope_type 'default')")
+            raise UserError(f"{key} {value!r} is not supported for {model_type}: the engine "
+                            f"implements plain RoPE only (rope_type 'default')")
 
 
 def check_unsupported(hf: dict, model_type: str, refused: dict[str, Callable[[object], bool]]) -> None:
@@ -75,8 +76,8 @@ def check_unsupported(hf: dict, model_type: str, refused: dict[str, Callable[[ob
     to the test its value fails (absent keys pass)."""
     for key, unsupported in refused.items():
         if key in hf and unsupported(hf[key]):
-            raise ValueError(f"{key}={hf[key]!r} is not supported for {model_type} (the engine "
-                             f"does not implement it)")
+            raise UserError(f"{key}={hf[key]!r} is not supported for {model_type} (the engine "
+                            f"does not implement it)")
 
 
 def renamed_checkpoint_names(layer_prefix: str, layer_names: dict[str, str], top_names: dict[str, str],

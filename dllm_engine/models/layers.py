@@ -6,12 +6,15 @@ enter through ``ForwardContext`` (positions, masks, KV cache, hooks).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig, MoEConfig
-from .context import ForwardContext
+from .context import ForwardContext, block_causal_mask
 from .parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
                        VocabParallelEmbedding, kv_heads_of)
 
@@ -173,23 +176,24 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin), v
 
-    def forward(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor | None]:
-        """Returns the attention output of the live tokens and, when a hook shrank the token
-        set after Q/K/V, the kept index [B, K] (the caller gathers its residual with it)."""
+    def forward(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor | None, ForwardContext]:
+        """Returns the attention output of the live tokens, the kept index [B, K] when a hook
+        shrank the token set after Q/K/V (the caller gathers its residual with it; else None),
+        and the context the output is live in (a new one when the hook shrank the set)."""
         q, k, v = self.project(x, ctx)
         if ctx.cache is not None:
-            # K/V of every token are written before any eviction (FOCUS step 6)
+            # K/V of every token are written before any eviction (FOCUS's layer-1 K/V)
             ctx.cache.write(self.layer_idx, k, v, ctx.slots, ctx.token_valid, span=ctx.slot_span)
         keep = ctx.hooks.after_qk(self.layer_idx, q, k, ctx) if ctx.hooks is not None else None
         if keep is not None:
             q = torch.gather(q, 2, keep.index[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
-            ctx.shrink(*keep)
+            ctx = ctx.keep(keep)
         if ctx.cache is not None:
             k, v = ctx.cache.read(self.layer_idx, ctx.num_keys())
         mask = ctx.attention_mask(k.shape[2])
         out = ragged_attention(q, k, v, mask, ctx.attention_rows())  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
-        return ctx.unpack(self.o_proj(ctx.pack(out))), (keep.index if keep is not None else None)
+        return ctx.unpack(self.o_proj(ctx.pack(out))), (keep.index if keep is not None else None), ctx
 
 
 class MLP(nn.Module):
@@ -328,13 +332,21 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, shard)
 
-    def forward(self, h: Tensor, ctx: ForwardContext) -> Tensor:
-        attn_out, keep = self.self_attn(self.input_layernorm(h), ctx)
+    def forward(self, h: Tensor, ctx: ForwardContext) -> tuple[Tensor, ForwardContext]:
+        """The layer's output and the context it is live in (a new one when ``after_qk`` kept a
+        subset of the tokens)."""
+        attn_out, keep, ctx = self.self_attn(self.input_layernorm(h), ctx)
         if keep is not None:
             h = ctx.gather(h, keep)
         h = h + attn_out
-        ctx.count_layer()
-        return h + ctx.unpack(self.mlp(self.post_attention_layernorm(ctx.pack(h))))
+        return h + ctx.unpack(self.mlp(self.post_attention_layernorm(ctx.pack(h)))), ctx
+
+
+class StackOutput(NamedTuple):
+    """What the layer loop hands back."""
+    hidden: Tensor  # [B, T', d] final normed hidden states of the tokens live at the last layer
+    ctx: ForwardContext  # the context at the last layer (``ctx.token_index``: which tokens those are)
+    processed: list[float] | None  # per row: query tokens computed, summed over layers (None: no hooks)
 
 
 class DiffusionLM(nn.Module):
@@ -366,26 +378,36 @@ class DiffusionLM(nn.Module):
         self.rotary = RotaryTable(cfg.rotary_dim, cfg.rope_theta)
 
     def forward_context(self, input_ids: Tensor, ctx: ForwardContext) -> Tensor:
-        """Final normed hidden states [B, T', d] of the tokens still live at the end
-        (``ctx.token_index`` says which); call ``logits`` on what you need."""
+        """Final normed hidden states [B, T', d] of the tokens still live at the end (the
+        hooks of ``ctx`` may shrink the set; ``run_layers`` says which tokens they are); call
+        ``logits`` on what you need."""
         return self.forward_layers(input_ids, self.prepare_context(ctx))
 
     def prepare_context(self, ctx: ForwardContext) -> ForwardContext:
-        """RoPE's cos/sin of the step's positions (from the table, which grows) and the live
-        set's facts: outside ``forward_layers``, so a compiled stack never sees the table."""
-        ctx.cos, ctx.sin = self.rotary.lookup(ctx.positions, ctx.position_bound)
-        return ctx.prepare()
+        """``ctx`` with RoPE's cos/sin of the step's positions (from the table, which grows) and
+        the live set's facts: outside ``forward_layers``, so a compiled stack never sees the table."""
+        cos, sin = self.rotary.lookup(ctx.positions, ctx.position_bound)
+        return replace(ctx, cos=cos, sin=sin).prepare()
 
     def forward_layers(self, input_ids: Tensor, ctx: ForwardContext) -> Tensor:
         """``forward_context`` on a prepared context: embedding, the layer loop, final norm."""
+        return self.run_layers(input_ids, ctx).hidden
+
+    def run_layers(self, input_ids: Tensor, ctx: ForwardContext) -> StackOutput:
+        """THE layer loop, on a prepared context. It owns the current context: a layer hands
+        back the one it ran in (``after_qk`` may have kept a subset), and the loop applies an
+        ``after_layer`` hook's ``Kept`` (``ForwardContext.keep``). With hooks it also counts
+        each layer's live tokens (``processed_tokens``: the work a shrinking strategy saves)."""
         h = self.embed_tokens(input_ids)
+        processed = None if ctx.hooks is None else [0.0] * ctx.positions.shape[0]
         for i, layer in enumerate(self.layers):
-            h = layer(h, ctx)
+            h, ctx = layer(h, ctx)
+            if processed is not None:
+                processed = [p + n for p, n in zip(processed, ctx.live_counts())]
             keep = ctx.hooks.after_layer(i, h, ctx) if ctx.hooks is not None else None
             if keep is not None:
-                h = ctx.gather(h, keep.index)
-                ctx.shrink(*keep)
-        return self.norm(h)
+                h, ctx = ctx.gather(h, keep.index), ctx.keep(keep)
+        return StackOutput(self.norm(h), ctx, processed)
 
     @property
     def num_kv_heads(self) -> int:
@@ -401,15 +423,16 @@ class DiffusionLM(nn.Module):
 
         ``attention_mask``: None, a 2-D [B, T] padding mask (1 = token; padding gets no position
         and is never attended to), or a 4-D bool [B, 1, T, T] mask used as given."""
-        ctx = self.plain_context(input_ids, attention_mask)
-        if position_ids is not None:
-            ctx.positions, ctx.position_bound = position_ids.expand_as(input_ids), None
+        ctx = self.plain_context(input_ids, attention_mask, position_ids)
         logits = self.logits(self.forward_context(input_ids, ctx))
         if self.config.logit_shift:
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
         return logits
 
-    def plain_context(self, input_ids: Tensor, attention_mask: Tensor | None) -> ForwardContext:
+    def plain_context(self, input_ids: Tensor, attention_mask: Tensor | None,
+                      position_ids: Tensor | None = None) -> ForwardContext:
+        """The context of a plain forward over ``input_ids`` (``forward``'s arguments); the
+        mask follows the padding, RoPE ``position_ids`` when given."""
         b, t = input_ids.shape
         dev = input_ids.device
         if attention_mask is None or attention_mask.dim() == 4:
@@ -422,8 +445,12 @@ class DiffusionLM(nn.Module):
             mask = attention_mask.bool()
         else:
             mask = self.pattern_mask(positions, valid, padded=attention_mask is not None)
-        return ForwardContext(positions=positions, token_valid=valid, attn_mask=mask, shard=self.shard,
-                              position_bound=t)
+        if position_ids is None:
+            return ForwardContext(positions=positions, token_valid=valid, attn_mask=mask, shard=self.shard,
+                                  position_bound=t)
+        # RoPE reads the given positions; the mask stays the padding's
+        return ForwardContext(positions=position_ids.expand_as(input_ids), token_valid=valid, attn_mask=mask,
+                              shard=self.shard)
 
     def pattern_mask(self, positions: Tensor, valid: Tensor, padded: bool = True) -> Tensor | None:
         """[B, 1, T, T] bool: the family's attention pattern over one padded canvas; None for
@@ -432,6 +459,5 @@ class DiffusionLM(nn.Module):
             return None
         mask = valid[:, None, None, :].expand(-1, 1, positions.shape[1], -1)
         if self.config.is_block_causal:
-            blk = positions // self.config.block_size
-            mask = mask & (blk[:, None, None, :] <= blk[:, None, :, None])
+            mask = mask & block_causal_mask(positions, positions, self.config.block_size)[:, None]
         return mask

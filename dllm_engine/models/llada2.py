@@ -9,6 +9,7 @@ file only maps config keys and tensor names.
 """
 from __future__ import annotations
 
+from ..errors import UserError
 from ..config import ModelConfig, MoEConfig
 from ..methods import BLOCK_METHODS
 from .family import (Family, check_unsupported, qwen_config_from_hf, qwen_config_to_hf,
@@ -34,8 +35,8 @@ def moe_from_hf(hf: dict) -> MoEConfig | None:
     if not hf.get("num_experts"):
         return None
     if hf.get("score_function", "sigmoid") != "sigmoid":
-        raise ValueError(f"score_function {hf['score_function']!r} is not supported; "
-                         f"LLaDA2 routers use 'sigmoid'")
+        raise UserError(f"score_function {hf['score_function']!r} is not supported; "
+                        f"LLaDA2 routers use 'sigmoid'")
     return MoEConfig(
         num_experts=hf["num_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
         moe_intermediate_size=hf["moe_intermediate_size"],

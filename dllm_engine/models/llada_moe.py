@@ -39,6 +39,7 @@ and its converter's ``LLaDAMoEModel``):
 """
 from __future__ import annotations
 
+from ..errors import UserError
 from ..config import ModelConfig, MoEConfig
 from ..methods import FULL_ATTENTION_METHODS
 from .family import (Family, check_rope, check_unsupported, qwen_checkpoint_name,
@@ -76,12 +77,12 @@ def dense_layers(hf: dict) -> int:
     if freq is None:
         return 0
     if not isinstance(freq, list) or len(freq) != hf["num_hidden_layers"]:
-        raise ValueError(f"moe_layer_freq {freq!r} must list 0 (dense) or 1 (MoE) for each of the "
-                         f"{hf['num_hidden_layers']} layers")
+        raise UserError(f"moe_layer_freq {freq!r} must list 0 (dense) or 1 (MoE) for each of the "
+                        f"{hf['num_hidden_layers']} layers")
     k = next((i for i, f in enumerate(freq) if f), len(freq))
     if any(not f for f in freq[k:]):
-        raise ValueError(f"moe_layer_freq {freq!r} is not supported: the engine runs dense layers "
-                         f"only before the first MoE layer")
+        raise UserError(f"moe_layer_freq {freq!r} is not supported: the engine runs dense layers "
+                        f"only before the first MoE layer")
     return k
 
 

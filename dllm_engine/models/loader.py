@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..errors import UserError
 from .family import Family
 from .layers import DiffusionLM, Router
 from .parallel import Shard, check_shardable, read_slices
@@ -31,7 +32,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} not supported; use one of {AUTO}, {', '.join(DTYPES)}")
+        raise UserError(f"dtype {dtype!r} not supported; use one of {AUTO}, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -47,8 +48,8 @@ def resolve_dtype(dtype: str | torch.dtype, hf: dict, folder: Path) -> torch.dty
     name = str(declared).removeprefix("torch.")
     name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
-        raise ValueError(f"{folder / 'config.json'}: torch_dtype {declared!r} is not supported; "
-                         f"pass a dtype ({', '.join(DTYPES)})")
+        raise UserError(f"{folder / 'config.json'}: torch_dtype {declared!r} is not supported; "
+                        f"pass a dtype ({', '.join(DTYPES)})")
     return DTYPES[name]
 
 
@@ -74,16 +75,16 @@ def parse_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device {str(device)!r} is not a device name; use cpu, cuda or cuda:N") from None
+        raise UserError(f"device {str(device)!r} is not a device name; use cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} is not available: this torch {torch.__version__} "
-                         f"build has no CUDA or sees no GPU; use --device cpu")
+        raise UserError(f"device {str(device)!r} is not available: this torch {torch.__version__} "
+                        f"build has no CUDA or sees no GPU; use --device cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device {str(device)!r}: only {torch.cuda.device_count()} GPU(s) visible")
+        raise UserError(f"device {str(device)!r}: only {torch.cuda.device_count()} GPU(s) visible")
     if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {str(device)!r} is not available on this machine; use --device cpu")
+        raise UserError(f"device {str(device)!r} is not available on this machine; use --device cpu")
     if dev.type not in ("cpu", "cuda", "mps", "meta"):  # meta: config and shapes, no weights
-        raise ValueError(f"device {str(device)!r} is not supported; use cpu or cuda")
+        raise UserError(f"device {str(device)!r} is not supported; use cpu or cuda")
     return dev
 
 
@@ -92,11 +93,11 @@ def read_json(file: Path, what: str = "a JSON object") -> dict:
     try:
         value = json.loads(file.read_text())
     except UnicodeDecodeError:
-        raise ValueError(f"{file}: not a text file; expected {what}") from None
+        raise UserError(f"{file}: not a text file; expected {what}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        raise UserError(f"{file}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{file}: expected {what}, got a JSON {type(value).__name__}")
+        raise UserError(f"{file}: expected {what}, got a JSON {type(value).__name__}")
     return value
 
 
@@ -104,8 +105,8 @@ def read_config(path: str | Path) -> tuple[dict, Family, ModelConfig]:
     """The raw config.json, its family and the normalised ModelConfig."""
     folder = Path(path)
     if folder.is_file():
-        raise ValueError(f"{str(folder)!r} is a file; --model / LLM() take the checkpoint folder "
-                         f"that holds config.json and the weights")
+        raise UserError(f"{str(folder)!r} is a file; --model / LLM() take the checkpoint folder "
+                        f"that holds config.json and the weights")
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {str(folder)!r} does not exist")
     cfg_file = folder / "config.json"
@@ -116,10 +117,10 @@ def read_config(path: str | Path) -> tuple[dict, Family, ModelConfig]:
         family = family_of(hf)
         return hf, family, family.config_from_hf(hf)
     except KeyError as e:
-        raise ValueError(f"{cfg_file}: missing key {e} (needed by model_type "
-                         f"{hf.get('model_type')!r})") from None
+        raise UserError(f"{cfg_file}: missing key {e} (needed by model_type "
+                        f"{hf.get('model_type')!r})") from None
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{cfg_file}: {e}") from None
+        raise UserError(f"{cfg_file}: {e}") from None
 
 
 def read_generation_config(folder: Path) -> dict:
@@ -133,7 +134,7 @@ def weight_files(folder: Path) -> list[Path]:
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no \"weight_map\" object (tensor name -> shard file)")
+            raise UserError(f"{index}: no \"weight_map\" object (tensor name -> shard file)")
         shards = sorted(set(map(str, weight_map.values())))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
@@ -151,8 +152,8 @@ def open_weights(file: Path):
         with safe_open(str(file), framework="pt") as f:
             yield f
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file}: not a readable safetensors file ({e}); "
-                         f"is it truncated or still downloading?") from None
+        raise UserError(f"{file}: not a readable safetensors file ({e}); "
+                        f"is it truncated or still downloading?") from None
 
 
 def named_tensors(model: DiffusionLM) -> dict[str, torch.Tensor]:
@@ -188,8 +189,8 @@ def check_names(found: set[str], names: dict[str, str], family: Family, folder: 
     missing = sorted(set(names) - found)
     extra = sorted(found - set(names))
     if missing or extra:
-        raise ValueError(f"checkpoint {str(folder)!r} does not match its config "
-                         f"({family.model_type}): missing tensors {missing[:8]}, unexpected tensors {extra[:8]}")
+        raise UserError(f"checkpoint {str(folder)!r} does not match its config "
+                        f"({family.model_type}): missing tensors {missing[:8]}, unexpected tensors {extra[:8]}")
 
 
 # (checkpoint name, our name, the parts of the tensor this process holds (None: all of it))
@@ -218,7 +219,7 @@ def load_plan(folder: Path, model: DiffusionLM, family: Family) -> dict[Path, li
             shape = tuple(handles[where[ckpt]].get_slice(ckpt).get_shape())
             full = tuple(getattr(param, "full_shape", param.shape))
             if shape != full:
-                raise ValueError(f"tensor {ckpt} has shape {shape} but the config implies {full}")
+                raise UserError(f"tensor {ckpt} has shape {shape} but the config implies {full}")
             plan[where[ckpt]].append((ckpt, ours, getattr(param, "load_slices", None)))
     return plan
 

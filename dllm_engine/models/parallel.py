@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import UserError
 from ..config import ModelConfig
 
 Slices = list[tuple[int, int, int]]  # (dim, start, end) parts of a checkpoint tensor, concatenated on dim
@@ -77,7 +78,7 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
     ranks. Fallbacks instead of errors: KV heads fewer than ranks are replicated (each KV head on
     size / num_kv_heads ranks); a vocabulary that does not divide is padded (``vocab_part``)."""
     if size < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+        raise UserError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
     need = {"num_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size}
@@ -87,12 +88,12 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
                                                               * cfg.moe.num_shared_experts)
     for field, value in need.items():
         if value % size:
-            raise ValueError(f"{field} {value} is not divisible by tensor_parallel_size {size}; "
-                             f"choose a tensor_parallel_size that divides it")
+            raise UserError(f"{field} {value} is not divisible by tensor_parallel_size {size}; "
+                            f"choose a tensor_parallel_size that divides it")
     kv = cfg.num_kv_heads
     if kv % size and size % kv:
-        raise ValueError(f"num_kv_heads {kv} and tensor_parallel_size {size}: one must divide the "
-                         f"other (KV heads are split across ranks, or replicated when fewer than ranks)")
+        raise UserError(f"num_kv_heads {kv} and tensor_parallel_size {size}: one must divide the "
+                        f"other (KV heads are split across ranks, or replicated when fewer than ranks)")
 
 
 def kv_heads_of(cfg: ModelConfig, shard: Shard) -> tuple[int, int]:

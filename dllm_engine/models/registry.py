@@ -1,6 +1,7 @@
 """model_type -> family; ``family_of`` also tells the families that share a model_type apart."""
 from __future__ import annotations
 
+from ..errors import UserError
 from . import dream, llada, llada2, llada_moe, sdar
 from .family import Family
 
@@ -13,8 +14,8 @@ ALIASES = {"lladamoe": llada_moe.MODEL_TYPE}
 def get_family(model_type: str | None) -> Family:
     model_type = ALIASES.get(model_type, model_type)
     if model_type not in FAMILIES:
-        raise ValueError(f"unknown model_type {model_type!r} in config.json; "
-                         f"supported: {', '.join(FAMILIES)}")
+        raise UserError(f"unknown model_type {model_type!r} in config.json; "
+                        f"supported: {', '.join(FAMILIES)}")
     return FAMILIES[model_type]
 
 

@@ -1,4 +1,4 @@
-"""``dllm serve``: an OpenAI-compatible HTTP server (SPEC §8) over an ``EngineClient``: the engine
+"""``dllm serve``: an OpenAI-compatible HTTP server over an ``EngineClient``: the engine
 loop in this process, or Ray Serve replicas (``server.replicated``).
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (both with SSE streaming of committed text,
@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm import LLM
+from ..errors import UserError
 from ..sampling_params import MAX_SEED, SamplingParams
 from .engine_client import EngineClient, GenerateRequest, InProcessEngine
 from .loop import Event
@@ -68,7 +69,7 @@ class Server:
                 params = params.replace(seed=secrets.randbelow(MAX_SEED))
             for ids in prompts:
                 self.llm.resolve_for_prompt(params, len(ids))
-        except ValueError as e:
+        except UserError as e:
             raise value_error(e) from None
         return GenerateRequest(request_id, prompts, params, body.stop_strings(), body.stream, body.n)
 
@@ -76,7 +77,7 @@ class Server:
         try:
             with self.engine.tokenizer_lock:
                 return self.llm.encode(prompt)
-        except ValueError as e:
+        except UserError as e:
             raise value_error(e) from None
 
     def chat_prompt(self, body) -> list[int]:
@@ -85,7 +86,7 @@ class Server:
             with self.engine.tokenizer_lock:
                 ids = self.llm.apply_chat_template(messages)
             return self.llm.check_ids(ids)
-        except ValueError as e:
+        except UserError as e:
             raise value_error(e) from None
 
     # -- answers -----------------------------------------------------------------------------
@@ -271,6 +272,12 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         return reply(validation_error(list(err.errors())))
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, err: Exception) -> JSONResponse:
+        """Anything but a user error (those are ApiError 400s) is a bug: a 500 in the OpenAI
+        error format; Starlette raises it on after this reply, so the server logs its traceback."""
+        return reply(ApiError(500, f"internal error: {type(err).__name__}: {err}", kind="server_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..engine.llm import LLM
+from ..errors import UserError
 from ..sampling_params import MAX_SEED, SamplingParams
 from .loop import EngineLoop, Event, Job
 from .metrics import Metrics
@@ -80,7 +81,7 @@ class InProcessEngine:
             job = Job([self.llm.make_sequence(ids, params) for ids, params in request.choices()],
                       request.stops, request.stream)
             self.loop.submit(job)
-        except ValueError as e:
+        except UserError as e:
             yield Event(error=value_error(e))
             return
         except ApiError as e:

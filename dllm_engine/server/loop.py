@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 
+from ..errors import UserError
 from ..engine.llm import LLM
 from ..engine.parallel import WorkerDied
 from ..engine.sequence import Sequence
@@ -94,7 +95,7 @@ class EngineLoop:
 
     def __init__(self, llm: LLM, max_queue: int = 256, metrics: Metrics | None = None) -> None:
         if max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+            raise UserError(f"max_queue must be >= 0, got {max_queue}")
         self.llm, self.engine = llm, llm.engine
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()

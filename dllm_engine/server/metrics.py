@@ -102,8 +102,8 @@ class Metrics:
                                  for s, n in sorted(self.requests.items())])
             for name, value, doc in [
                     ("prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished sequences."),
-                    ("output_tokens_total", t.output_tokens, "Tokens returned to users (SPEC §1)."),
-                    ("decoded_tokens_total", t.decoded_tokens, "Slots committed (SPEC §1)."),
+                    ("output_tokens_total", t.output_tokens, "Tokens returned to users."),
+                    ("decoded_tokens_total", t.decoded_tokens, "Slots committed."),
                     ("nfe_total", t.nfe, "Forward passes of finished sequences."),
                     ("processed_tokens_total", t.processed_tokens, "Layer-averaged query tokens."),
                     ("prefill_tokens_total", t.prefill_tokens, "Prompt tokens of first passes."),

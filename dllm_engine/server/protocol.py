@@ -16,6 +16,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
+from ..errors import UserError
 from ..engine.sequence import SequenceStats
 from ..resolve import COMMIT_FIELDS
 from ..sampling_params import MAX_LOGPROBS, MAX_SEED, ParamError, SamplingParams
@@ -84,9 +85,9 @@ class RequestBase(BaseModel):
     def check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else (value or [])
         if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
+            raise UserError("stop strings must be non-empty")
         if len(stops) > 16:
-            raise ValueError(f"at most 16 stop strings, got {len(stops)}")
+            raise UserError(f"at most 16 stop strings, got {len(stops)}")
         return value
 
     def stop_strings(self) -> list[str]:
@@ -139,15 +140,15 @@ class CompletionBase(RequestBase):
     @classmethod
     def check_echo(cls, value):
         if value:  # a client scoring the prompt (lm-eval's log-likelihood) would read wrong numbers
-            raise ValueError("echo is not supported: log-probabilities cover the generated tokens "
-                             "only, never the prompt's")
+            raise UserError("echo is not supported: log-probabilities cover the generated tokens "
+                            "only, never the prompt's")
         return value
 
     @field_validator("prompt")
     @classmethod
     def check_prompt(cls, value):
         if isinstance(value, list) and not value:
-            raise ValueError("prompt list is empty")
+            raise UserError("prompt list is empty")
         return value
 
     def prompts(self) -> list[str | list[int]]:
@@ -308,7 +309,7 @@ def chat_logprobs(items: list[TokenLogprob] | None) -> dict | None:
 
 
 def usage(results: list[ChoiceResult], n: int = 1) -> dict:
-    """OpenAI usage plus the SPEC §1 stats, summed over the request's choices; each prompt's
+    """OpenAI usage plus the engine's stats (``SequenceStats``), summed over the request's choices; each prompt's
     tokens count once however many (``n``) choices sample it, as OpenAI counts them."""
     stats = SequenceStats.total([r.stats for r in results], 0.0)
     prompt = sum(r.prompt_tokens for r in results if r.index % n == 0)

@@ -33,6 +33,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from ..errors import UserError
 from ..engine.llm import LLM
 from ..sampling_params import SamplingParams
 from .app import create_app
@@ -72,7 +73,7 @@ class ReplicaOptions:
 
     def __post_init__(self) -> None:
         if self.threads < 1:
-            raise ValueError(f"threads per replica must be >= 1, got {self.threads}")
+            raise UserError(f"threads per replica must be >= 1, got {self.threads}")
 
     def actor_options(self) -> dict:
         """Ray resources of one replica: a GPU on CUDA, else ``threads`` CPUs."""
@@ -93,12 +94,12 @@ class Scaling:
 
     def __post_init__(self) -> None:
         if self.replicas is not None and self.replicas < 1:
-            raise ValueError(f"--replicas must be >= 1 or 'auto', got {self.replicas}")
+            raise UserError(f"--replicas must be >= 1 or 'auto', got {self.replicas}")
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
-            raise ValueError(f"need 0 <= --min-replicas ({self.min_replicas}) <= --max-replicas "
-                             f"({self.max_replicas}) and --max-replicas >= 1")
+            raise UserError(f"need 0 <= --min-replicas ({self.min_replicas}) <= --max-replicas "
+                            f"({self.max_replicas}) and --max-replicas >= 1")
         if self.target_ongoing_requests <= 0:
-            raise ValueError(f"--target-ongoing-requests must be > 0, got {self.target_ongoing_requests}")
+            raise UserError(f"--target-ongoing-requests must be > 0, got {self.target_ongoing_requests}")
 
     @property
     def most(self) -> int:

@@ -9,7 +9,7 @@ is predicted with confidence >= ``eos_threshold`` (tau), the canvas is cut at th
 after the first such slot. Later forwards, key limits and the block list then use the shorter
 canvas, and the sequence finishes when its new last block completes.
 
-Rules (SPEC §6): slots before ``prompt_len + min_length`` are ignored; the cut never removes a
+Rules: slots before ``prompt_len + min_length`` are ignored; the cut never removes a
 committed non-stop token; tau > 1 never cuts. With block diffusion (SDAR) a forward computes only
 the current block, so ALP can at most end the sequence after the current block.
 """
@@ -32,13 +32,15 @@ class AdaptiveLength(Strategy):
     name: ClassVar[str] = KEY
 
     def setup(self, seq: Sequence) -> None:
-        seq.strategy_state[KEY] = {"commit_positions": None, "cuts": [], "step_cut": None}
+        # per step: the positions the commit rule sees, the canvas length to cut to, the cut made
+        # (for the step's trace record); kept: the cuts
+        seq.strategy_state[KEY] = {"commit_positions": None, "cut_to": None, "step_cut": None, "cuts": []}
 
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
         """On a block's first step, also ask for the logits of every masked generation slot
         the forward computes (the current block's stay first, for the commit rule)."""
         state = seq.strategy_state[KEY]
-        state["commit_positions"] = state["step_cut"] = None
+        state["commit_positions"] = state["cut_to"] = state["step_cut"] = None  # this step's scratch
         if seq.step != 0:
             return plan
         extra = self.inspected_slots(seq, plan)
@@ -59,10 +61,11 @@ class AdaptiveLength(Strategy):
 
     def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
                            ) -> list[tuple[Tensor, Tensor]]:
-        """Inspect every predicted slot of the sequences at a block's first step, cut a canvas
-        where a stop token is confident, and hand only the originally planned (block)
-        positions on to the commit rule. Batched over the forward group: one host read (each
-        row's first confident stop and how many of its outputs are commit positions)."""
+        """Inspect every predicted slot of the sequences at a block's first step, decide where
+        a canvas is cut (a confident stop token; ``after_commit`` cuts it), and hand only the
+        originally planned (block) positions on to the commit rule. Batched over the forward
+        group: one host read (each row's first confident stop and how many of its outputs are
+        commit positions)."""
         rows = [i for i, s in enumerate(seqs) if s.strategy_state[KEY]["commit_positions"] is not None]
         if not rows:
             return outputs
@@ -77,24 +80,22 @@ class AdaptiveLength(Strategy):
                                for i, pos in zip(rows, positions.split(counts))])
         kept = torch.zeros(len(rows), dtype=torch.long, device=positions.device).index_add_(0, owner, is_commit.long())
         firsts, kept = torch.stack([stop, kept]).tolist()
-        for i, first in zip(rows, firsts):
-            self.cut(seqs[i], first)
+        for i, first in zip(rows, firsts):  # decided on the canvas the forward saw
+            seqs[i].strategy_state[KEY]["cut_to"] = None if first == NO_STOP else cut_at(seqs[i], first)
         index = torch.nonzero_static(is_commit, size=sum(kept))[:, 0]
         out = list(outputs)
         for i, pos, lg in zip(rows, positions[index].split(kept), logits[index].split(kept)):
             out[i] = (pos, lg)
         return out
 
-    @staticmethod
-    def cut(seq: Sequence, first: int) -> None:
-        """Cut ``seq``'s canvas after the block of its first confident stop (``NO_STOP``: none)."""
-        if first == NO_STOP:
-            return
-        new_len = cut_at(seq, first)
-        if new_len is not None:
-            seq.truncate(new_len)
-            seq.strategy_state[KEY]["cuts"].append(new_len - seq.prompt_len)
-            seq.strategy_state[KEY]["step_cut"] = new_len
+    def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+        """Cut the canvas where ``after_forward_rows`` decided, before the sequence advances
+        (its new last block ends it)."""
+        state = seq.strategy_state[KEY]
+        if state["cut_to"] is not None:
+            seq.truncate(state["cut_to"])
+            state["cuts"].append(state["cut_to"] - seq.prompt_len)
+            state["step_cut"], state["cut_to"] = state["cut_to"], None
 
     def step_record(self, seq: Sequence) -> dict:
         """``cut_to``: the canvas length this step cut the canvas to (answer slots: minus the
@@ -111,7 +112,7 @@ def first_stops(seqs: list[Sequence], rows: list[int], positions: Tensor, tokens
     """[R]: per inspected row (``seqs[i]`` for i in ``rows``, whose ``counts`` candidates follow
     one another; ``owner`` maps each candidate to its row) the first position predicting a stop
     token with confidence >= its ``eos_threshold``, at or after ``prompt_len + min_length``;
-    ``NO_STOP`` where none (SPEC §6's rule, for every row at once)."""
+    ``NO_STOP`` where none (the module's rule, for every row at once)."""
     dev = positions.device
     if len({frozenset(seqs[i].ids.stop_ids) for i in rows}) == 1:
         stop = torch.isin(tokens, seqs[rows[0]].stop_tensor())

@@ -5,8 +5,12 @@ A strategy never edits a model file or a base decoder. It may:
 - ``plan``: change what a step computes (positions, cache slots, tokens, key masks, logits
   wanted). ``plan`` has no side effects beyond overwriting its own per-step fields: the server
   may replay a step after a failure;
-- ``layer_hooks``: shrink the active token set inside the layer stack (``ForwardContext.shrink``);
-- ``after_forward``: look at the logits before the commit rule;
+- ``layer_hooks``: shrink the active token set inside the layer stack: a hook returns what it
+  keeps (``models.context.Kept``) and the layer loop applies it (``ForwardContext.keep``);
+- ``after_forward``: look at the logits before the commit rule. It writes only this step's
+  scratch (fields ``plan`` resets); what it learns for later steps is applied in
+  ``after_commit``, at the sequence's turn, so a step that fails at an earlier row of the group
+  leaves this sequence as it was (the replay contract, ``Engine.step_group``);
 - ``confidence``: reweigh the commit rule's candidates;
   (``after_forward_rows`` / ``confidence_rows``: the same for a whole forward group at once; by
   default one call per sequence, a strategy may override them with batched ops)
@@ -32,6 +36,7 @@ from typing import Callable, ClassVar
 import torch
 from torch import Tensor
 
+from ..errors import UserError
 from ..decoding.decoders import StepPlan
 from ..engine.sequence import Sequence
 from ..methods import STRATEGIES, StrategySpec
@@ -72,7 +77,8 @@ class Strategy:
         return None
 
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """The (positions, logits) the commit rule should see."""
+        """The (positions, logits) the commit rule should see; writes no state but this
+        step's scratch (``after_commit`` applies what should last)."""
         return positions, logits
 
     def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
@@ -95,7 +101,8 @@ class Strategy:
         return base(seq, positions, logits)
 
     def after_commit(self, seq: Sequence, committed: Tensor) -> None:
-        pass
+        """At the sequence's turn, after its commit: update its state from the step (what
+        ``after_forward`` kept aside, ``committed`` positions)."""
 
     def extra_cache_slots(self, seq: Sequence) -> int:
         """Cache positions needed beyond the canvas (e.g. speculative copies of the block)."""
@@ -128,7 +135,7 @@ def strategy_class(name: str) -> type[Strategy]:
     try:
         return getattr(importlib.import_module(module), cls)
     except ModuleNotFoundError as e:
-        raise ValueError(f"strategy {name!r} is not available in this build ({e})") from None
+        raise UserError(f"strategy {name!r} is not available in this build ({e})") from None
 
 
 class Pipeline:

@@ -1,7 +1,7 @@
 """ES-dLLM early skipping on the dual-cache decoder (full-attention LLaDA / Dream).
 
 Paper: Zhu et al., "ES-dLLM: Efficient Inference for Diffusion Large Language Models by
-Early-Skipping", ICLR 2026, arXiv 2603.10088 (SPEC §5).
+Early-Skipping", ICLR 2026, arXiv 2603.10088.
 
 On a normal step the dual-cache decoder forwards only the current block. Early skipping shrinks
 that set inside the layer stack: at the output of every layer where the keep fraction p changes,
@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from ..decoding.decoders import StepPlan
-from ..decoding.rules import rank_in_row
+from ..decoding.rules import greedy_tokens, rank_in_row
 from ..engine.sequence import Sequence
 from ..models.context import ForwardContext, Kept, compact
 from ..models.layers import DiffusionLM
@@ -120,6 +120,7 @@ class SkipState:
     window_lo: int = -1  # first canvas position of the hidden-state window
     hidden: dict[int, Tensor] = field(default_factory=dict)  # layer -> [W, d] over the block window
     pending: dict[int, Tensor] = field(default_factory=dict)  # this forward's update of ``hidden``
+    pending_conf: tuple[Tensor, Tensor] | None = None  # this forward's update of ``conf``: (positions, values)
     # record_steps only: per prune layer of this step, (layer, token positions, skipped there) views
     skipped: list[tuple[int, Tensor, Tensor]] = field(default_factory=list)
 
@@ -146,6 +147,17 @@ class SkipHooks:
         self.previous = previous  # prune layer -> [B, W_max + 1, d] hidden states of the last
         # steps; the last column is a sink for the tokens a partial update leaves out
         self.num_candidates = num_candidates  # per row: live block tokens that may be skipped
+
+    def rank_message(self) -> dict:
+        """What another tensor-parallel rank needs to prune as this one does (plain data; it
+        keeps no hidden states for sequences: ``from_rank_message`` gives it none)."""
+        return {"rows": self.rows, "counts": self.counts, "window": self.window, "previous": self.previous,
+                "num_candidates": self.num_candidates}
+
+    @classmethod
+    def from_rank_message(cls, message: dict) -> "SkipHooks":
+        return cls([], message["rows"], message["counts"], message["window"], message["previous"],
+                   message["num_candidates"])
 
     def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: ForwardContext) -> None:
         return None
@@ -260,7 +272,7 @@ class EarlySkip(Strategy):
         record = any(seq.trace is not None for seq in seqs)
         for seq in seqs:
             self.ensure_window(seq, layers)
-            state(seq).pending = {}
+            state(seq).pending, state(seq).pending_conf = {}, None  # this step's scratch
             if record:
                 state(seq).skipped = []
         rows = self.row_values(seqs, plans)
@@ -323,9 +335,9 @@ class EarlySkip(Strategy):
 
     def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
                            ) -> list[tuple[Tensor, Tensor]]:
-        """Record each predicted position's confidence (softmax probability of the argmax, the
-        mask id excluded, as the commit rule sees it; 0 for a delayed EOS) for the next step's
-        scores, over the whole group's logits at once (row-wise ops: each sequence gets what it
+        """Each predicted position's confidence (softmax probability of the argmax, the mask id
+        excluded, as the commit rule sees it; 0 for a delayed EOS), recorded for the next step's
+        scores at the sequence's turn (``after_commit``), over the whole group's logits at once (row-wise ops: each sequence gets what it
         would get alone)."""
         live = [(seq, pos, lg) for seq, (pos, lg) in zip(seqs, outputs) if pos.numel()]
         if not live:
@@ -334,13 +346,13 @@ class EarlySkip(Strategy):
             return [self.after_forward_rows([seq], [out])[0] for seq, out in zip(seqs, outputs)]
         group, positions, logits = zip(*live)
         counts = [pos.numel() for pos in positions]
-        scores = torch.cat(logits).float()  # [sum N, V], a copy
-        scores[:, group[0].ids.mask_id] = -float("inf")
-        top, tokens = scores.max(-1)
+        # [sum N, V], a new tensor: the mask is excluded in place
+        scores, tokens = greedy_tokens(torch.cat(logits).float(), group[0].ids.mask_id, owned=True)
+        top = scores.gather(1, tokens[:, None])[:, 0]
         conf = (top - torch.logsumexp(scores, -1)).exp()
         delayed = delayed_eos_rows(list(group), list(positions), list(tokens.split(counts)))
         for seq, pos, c, late in zip(group, positions, conf.split(counts), delayed):
-            state(seq).conf[pos] = c.masked_fill(late, 0.0).to(state(seq).conf.dtype)
+            state(seq).pending_conf = (pos, c.masked_fill(late, 0.0).to(state(seq).conf.dtype))
         return outputs
 
     def confidence(self, seq: Sequence, positions: Tensor, tokens: Tensor, conf: Tensor) -> Tensor:
@@ -352,7 +364,13 @@ class EarlySkip(Strategy):
         return [c.masked_fill(late, 0.0) for c, late in zip(conf, delayed)]
 
     def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+        """The step's confidences and hidden states become the next step's; committed
+        positions have nothing left to decode (confidence 0)."""
         st = state(seq)
+        if st.pending_conf is not None:
+            positions, values = st.pending_conf
+            st.conf[positions] = values
+            st.pending_conf = None
         st.conf[committed] = 0.0
         st.last_committed = committed.clone()
         for layer, update in st.pending.items():

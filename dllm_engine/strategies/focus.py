@@ -3,7 +3,7 @@ arXiv 2601.23278).
 
 Only ~10% of a block's tokens are committed per step, yet every step computes the whole block.
 FOCUS predicts, after layer 1, which masked tokens can be decoded this step and evicts the rest:
-layers 2.. (and layer 1's attention/MLP) run on the kept tokens only (SPEC §4).
+layers 2.. (and layer 1's attention/MLP) run on the kept tokens only.
 
 - Predictor: the importance of a masked token j is how much attention the block's masked queries
   give it, I_j = sum_{i,h} softmax_j(maxpool_j(q_i k_j / sqrt(d))) over the masked set only.
@@ -22,10 +22,10 @@ layers 2.. (and layer 1's attention/MLP) run on the kept tokens only (SPEC §4).
 Layer 1's K/V are written for the whole processing set before eviction (attention writes before
 calling ``after_qk``). Block positions never processed through all layers hold no valid K/V above
 layer 1, so from layer 1's attention on they are hidden from the kept queries; every other evicted
-position is attended to through its cached K/V (SPEC §4 step 6). The reference implementation
+position is attended to through its cached K/V. The reference implementation
 (LMDeploy fork) instead ends every query's key range at the rightmost processed (delayed cache) or
 kept (after eviction) block position, hiding cached positions to its right as well; on tiny-sdar's
-held-out split that variant scored no better, so the SPEC's rule stays.
+held-out split that variant scored no better, so the rule above stays.
 """
 from __future__ import annotations
 
@@ -144,6 +144,7 @@ class FocusState:
     step_rows: tuple["BlockRows", int] | None = None  # this step's group rows and this sequence's row
     kept: tuple[Tensor, Tensor] | None = None  # (positions, kept) of the step's live tokens, if it evicted
     would_keep: tuple[Tensor, Tensor] | None = None  # probe: (masked positions, bool kept)
+    probed: tuple[Tensor, Tensor, float] | None = None  # probe: (confidences, kept, threshold) to count
 
     @property
     def avg_decoded(self) -> float:
@@ -219,8 +220,9 @@ class EvictionHooks:
 
     def __init__(self, rows: BlockRows, num_masked: list[int], budget: Tensor, evicting: list[bool],
                  any_never: bool, states: list[FocusState], positions: Tensor) -> None:
-        self.rows = rows
-        self.index, self.valid, _ = compact(rows.candidate, num_masked)  # [B, M]: the masked tokens
+        self.rows, self.num_masked, self.step_positions = rows, num_masked, positions  # as given
+        masked = compact(rows.candidate, num_masked)
+        self.index, self.valid = masked.index, masked.valid  # [B, M]: the masked tokens
         self.positions = torch.gather(positions, 1, self.index)  # [B, M] their canvas positions
         self.never = torch.gather(rows.never, 1, self.index)  # [B, M]
         self.budget = budget  # [B]
@@ -237,6 +239,20 @@ class EvictionHooks:
         k_m = torch.gather(k, 2, qi.expand(-1, k.shape[1], -1, k.shape[3]))  # [B, Hkv, M, D]
         return masked_importance(q_m, k_m, valid)
 
+    def rank_message(self) -> dict:
+        """What another tensor-parallel rank needs to decide as this one does (plain data; it
+        records nothing on sequences: ``from_rank_message`` gives it no states)."""
+        rows = {f.name: getattr(self.rows, f.name) for f in dataclasses.fields(self.rows)}
+        return {"rows": rows, "num_masked": self.num_masked, "budget": self.budget, "evicting": self.evicting,
+                "any_never": self.any_never, "positions": self.step_positions, "dry_run": self.dry_run}
+
+    @classmethod
+    def from_rank_message(cls, message: dict) -> "EvictionHooks":
+        hooks = cls(BlockRows(**message["rows"]), message["num_masked"], message["budget"], message["evicting"],
+                    message["any_never"], [], message["positions"])
+        hooks.dry_run = message["dry_run"]
+        return hooks
+
     def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: ForwardContext) -> Kept | None:
         # layers 0 and 1 see the step's own token set: nothing shrinks it before layer 1
         if layer_idx > 1:
@@ -251,24 +267,24 @@ class EvictionHooks:
             return None
         cand = self.rows.candidate
         evicted = cand & ~torch.zeros_like(cand).scatter_(1, self.index, kept_m)
-        if self.any_never:
-            self.hide_unprocessed(ctx, evicted & self.rows.never)
+        hidden = self.unprocessed_keys(ctx, evicted & self.rows.never) if self.any_never else None
         self.rows.evicted(evicted)
         keep = ctx.token_valid & ~evicted
         self.record(ctx, keep)
-        return compact(keep)
+        return compact(keep, hidden_keys=hidden)
 
     def after_layer(self, layer_idx: int, hidden: Tensor, ctx: ForwardContext) -> None:
         return None
 
     @staticmethod
-    def hide_unprocessed(ctx: ForwardContext, hidden: Tensor) -> None:
-        """Evicted, never-processed tokens have no K/V above layer 1: mask their cache slots."""
+    def unprocessed_keys(ctx: ForwardContext, hidden: Tensor) -> Tensor:
+        """[B, S] the cache slots of the tokens ``hidden`` [B, T] marks: evicted tokens never
+        processed in their block have no K/V above layer 1, so no query may see them."""
         num_keys = ctx.num_keys()
         slots = torch.where(hidden, ctx.slots, torch.full_like(ctx.slots, num_keys))
         invisible = torch.zeros(slots.shape[0], num_keys + 1, dtype=torch.bool, device=slots.device)
         invisible.scatter_(1, slots, hidden)  # [B, S + 1]; the last column collects the rest
-        ctx.hide_keys(invisible[:, :num_keys])
+        return invisible[:, :num_keys]
 
     def record(self, ctx: ForwardContext, keep: Tensor) -> None:
         for i, state in enumerate(self.states):  # views only: read after the forward
@@ -299,7 +315,7 @@ class TokenEviction(Strategy):
         keep = (~frozen).nonzero()[:, 0]  # one host read, then index without another
         if keep.numel() < len(plan):
             plan = plan.restrict(keep)
-        state.kept = state.would_keep = state.step_rows = None
+        state.kept = state.would_keep = state.step_rows = state.probed = None  # this step's scratch
         return plan
 
     def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> EvictionHooks | None:
@@ -325,14 +341,8 @@ class TokenEviction(Strategy):
 
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
                       ) -> tuple[Tensor, Tensor]:
-        """Mark what was computed through every layer, freeze stable K/V, and let only kept
-        tokens commit."""
+        """Let only kept tokens commit."""
         state = block_state(seq)
-        if state.step_rows is not None:
-            rows, i = state.step_rows
-            n = state.processed.numel()
-            state.processed |= rows.done[i, :n]
-            state.frozen |= rows.frozen[i, :n]
         # the runner returns logits of the tokens live at the last layer only; Dream reads
         # position p's at p - 1, which may have stayed while p was evicted
         kept = state.kept_positions() if self.model.config.logit_shift else None
@@ -342,8 +352,15 @@ class TokenEviction(Strategy):
         return positions, logits
 
     def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+        """Mark what the step computed through every layer, freeze stable K/V, and count the
+        commits (the eviction budget's running mean)."""
+        state = block_state(seq)
+        if state.step_rows is not None:
+            rows, i = state.step_rows
+            n = state.processed.numel()
+            state.processed |= rows.done[i, :n]
+            state.frozen |= rows.frozen[i, :n]
         if committed.numel():
-            state = block_state(seq)
             state.committed += int(committed.numel())
             state.steps += 1
 
@@ -428,8 +445,14 @@ class PredictorProbe(TokenEviction):
             row = {p: i for i, p in enumerate(positions.tolist())}
             _, conf = greedy_predictions(logits[[row[p] for p in masked.tolist()]], seq.ids.mask_id)
             threshold = seq.params.threshold if seq.params.threshold is not None else 0.9
-            seq.strategy_state[self.name].add(conf, kept, threshold)
+            block_state(seq).probed = (conf, kept, threshold)  # counted at the sequence's turn
         return positions, logits
+
+    def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+        state = block_state(seq)
+        if state.probed is not None:
+            seq.strategy_state[self.name].add(*state.probed)
+        super().after_commit(seq, committed)
 
     def diagnostics(self, seq: Sequence) -> dict:
         return {self.name: seq.strategy_state[self.name]}

@@ -17,8 +17,8 @@ the block, all in ONE forward:
   copy, never copy 0's masks nor another copy (``copy_key_mask``). The shared tokens themselves
   are computed in copy 0's context, the sharing approximation of the paper. (Deviation: the
   official code's 4-copy layout copies the whole block, so each copy recomputes the committed
-  positions in its own context; the engine shares them in every layout, as SPEC §6 defines
-  "share" and as the official 8-copy layout does, which keeps one layout and one cost model.
+  positions in its own context; the engine shares them in every layout, as the paper's
+  "share" does and as the official 8-copy layout does, which keeps one layout and one cost model.
   Tokens differ only where a committed position's K/V depend on the drafts, seen at threshold
   0.99 on the copy-only tiny-llada of commit ffd686a.)
 
@@ -49,8 +49,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..decoding import confidence, sample_tokens
-from ..decoding.decoders import StepPlan, select, select_rows, threshold_rule
+from ..decoding.decoders import StepPlan, predict, select, select_rows, threshold_rule
 from ..decoding.rules import greedy_predictions
 from ..engine.sequence import Sequence
 from .base import CommitRule, Strategy
@@ -140,16 +139,12 @@ class JumpShare(Strategy):
         p = seq.params
         c, n = layout.drafted.shape
         counts = layout.counts()
-        logits[:, seq.ids.mask_id] = -float("inf")  # as the base commit rule
         if p.temperature == 0 and p.remasking != "random":  # row-wise rules: every copy at once
-            tokens = logits.argmax(-1)
-            own_conf = confidence(logits, tokens, p.remasking, None).float()
+            _, tokens, own_conf = predict(seq, logits)
         else:  # the generator draws copy after copy, as each copy's step alone would
-            drawn, confs = [], []
-            for rows in (rows for rows in logits.split(counts) if rows.shape[0]):
-                drawn.append(sample_tokens(rows, p.temperature, seq.generator, p.top_k, p.top_p))
-                confs.append(confidence(rows, drawn[-1], p.remasking, seq.generator).float())
-            tokens, own_conf = torch.cat(drawn), torch.cat(confs)
+            drawn = [predict(seq, rows)[1:] for rows in logits.split(counts) if rows.shape[0]]
+            tokens, own_conf = (torch.cat(part) for part in zip(*drawn))
+        own_conf = own_conf.float()
         own = layout.own_index()
         x0 = torch.full((c * n,), -1, dtype=torch.long, device=logits.device).index_copy_(0, own, tokens)
         conf = torch.full((c * n,), -float("inf"), device=logits.device).index_copy_(0, own, own_conf)

@@ -7,6 +7,7 @@ real dLLM's). ``--tasks`` of ``dllm eval`` / ``dllm bench`` takes a family, ``al
 """
 from __future__ import annotations
 
+from ..errors import UserError
 from .generators import COPY_TASKS, COPY_VOCAB, Task
 from .phrased import PHRASED_TASKS, PHRASED_WORDS
 from .worked import WORKED_TASKS, WORKED_WORDS
@@ -32,14 +33,14 @@ def resolve_tasks(spec: str | list[str] | None) -> list[str]:
         return list(TASK_NAMES)
     words = [w.strip() for w in (spec.split(",") if isinstance(spec, str) else spec) if w.strip()]
     if not words:
-        raise ValueError("no tasks given; use 'all', a family (copy, worked, phrased) or task names")
+        raise UserError("no tasks given; use 'all', a family (copy, worked, phrased) or task names")
     names: list[str] = []
     for word in words:
         group = TASK_NAMES if word == "all" else TASK_FAMILIES.get(word, [word])
         unknown = [t for t in group if t not in TASKS]
         if unknown:
-            raise ValueError(f"unknown task {word!r}; use 'all', a family ({', '.join(TASK_FAMILIES)}) "
-                             f"or task names: {', '.join(TASK_NAMES)}")
+            raise UserError(f"unknown task {word!r}; use 'all', a family ({', '.join(TASK_FAMILIES)}) "
+                            f"or task names: {', '.join(TASK_NAMES)}")
         names += [t for t in group if t not in names]
     return names
 

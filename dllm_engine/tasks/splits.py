@@ -13,6 +13,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..errors import UserError
 from .generators import Example
 from .registry import TASK_NAMES, TASKS, resolve_tasks
 
@@ -37,7 +38,7 @@ def generate_split(task: str, n: int, split: str = "test") -> list[Example]:
 def write_split(dir: str | Path, n: int = 100, split: str = "test") -> list[Path]:
     """Write ``<dir>/<task>.jsonl`` for every task; returns the written paths."""
     if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+        raise UserError(f"n must be >= 1, got {n}")
     out = Path(dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -56,12 +57,12 @@ def _parse_row(path: Path, lineno: int, line: str, task: str) -> Example:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as err:
-        raise ValueError(f"invalid JSON at {where}: {err}") from None
+        raise UserError(f"invalid JSON at {where}: {err}") from None
     keys = ("id", "task", "prompt", "answer")
     if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in keys):
-        raise ValueError(f"invalid row at {where}: need string fields {list(keys)}")
+        raise UserError(f"invalid row at {where}: need string fields {list(keys)}")
     if row["task"] != task:
-        raise ValueError(f"invalid row at {where}: task {row['task']!r} in file for {task!r}")
+        raise UserError(f"invalid row at {where}: task {row['task']!r} in file for {task!r}")
     return Example(row["task"], row["prompt"], row["answer"], id=row["id"])
 
 
@@ -70,7 +71,7 @@ def _read_task_file(path: Path, task: str, limit: int | None) -> list[Example]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"cannot read split file {path}: {err}") from None
+        raise UserError(f"cannot read split file {path}: {err}") from None
     rows: list[Example] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if limit is not None and len(rows) >= limit:
@@ -90,7 +91,7 @@ def load_split(tasks: str | list[str] | None = None, split: str = "test",
     """
     names = resolve_tasks(tasks)
     if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1 or None, got {limit}")
+        raise UserError(f"limit must be >= 1 or None, got {limit}")
     root = Path(data_dir) if data_dir is not None else DATA_DIR
     return [ex for t in names for ex in _read_task_file(root / split / f"{t}.jsonl", t, limit)]
 
@@ -121,10 +122,10 @@ def check_mix(mix: dict[str, int] | None, tasks: list[str] | None = None) -> dic
     mix = mix or {}
     unknown = sorted(set(mix) - set(resolve_tasks(tasks)))
     if unknown:
-        raise ValueError(f"mix names tasks not in the stream: {', '.join(unknown)}")
+        raise UserError(f"mix names tasks not in the stream: {', '.join(unknown)}")
     bad = {t: w for t, w in mix.items() if not isinstance(w, int) or w < 1}
     if bad:
-        raise ValueError(f"mix weights must be integers >= 1, got {bad}")
+        raise UserError(f"mix weights must be integers >= 1, got {bad}")
     return mix
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..models.context import block_causal_mask as causal_by_block
 from ..tasks import Example
 
 MAX_CANVAS = 256  # longest response canvas trained on (the ODB benchmarks run 256 new tokens)
@@ -131,16 +132,15 @@ def masked_diffusion_batch(enc: Encoder, examples: list[Example], seed: int,
 def block_causal_mask(length: int, block_size: int, device=None) -> Tensor:
     """[1, 1, L, L] bool: query i reads key j when j's block (``block_size`` tokens counted from
     the first) is not after i's. The clean copy's attention under block diffusion."""
-    blk = torch.arange(length, device=device) // block_size
-    return (blk[None, :] <= blk[:, None])[None, None]
+    positions = torch.arange(length, device=device)
+    return causal_by_block(positions, positions, block_size)[None, None]
 
 
 def block_diffusion_mask(length: int, block_size: int) -> Tensor:
     """[1, 1, 2L, 2L] bool over [noisy ; clean]."""
-    blk = torch.arange(length) // block_size
-    same = blk[:, None] == blk[None, :]
-    before = blk[None, :] < blk[:, None]
     causal = block_causal_mask(length, block_size)[0, 0]
+    same = causal & causal.T  # key and query in one block
+    before = causal & ~same  # the key's block is an earlier one
     top = torch.cat([same, before], dim=1)  # noisy queries: own noisy block + earlier clean blocks
     bottom = torch.cat([torch.zeros_like(same), causal], dim=1)  # clean queries: block-causal
     return torch.cat([top, bottom], dim=0)[None, None]

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..errors import UserError
 from ..config import ModelConfig
 from ..models import DiffusionLM, get_family, save_model
 from ..tasks import check_mix, train_examples
@@ -86,20 +87,20 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_SPECIALS:
-            raise ValueError(f"family must be one of {sorted(FAMILY_SPECIALS)}, got {self.family!r}")
+            raise UserError(f"family must be one of {sorted(FAMILY_SPECIALS)}, got {self.family!r}")
         if self.ar_weight < 0:
-            raise ValueError(f"ar_weight must be >= 0, got {self.ar_weight}")
+            raise UserError(f"ar_weight must be >= 0, got {self.ar_weight}")
         if self.block_aux < 0 or (self.block_aux and self.family == "sdar"):
-            raise ValueError(f"block_aux must be >= 0 and is for full-attention families (sdar's "
-                             f"objective is block diffusion already), got {self.block_aux}")
+            raise UserError(f"block_aux must be >= 0 and is for full-attention families (sdar's "
+                            f"objective is block diffusion already), got {self.block_aux}")
         if not 0 <= self.suffix_mask <= 1:
-            raise ValueError(f"suffix_mask must be in [0, 1], got {self.suffix_mask}")
+            raise UserError(f"suffix_mask must be in [0, 1], got {self.suffix_mask}")
         if not 0 <= self.long_tails <= 1:
-            raise ValueError(f"long_tails must be in [0, 1], got {self.long_tails}")
+            raise UserError(f"long_tails must be in [0, 1], got {self.long_tails}")
         if self.steps < 1 or self.batch_size < 1:
-            raise ValueError("steps and batch_size must be >= 1")
+            raise UserError("steps and batch_size must be >= 1")
         if self.save_every < 1:
-            raise ValueError(f"save_every must be >= 1, got {self.save_every}")
+            raise UserError(f"save_every must be >= 1, got {self.save_every}")
         check_mix(self.task_mix)  # a bad mix fails here, not at the first step
 
 
@@ -201,8 +202,8 @@ class Trainer:
         from ..models import load_model
         source = load_model(path)
         if source.config.model_type != self.model.config.model_type:
-            raise ValueError(f"--init-from {path} is a {source.config.model_type} checkpoint, "
-                             f"not {self.model.config.model_type}")
+            raise UserError(f"--init-from {path} is a {source.config.model_type} checkpoint, "
+                            f"not {self.model.config.model_type}")
         self.model.load_state_dict(grow_vocab(source.state_dict(), self.model.state_dict()))
 
     def lr_at(self, step: int) -> float:
@@ -253,9 +254,7 @@ class Trainer:
         return diffusion, self.causal_loss(b.targets[:, : b.content_length])
 
     def diffusion_loss(self, b: Batch) -> torch.Tensor:
-        ctx = self.model.plain_context(b.input_ids, b.attention_mask)
-        if b.position_ids is not None:
-            ctx.positions, ctx.position_bound = b.position_ids.expand_as(b.input_ids), None
+        ctx = self.model.plain_context(b.input_ids, b.attention_mask, b.position_ids)
         hidden = self.model.forward_context(b.input_ids, ctx)[:, : b.targets.shape[1]]
         logits = self.model.logits(hidden[b.is_masked])
         ce = F.cross_entropy(logits, b.targets[b.is_masked], reduction="none")
@@ -312,10 +311,10 @@ class Trainer:
                  for k in keys if value(saved, k) != value(now, k)]
         if diffs:
             free = ", ".join(f"--{k.replace('_', '-')}" for k in RESUME_FREE if k != "work")
-            raise ValueError(f"--work {self.work} holds a run saved with other settings: "
-                             f"{'; '.join(diffs)}. Resume it with its own settings (only {free} "
-                             f"may change), or start a new stage in a new --work "
-                             f"(--init-from a checkpoint to continue from its weights)")
+            raise UserError(f"--work {self.work} holds a run saved with other settings: "
+                            f"{'; '.join(diffs)}. Resume it with its own settings (only {free} "
+                            f"may change), or start a new stage in a new --work "
+                            f"(--init-from a checkpoint to continue from its weights)")
 
     def check_shapes(self, saved: dict[str, torch.Tensor]) -> None:
         ours = self.model.state_dict()
@@ -324,9 +323,9 @@ class Trainer:
                  for n in sorted(set(saved) | set(ours))
                  if n not in saved or n not in ours or saved[n].shape != ours[n].shape]
         if diffs:
-            raise ValueError(f"--work {self.work}: state.pt does not fit this model ({'; '.join(diffs[:4])}); "
-                             f"did the tokenizer's vocabulary change? Start a new --work with "
-                             f"--init-from the last export (it grows the vocabulary)")
+            raise UserError(f"--work {self.work}: state.pt does not fit this model ({'; '.join(diffs[:4])}); "
+                            f"did the tokenizer's vocabulary change? Start a new --work with "
+                            f"--init-from the last export (it grows the vocabulary)")
 
     def trim_log(self) -> None:
         """Drop log lines after the saved step: they are recomputed identically on resume."""
@@ -342,7 +341,7 @@ class Trainer:
         out = Path(self.cfg.out)
         target = Path(os.path.realpath(out))  # a symlinked --out: replace the folder it points to
         if target.exists() and not target.is_dir():
-            raise ValueError(f"--out {out} is a file; give a checkpoint folder")
+            raise UserError(f"--out {out} is a file; give a checkpoint folder")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -369,7 +368,7 @@ class Trainer:
         """Export the last saved state of ``work`` without training (a mid-run check of a run
         that is still going: its state.pt is replaced atomically)."""
         if not (self.work / "state.pt").is_file():
-            raise ValueError(f"no saved state in {self.work} (state.pt) to export")
+            raise UserError(f"no saved state in {self.work} (state.pt) to export")
         self.load_state(training=False)
         self.model.eval()
         return self.export()
