@@ -14,7 +14,6 @@ from dllm_engine.engine.trace import (StepRecord, canvas_frames, format_steps, r
                                       summary)
 from dllm_engine.methods import DECODERS, STRATEGIES, check_method
 from fixtures import write_checkpoint
-from test_readme import readme_blocks
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 CHATS = [[{"role": "user", "content": "sort : 5 1 3 8 5 7 9 5 7 4 2"}],
@@ -191,18 +190,3 @@ def test_generate_show_steps_prints_one_line_per_forward(capsys):
     lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
     assert len(lines) == nfe and f"{nfe} steps (" in out and "focus evicted=" in out
     assert main(argv[:-1]) == 0 and "step   0" not in capsys.readouterr().out
-
-
-DOC = CHECKPOINTS.parent / "docs" / "traces.md"
-
-
-@pytest.mark.parametrize("block", [b for b in readme_blocks(DOC.read_text()) if b.marker is None],
-                         ids=lambda b: b.name)
-def test_docs_traces_blocks_run(block):
-    """docs/traces.md's code blocks run as written (those marked ``readme-test: skip`` start a server)."""
-    root = str(DOC.parent.parent)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root,
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    command = [sys.executable, "-c", block.code] if block.lang == "python" else ["bash", "-e", "-c", block.code]
-    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"docs/traces.md line {block.line} failed:\n{done.stdout}\n{done.stderr}"
