@@ -12,6 +12,16 @@ VOCAB = 96  # the project tokenizer's 95 ids (+1), so text prompts work on the f
 IDS = dict(mask_token_id=4, eos_token_id=3, pad_token_id=3, bos_token_id=2)
 
 
+def left_padded_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [3, 11], valid [3, 11], positions [3, 11]) of a ragged batch for parity tests: row 0
+    full, rows 1 and 2 left-padded by 4 and 7; positions count the valid tokens from 0."""
+    ids = torch.randint(11, 95, (3, 11), generator=torch.Generator().manual_seed(seed))
+    valid = torch.ones(3, 11, dtype=torch.bool)
+    valid[1, :4] = False
+    valid[2, :7] = False
+    return ids, valid, (valid.long().cumsum(1) - 1).clamp(min=0)
+
+
 def tiny_config(model_type: str, **overrides) -> ModelConfig:
     family = get_family(model_type)
     base = dict(model_type=model_type, vocab_size=VOCAB, hidden_size=32, num_layers=3, num_heads=4,

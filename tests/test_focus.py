@@ -327,17 +327,21 @@ def delayed_dual_cache_reference(model, prompt, gen_length, block_length, thresh
 @pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("model_type", ["llada", "Dream"])
 def test_dual_cache_eviction_off_equals_plain_delayed_cache_sampler(llms, model_type):
-    llm = llms[model_type]
+    check_eviction_off_equals_delayed_sampler(llms[model_type], max_new_tokens=24)
+
+
+def check_eviction_off_equals_delayed_sampler(llm, max_new_tokens: int) -> None:
+    """``dual-cache+focus`` that never evicts gives the plain delayed-cache sampler's tokens and
+    processed-token count on every prompt (blocks of 8, threshold 0.5). ``stop_at_eos=False``:
+    the plain sampler decodes the whole canvas, as Fast-dLLM's does."""
     ids = llm.token_ids
-    # stop_at_eos=False: the plain sampler below decodes the whole canvas, as Fast-dLLM's does
-    params = SamplingParams(method="dual-cache+focus", max_new_tokens=24, block_length=8, threshold=0.5,
-                            focus_alpha=NO_EVICTION, stop_at_eos=False)
+    params = SamplingParams(method="dual-cache+focus", max_new_tokens=max_new_tokens, block_length=8,
+                            threshold=0.5, focus_alpha=NO_EVICTION, stop_at_eos=False)
     for prompt in PROMPTS:
-        want, processed = delayed_dual_cache_reference(llm.model, prompt, 24, 8, 0.5, ids.mask_id,
+        want, processed = delayed_dual_cache_reference(llm.model, prompt, max_new_tokens, 8, 0.5, ids.mask_id,
                                                        sorted(ids.stop_ids))
         out = llm.generate([prompt], params)[0]
-        assert out.token_ids == want
-        assert out.stats.processed_tokens == processed
+        assert (out.token_ids, out.stats.processed_tokens) == (want, processed)
 
 
 @pytest.mark.slow  # over 2 s on 2 busy cores

@@ -11,7 +11,7 @@ from dllm_engine import LLM, SamplingParams
 from dllm_engine.config import MoEConfig
 from dllm_engine.models import load_model, read_config
 from dllm_engine.models.layers import MoE, Router, apply_rope, rope_cos_sin
-from fixtures import random_llada2_model, tiny_llada2_config, write_llada2_checkpoint
+from fixtures import left_padded_batch, random_llada2_model, tiny_llada2_config, write_llada2_checkpoint
 from test_decoders import PROMPTS, check_block_cache_is_exact
 
 
@@ -76,12 +76,7 @@ def test_logits_match_transformers_glm4moe_with_left_padding(tmp_path):
     model = load_model(folder)
     cfg = model.config
     ref = glm4_reference(folder, cfg)
-    torch.manual_seed(1)
-    ids = torch.randint(11, 95, (3, 11))
-    valid = torch.ones(3, 11, dtype=torch.bool)
-    valid[1, :4] = False
-    valid[2, :7] = False
-    pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+    ids, valid, pos = left_padded_batch()
     with torch.no_grad():
         ours = model(ids, attention_mask=valid.long())
         theirs = ref(input_ids=ids, attention_mask=block_causal_mask(valid, cfg.block_size),

@@ -35,7 +35,7 @@ from dllm_engine import LLM, SamplingParams
 from dllm_engine.config import MoEConfig
 from dllm_engine.models import family_of, get_family, load_model, read_config
 from dllm_engine.models.layers import MoE
-from fixtures import (random_llada_moe_model, tiny_config, tiny_llada_moe_config, write_checkpoint,
+from fixtures import (left_padded_batch, random_llada_moe_model, tiny_config, tiny_llada_moe_config, write_checkpoint,
                       write_llada_moe_checkpoint)
 from test_decoders import PROMPTS, llada_reference
 
@@ -99,11 +99,7 @@ def test_logits_match_transformers_qwen3moe_run_bidirectionally(parity):
 
 def test_logits_match_with_left_padding(parity):
     model, ref = parity
-    ids = torch.randint(11, 95, (3, 11), generator=torch.Generator().manual_seed(2))
-    valid = torch.ones(3, 11, dtype=torch.bool)
-    valid[1, :4] = False
-    valid[2, :7] = False
-    pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+    ids, valid, pos = left_padded_batch(seed=2)
     with torch.no_grad():
         ours = model(ids, attention_mask=valid.long())
         theirs = ref(input_ids=ids, attention_mask=full_mask(valid), position_ids=pos).logits
@@ -286,12 +282,5 @@ def test_each_strategy_switched_off_gives_its_base_decoders_tokens(llm, threshol
 
 @pytest.mark.slow  # over 2 s on 2 busy cores
 def test_focus_without_eviction_equals_the_plain_delayed_cache_sampler(llm):
-    from test_focus import NO_EVICTION, delayed_dual_cache_reference
-    ids = llm.token_ids
-    params = SamplingParams(method="dual-cache+focus", max_new_tokens=16, block_length=8, threshold=0.5,
-                            focus_alpha=NO_EVICTION, stop_at_eos=False)
-    for prompt in PROMPTS:
-        want, processed = delayed_dual_cache_reference(llm.model, prompt, 16, 8, 0.5, ids.mask_id,
-                                                       sorted(ids.stop_ids))
-        out = llm.generate([prompt], params)[0]
-        assert (out.token_ids, out.stats.processed_tokens) == (want, processed)
+    from test_focus import check_eviction_off_equals_delayed_sampler
+    check_eviction_off_equals_delayed_sampler(llm, max_new_tokens=16)

@@ -4,7 +4,7 @@ import torch
 import transformers
 
 from dllm_engine.models import load_model
-from fixtures import random_model, write_checkpoint
+from fixtures import left_padded_batch, random_model, write_checkpoint
 
 LLADA_TO_LLAMA = {
     "model.transformer.wte": "model.embed_tokens", "attn_norm": "input_layernorm",
@@ -55,12 +55,7 @@ def reference_mask(model, valid):
 def test_logits_match_transformers_with_left_padding(model_type):
     model = random_model(model_type)
     ref = hf_reference(model)
-    torch.manual_seed(1)
-    ids = torch.randint(11, 95, (3, 11))
-    valid = torch.ones(3, 11, dtype=torch.bool)
-    valid[1, :4] = False  # left padding
-    valid[2, :7] = False
-    pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+    ids, valid, pos = left_padded_batch()
     with torch.no_grad():
         ours = model(ids, attention_mask=valid.long())
         theirs = ref(input_ids=ids, attention_mask=reference_mask(model, valid), position_ids=pos).logits
