@@ -163,12 +163,12 @@ def check_commit_rule(base: str, names: list[str], rule: str | None) -> None:
         return
     spec = COMMIT_RULES[rule]
     if DECODERS[base] not in spec.bases:
-        raise ValueError(f"commit_rule {rule!r} runs on {', '.join(d.name for d in spec.bases)}, not on {base!r}")
+        raise UserError(f"commit_rule {rule!r} runs on {', '.join(d.name for d in spec.bases)}, not on {base!r}")
     for strategy in (STRATEGIES[n] for n in names):
         if strategy.owns_commit:
-            raise ValueError(f"{strategy.name!r} replaces the commit rule; drop it or commit_rule {rule!r}")
+            raise UserError(f"{strategy.name!r} replaces the commit rule; drop it or commit_rule {rule!r}")
         if spec.edits and strategy.freezes_committed:
-            raise ValueError(f"{strategy.name!r} freezes committed block positions, which commit_rule "
+            raise UserError(f"{strategy.name!r} freezes committed block positions, which commit_rule "
                              f"{rule!r} edits; use one of them")
 
 

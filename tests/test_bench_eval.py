@@ -246,7 +246,9 @@ def test_cli_bench_defaults_out_to_a_new_folder_and_shows_a_bar_per_spec_and_bat
     assert len(json.loads((folder / "results.json").read_text())) == 4
     for spec in ("reference", "dual-cache"):
         for batch in (1, 2):
-            assert re.search(rf"{spec} batch {batch}: 100%.* 1/1 ", err), err
+            # the bar of each timed pass (it is cleared when done; a fast pass may close before
+            # tqdm redraws it at 100%)
+            assert re.search(rf"{spec} batch {batch}: .*/1 ", err), err
 
 
 def stop_at_call(monkeypatch, n: int | None = None, error: BaseException | None = None) -> list:

@@ -23,13 +23,13 @@ pytestmark = pytest.mark.slow  # the README's code blocks
 ROOT = Path(__file__).resolve().parent.parent
 REASONS = {"gpu": "needs a GPU and a real checkpoint", "network": "downloads from the Hugging Face Hub",
            "server": "starts a server", "benchmark": "minutes of CPU", "training": "hours of CPU",
-           "suite": "runs the test suite itself"}
+           "suite": "runs the test suite itself",
+           "install": "installs a package into the environment (tests/test_wheel.py does it in a fresh venv)"}
 FENCE = re.compile(r"(?:^<!-- readme-test: (?P<marker>[^>]*?) -->\n)?^```(?P<lang>\w*)\n(?P<code>.*?)^```",
                    re.M | re.S)
 TIMEOUT_S = 300
-README_MAX_LINES = 350  # issue 45: a product page; details live in docs/
+README_MAX_LINES = 350  # a product page; details live in docs/
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-# linked before they exist: written on another branch (remove an entry once its file is merged)
 @dataclass
 class Block:
     page: str

@@ -6,6 +6,7 @@ import sys
 
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
 from .common import add_model_args, add_sampling_args, sampling_params, set_threads
+from ..errors import UserError
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +29,7 @@ def use_chat(args: argparse.Namespace, llm) -> bool:
     """Chat unless ``--raw`` or the checkpoint has no chat template; says which on stderr."""
     has_template = bool(getattr(llm.tokenizer, "chat_template", None))
     if args.chat and not has_template:
-        raise ValueError(f"{args.model} has no chat template in its tokenizer_config.json; drop --chat")
+        raise UserError(f"{args.model} has no chat template in its tokenizer_config.json; drop --chat")
     if args.raw:
         print("prompt format: a plain completion (--raw)", file=sys.stderr)
     elif has_template:

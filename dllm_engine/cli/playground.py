@@ -7,6 +7,7 @@ import os
 
 from . import common
 from .common import add_model_args, set_threads
+from ..errors import UserError
 
 UI_MISSING = "dllm playground needs Gradio: pip install 'dllm-engine[ui]'"
 
@@ -29,7 +30,7 @@ def import_gradio() -> None:
     try:
         import gradio  # noqa: F401
     except ImportError:
-        raise ValueError(UI_MISSING) from None
+        raise UserError(UI_MISSING) from None
 
 
 def run_playground(args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ from ..engine.trace import MASK, StepRecord, canvas_frames
 from ..methods import DECODERS, default_decoder
 from ..sampling_params import SamplingParams
 from ..spec import parse_spec
+from ..errors import UserError
 
 FPS = 30  # at most this many frames a second while replaying
 MARKS = {"evicted": "ev", "skipped": "sk", "accepted": "ac"}  # strategy record key -> slot CSS class
@@ -33,7 +34,7 @@ def pane_params(llm: LLM, spec: str, max_new_tokens: int | None = None) -> Sampl
     """``spec`` (``method[:field=value,...]``) resolved for ``llm``, recording steps; ValueError
     naming what is wrong (a bad spec, or a method the model cannot run)."""
     if not spec or not spec.strip():
-        raise ValueError("give a method, e.g. dual-cache or block+focus")
+        raise UserError("give a method, e.g. dual-cache or block+focus")
     given = {"max_new_tokens": int(max_new_tokens)} if max_new_tokens else {}
     return llm.resolve(parse_spec(spec.strip(), **given).replace(record_steps=True))
 

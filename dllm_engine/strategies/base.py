@@ -130,7 +130,7 @@ def per_row(rows: list[tuple], device: torch.device) -> tuple[Tensor, ...]:
 def strategy_class(name: str) -> type[Strategy]:
     """The runtime class of a strategy name (``methods.STRATEGIES[name].target``), imported now."""
     if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; available: {', '.join(STRATEGIES)}")
+        raise UserError(f"unknown strategy {name!r}; available: {', '.join(STRATEGIES)}")
     module, cls = STRATEGIES[name].target.split(":")
     try:
         return getattr(importlib.import_module(module), cls)
