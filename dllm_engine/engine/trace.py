@@ -48,7 +48,7 @@ class StepRecord:
     block_end: int
     block_step: int  # step inside the block, from 0
     canvas_len: int  # canvas length after the step (adaptive length may cut it)
-    processed_tokens: float  # tokens the forward computed, averaged over layers (SPEC §1)
+    processed_tokens: float  # tokens the forward computed, averaged over layers (as SequenceStats counts them)
     seconds: float  # wall clock from the sequence's admission to the end of this step (varies by run)
     committed: list[Commit] = field(default_factory=list)
     # what each strategy did this step, by strategy name (``Strategy.step_record``); a strategy
