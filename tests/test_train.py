@@ -115,17 +115,20 @@ def test_loss_decreases_on_a_fixed_batch(tmp_path):
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
 
 
+def stop_at(stop: int, train_step):
+    """``train_step`` that kills the run at step ``stop`` (after the state saved there)."""
+    def killed(step):
+        if step == stop:
+            raise KeyboardInterrupt
+        return train_step(step)
+    return killed
+
+
 def test_resume_continues_exactly(tmp_path):
     whole = trainer(tmp_path, name="whole")
     whole.train()
     first = trainer(tmp_path, name="split")
-    real_step = first.train_step
-
-    def killed_at_4(step):
-        if step == 4:
-            raise KeyboardInterrupt  # the process dies after the state saved at step 4
-        return real_step(step)
-    first.train_step = killed_at_4
+    first.train_step = stop_at(4, first.train_step)
     with pytest.raises(KeyboardInterrupt):
         first.train()
     resumed = trainer(tmp_path, name="split", steps=6)
@@ -134,6 +137,46 @@ def test_resume_continues_exactly(tmp_path):
         assert torch.allclose(a, b, atol=1e-6), n
     steps = [json.loads(l)["step"] for l in (tmp_path / "split" / "loss.jsonl").read_text().splitlines()]
     assert steps == list(range(6))
+
+
+def test_a_run_saved_on_another_device_resumes_here(tmp_path):
+    """The device is free to change on resume (a CPU run may go on on a GPU and back): a state whose
+    config names cuda resumes on the CPU, exactly where it stopped."""
+    whole = trainer(tmp_path, name="whole")
+    whole.train()
+    first = trainer(tmp_path, name="moved")
+    first.train_step = stop_at(4, first.train_step)
+    with pytest.raises(KeyboardInterrupt):
+        first.train()
+    state_file = tmp_path / "moved" / "state.pt"
+    state = torch.load(state_file, weights_only=True)
+    state["config"]["device"] = "cuda"
+    torch.save(state, state_file)
+    resumed = trainer(tmp_path, name="moved", steps=6, device="cpu")
+    resumed.train()
+    for (n, a), (_, b) in zip(whole.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.allclose(a, b, atol=1e-6), n
+
+
+def test_batches_move_whole_to_the_training_device(tmp_path):
+    for family in ("llada", "sdar"):
+        b = trainer(tmp_path, family=family, name=family).batch(0)
+        moved = b.to(torch.device("meta"))
+        for field in ("input_ids", "targets", "is_masked", "weight", "attention_mask", "position_ids"):
+            src, dst = getattr(b, field), getattr(moved, field)
+            assert (src is None) == (dst is None), field
+            if src is not None:
+                assert dst.device.type == "meta" and dst.shape == src.shape and dst.dtype == src.dtype, field
+        assert moved.content_length == b.content_length
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch build without a GPU")
+def test_an_unusable_device_is_refused_before_training(tmp_path):
+    with pytest.raises(ValueError, match="'cuda' is not available.*use --device cpu"):
+        trainer(tmp_path, device="cuda")
+    with pytest.raises(ValueError, match="not a device name"):
+        trainer(tmp_path, device="gpu0")
+    assert not (tmp_path / "run").exists() or not (tmp_path / "run" / "state.pt").exists()
 
 
 def test_export_only_writes_the_saved_state(tmp_path):

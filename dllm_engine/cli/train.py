@@ -18,6 +18,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=256, help="written to generation_config.json")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda or cuda:N (free to change when resuming; batches are drawn on the CPU)")
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
     p.add_argument("--save-every", type=int, default=50, metavar="N",
                    help="save the resumable state to --work every N steps (and on Ctrl-C / SIGTERM, "
@@ -65,7 +67,7 @@ def run_train(args: argparse.Namespace) -> None:
                       max_new_tokens=args.max_new_tokens, save_every=args.save_every,
                       init_from=args.init_from, ar_weight=args.ar_weight, task_mix=args.task_mix,
                       suffix_mask=args.suffix_mask, block_aux=args.block_aux,
-                      long_tails=args.long_tails)
+                      long_tails=args.long_tails, device=args.device)
     trainer = Trainer(cfg)
     try:
         out = trainer.export_saved() if args.export_only else trainer.train()

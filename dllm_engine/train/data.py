@@ -30,6 +30,13 @@ class Batch:
     position_ids: Tensor | None  # [1, L'] for block diffusion
     content_length: int  # prompt + response + one EOS of the longest row: the causal loss's span
 
+    def to(self, device: torch.device) -> "Batch":
+        """The batch on ``device`` (batches are drawn on the CPU, so a run's data and noise are
+        the same on every device)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.input_ids), move(self.targets), move(self.is_masked), move(self.weight),
+                     move(self.attention_mask), move(self.position_ids), self.content_length)
+
 
 @dataclass
 class Encoder:

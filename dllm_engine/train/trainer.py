@@ -1,4 +1,4 @@
-"""Train the embedded tiny checkpoints on the task suite (CPU, seeded, resumable).
+"""Train the embedded tiny checkpoints on the task suite (CPU or GPU, seeded, resumable).
 
 Every step's examples and noise are drawn from seeds derived from (seed, step), so a run killed
 midway resumes from its last saved state and continues exactly as if it had never stopped.
@@ -25,6 +25,7 @@ from tqdm import tqdm
 from ..errors import UserError
 from ..config import ModelConfig
 from ..models import DiffusionLM, get_family, save_model
+from ..models.loader import parse_device
 from ..tasks import check_mix, train_examples
 from ..tokenizer import save_tokenizer
 from .data import LONG_TAILS, Batch, Encoder, block_diffusion_batch, masked_diffusion_batch
@@ -37,11 +38,11 @@ FAMILY_SPECIALS = {  # family -> (model_type, mask token, end-of-turn token)
 }
 # A resumed run (--work holding a state.pt) must have the saved run's settings: the model's (family
 # and the shapes; exporting the saved state needs these only) and the training's, since the resume
-# is exact. Free to change: steps (extend a run), where it writes, how often it saves, and the
-# generation config of the export. A new stage with other settings is a new --work (--init-from).
+# is exact. Free to change: steps (extend a run), where it writes, how often it saves, the
+# generation config of the export, and the device (a CPU run may go on on a GPU and back). A new stage with other settings is a new --work (--init-from).
 MODEL_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
               "block_size")
-RESUME_FREE = ("steps", "out", "work", "save_every", "max_new_tokens")
+RESUME_FREE = ("steps", "out", "work", "save_every", "max_new_tokens", "device")
 # files of an older export in --out that a new export drops (other files, e.g. a model card, stay)
 CHECKPOINT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
                     "pytorch_model*.bin.index.json", "tokenizer*", "vocab.*", "merges.txt",
@@ -84,6 +85,7 @@ class TrainConfig:
     suffix_mask: float = 0.0  # share of rows masked as a left-to-right decoder sees them (data.py)
     block_aux: float = 0.0  # full-attention families: weight of an auxiliary block diffusion loss
     long_tails: float = LONG_TAILS  # masked diffusion: share of batches with canvases up to MAX_CANVAS
+    device: str = "cpu"  # where the model trains; batches are drawn on the CPU either way
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_SPECIALS:
@@ -102,6 +104,7 @@ class TrainConfig:
         if self.save_every < 1:
             raise UserError(f"save_every must be >= 1, got {self.save_every}")
         check_mix(self.task_mix)  # a bad mix fails here, not at the first step
+        parse_device(self.device)  # an unusable device fails here, with the devices to use
 
 
 def grow_vocab(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -170,6 +173,8 @@ class Trainer:
         self.init_weights()
         if cfg.init_from:
             self.load_weights(cfg.init_from)
+        self.device = parse_device(cfg.device)
+        self.model.to(self.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=0.01)
         self.step = 0
@@ -224,9 +229,9 @@ class Trainer:
         seed = self.cfg.seed * 1_000_003 + step
         if self.cfg.family == "sdar":
             return block_diffusion_batch(self.encoder, self.examples(step), seed, self.cfg.block_size,
-                                         self.cfg.suffix_mask)
+                                         self.cfg.suffix_mask).to(self.device)
         return masked_diffusion_batch(self.encoder, self.examples(step), seed, self.cfg.suffix_mask,
-                                      self.cfg.long_tails)
+                                      self.cfg.long_tails).to(self.device)
 
     def block_batch(self, step: int) -> Batch:
         """The same examples under the block diffusion objective (``block_aux``): each noisy
@@ -235,7 +240,7 @@ class Trainer:
         it a copy to read on the right)."""
         seed = self.cfg.seed * 1_000_003 + step + 500_009
         return block_diffusion_batch(self.encoder, self.examples(step), seed, self.cfg.block_size,
-                                     self.cfg.suffix_mask)
+                                     self.cfg.suffix_mask).to(self.device)
 
     def pool(self, pool_seed: int) -> list:
         """The length-sorted pool drawn from ``pool_seed``, built once for its POOL steps."""
@@ -250,7 +255,7 @@ class Trainer:
         """(diffusion loss, auxiliary causal loss); the step minimises diffusion + ar_weight * causal."""
         diffusion = self.diffusion_loss(b)
         if self.cfg.ar_weight == 0:
-            return diffusion, torch.zeros(())
+            return diffusion, torch.zeros((), device=diffusion.device)
         return diffusion, self.causal_loss(b.targets[:, : b.content_length])
 
     def diffusion_loss(self, b: Batch) -> torch.Tensor:
@@ -272,7 +277,7 @@ class Trainer:
         scored 0% held-out; see their model cards).
         """
         n = ids.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()[None, None]
         hidden = self.model.forward_context(ids, self.model.plain_context(ids, causal))
         return F.cross_entropy(self.model.logits(hidden[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
 
