@@ -93,6 +93,35 @@ def test_eval_reports_steps_by_commits_and_stop_share(ckpt):
     assert sum(k * n for k, n in fast.step_commits.items()) == fast.decoded_tokens
 
 
+def test_commits_ahead_of_the_frontier_are_counted_with_their_gaps():
+    """A token committed with masked slots on its left counts once, its gap is those slots (the
+    tokens committed in the same call included, as they are no longer masked)."""
+    import torch
+    from dllm_engine.engine.sequence import Sequence, SequenceStats, TokenIds
+    from dllm_engine.resolve import resolve_params
+    from dllm_engine import SamplingParams
+    p = resolve_params(SamplingParams(method="dual-cache", max_new_tokens=8, block_length=8), ("dual-cache",))
+    seq = Sequence(0, [5, 6, 7], p, TokenIds(mask_id=4, eos_id=3, stop_ids=frozenset({3})))
+    t = lambda *xs: torch.tensor(xs)  # noqa: E731
+    seq.commit(t(5), t(9))  # generated slot 2: slots 0 and 1 still masked
+    seq.commit(t(3, 4), t(9, 9))  # the frontier: nothing masked on their left
+    seq.commit(t(6), t(9))
+    seq.commit(t(10, 8), t(9, 9))  # 10 leaves 7 and 9 masked, 8 leaves 7
+    s = seq.stats
+    assert (s.decoded_tokens, s.ahead_tokens, s.ahead_gaps) == (6, 3, 5)
+    assert s.ahead_share == 0.5 and s.mean_ahead_gap == pytest.approx(5 / 3)
+    total = SequenceStats.total([s, s], seconds=1.0)
+    assert (total.ahead_tokens, total.ahead_gaps) == (6, 10) and total.as_dict()["ahead_gaps"] == 10
+
+
+def test_one_token_per_step_in_order_is_never_ahead(ckpt):
+    from dllm_engine import SamplingParams
+    params = SamplingParams(method="reference", max_new_tokens=16, block_length=1, steps=1)
+    report = evaluate(LLM(ckpt), params, tasks="sort", limit=2, batch_size=2, use_tqdm=False)
+    assert report.stats.decoded_tokens > 0 and report.stats.ahead_tokens == 0
+    assert report.as_dict()["ahead_share"] == 0.0 and report.as_dict()["tasks"][0]["mean_ahead_gap"] == 0.0
+
+
 def test_evaluate_counts_every_prompt(ckpt):
     from dllm_engine import SamplingParams
     report = evaluate(LLM(ckpt), SamplingParams(method="dual-cache", max_new_tokens=16, block_length=8),

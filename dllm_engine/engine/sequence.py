@@ -28,6 +28,10 @@ class SequenceStats:
     seconds: float = 0.0
     step_commits: Counter = field(default_factory=Counter)  # tokens committed by a step -> steps
     edits: int = 0  # committed tokens rewritten (joint-threshold); not in decoded_tokens
+    # committed tokens that left a masked slot on their left (ahead of the decoding frontier), and
+    # those slots summed over them: a decoder working at the left frontier commits few tokens ahead
+    ahead_tokens: int = 0
+    ahead_gaps: int = 0
 
     @property
     def redundancy(self) -> float:
@@ -47,6 +51,16 @@ class SequenceStats:
     def stop_share(self) -> float:
         return stop_share(self.output_tokens, self.decoded_tokens)
 
+    @property
+    def ahead_share(self) -> float:
+        """Share of the decoded tokens committed with a masked slot still on their left."""
+        return self.ahead_tokens / self.decoded_tokens if self.decoded_tokens else 0.0
+
+    @property
+    def mean_ahead_gap(self) -> float:
+        """Masked slots left of a token committed ahead of the frontier, on average."""
+        return self.ahead_gaps / self.ahead_tokens if self.ahead_tokens else 0.0
+
     def add(self, other: "SequenceStats") -> None:
         """Sum another sequence's counts into this one (seconds are not additive: left alone)."""
         self.nfe += other.nfe
@@ -56,13 +70,16 @@ class SequenceStats:
         self.prefill_tokens += other.prefill_tokens
         self.step_commits.update(other.step_commits)
         self.edits += other.edits
+        self.ahead_tokens += other.ahead_tokens
+        self.ahead_gaps += other.ahead_gaps
 
     def as_dict(self) -> dict:
         return {"nfe": self.nfe, "decoded_tokens": self.decoded_tokens,
                 "output_tokens": self.output_tokens,
                 "processed_tokens": round(self.processed_tokens, 2),
                 "prefill_tokens": self.prefill_tokens, "redundancy": round(self.redundancy, 4),
-                "edits": self.edits, "seconds": round(self.seconds, 4)}
+                "edits": self.edits, "ahead_tokens": self.ahead_tokens, "ahead_gaps": self.ahead_gaps,
+                "seconds": round(self.seconds, 4)}
 
     @staticmethod
     def total(stats: list["SequenceStats"], seconds: float) -> "SequenceStats":
@@ -162,6 +179,10 @@ class Sequence:
                                f"write the mask token (positions {positions.tolist()})")
         self.canvas[positions] = tokens
         self.stats.decoded_tokens += int(positions.numel())
+        # masked slots left of each committed token (the token itself is no longer masked)
+        gaps = (self.canvas[self.prompt_len:] == self.ids.mask_id).cumsum(0)[positions - self.prompt_len]
+        self.stats.ahead_tokens += int((gaps > 0).sum())
+        self.stats.ahead_gaps += int(gaps.sum())
         if self.params.logprobs is not None and logits is not None:
             self.record_logprobs(positions, tokens, logits)
         if self.trace is not None:

@@ -48,6 +48,8 @@ class TaskResult:
                 "answer_tokens_per_step": round(self.stats.answer_tokens_per_step, 3),
                 "redundancy": round(self.stats.redundancy, 3),
                 "stop_share": round(self.stats.stop_share, 4),
+                "ahead_share": round(self.stats.ahead_share, 4),
+                "mean_ahead_gap": round(self.stats.mean_ahead_gap, 2),
                 "steps_by_commits": commit_histogram(self.stats)}
 
 
@@ -92,6 +94,7 @@ class EvalReport:
                 "final_accuracy": None if final is None else round(final, 4),
                 "throughput": round(self.throughput, 2), **self.stats.as_dict(),
                 "stop_share": round(self.stats.stop_share, 4),
+                "ahead_share": round(self.stats.ahead_share, 4),
                 "steps_by_commits": commit_histogram(self.stats),
                 "tasks": [t.row() for t in self.tasks.values()],
                 **({"diagnostics": self.diagnostics} if self.diagnostics else {})}
@@ -99,18 +102,19 @@ class EvalReport:
     def table(self) -> str:
         buckets = list(commit_histogram(self.stats))
         lines = [f"{'task':<10} {'n':>4} {'acc':>7} {'final':>7} {'out_len':>8} {'nfe':>6} {'tok/step':>9} {'ans/step':>9} {'redund':>7} "
-                 f"{'stop%':>6} | steps committing " + " ".join(f"{b:>5}" for b in buckets) + " tokens"]
+                 f"{'stop%':>6} {'ahead%':>6} | steps committing " + " ".join(f"{b:>5}" for b in buckets) + " tokens"]
         for t in self.tasks.values():
             r = t.row()
             final = "–" if t.final_accuracy is None else f"{t.final_accuracy:.1%}"
             lines.append(f"{t.task:<10} {t.num_prompts:>4} {t.accuracy:>7.1%} {final:>7} {r['mean_output_tokens']:>8.2f} "
-                         f"{r['nfe']:>6} {r['tokens_per_step']:>9.2f} {r['answer_tokens_per_step']:>9.2f} {r['redundancy']:>7.2f} {r['stop_share']:>6.1%}"
+                         f"{r['nfe']:>6} {r['tokens_per_step']:>9.2f} {r['answer_tokens_per_step']:>9.2f} {r['redundancy']:>7.2f} {r['stop_share']:>6.1%} {r['ahead_share']:>6.1%}"
                          f" | {'':>16} " + " ".join(f"{v:>5.0%}" for v in r["steps_by_commits"].values()))
         s = self.stats
         lines.append(f"{'mean':<10} {sum(t.num_prompts for t in self.tasks.values()):>4} {self.accuracy:>7.1%}"
                      f" {'' if self.final_accuracy is None else f'{self.final_accuracy:.1%}':>7}"
                      f"   throughput {self.throughput:.1f} tok/s, redundancy {s.redundancy:.2f}, "
-                     f"tokens/step {s.tokens_per_step:.2f}, answer tokens/step {s.answer_tokens_per_step:.2f}, stop share {s.stop_share:.1%}, {s.seconds:.1f} s")
+                     f"tokens/step {s.tokens_per_step:.2f}, answer tokens/step {s.answer_tokens_per_step:.2f}, stop share {s.stop_share:.1%}, "
+                     f"committed ahead of the frontier {s.ahead_share:.1%}, {s.seconds:.1f} s")
         if self.diagnostics:
             lines.append("diagnostics: " + ", ".join(f"{k} {v}" for k, v in self.diagnostics.items()))
         return "\n".join(lines)
