@@ -124,38 +124,27 @@ def stop_at(stop: int, train_step):
     return killed
 
 
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("saved_on", [None, "cuda"])
+def test_resume_continues_exactly(tmp_path, saved_on):
+    """A run killed at step 4 resumes where it stopped, bit for bit. The device is free to change
+    on resume (a CPU run may go on on a GPU and back): a state whose config names cuda resumes here."""
     whole = trainer(tmp_path, name="whole")
     whole.train()
     first = trainer(tmp_path, name="split")
     first.train_step = stop_at(4, first.train_step)
     with pytest.raises(KeyboardInterrupt):
         first.train()
+    if saved_on:
+        state_file = tmp_path / "split" / "state.pt"
+        state = torch.load(state_file, weights_only=True)
+        state["config"]["device"] = saved_on
+        torch.save(state, state_file)
     resumed = trainer(tmp_path, name="split", steps=6)
     resumed.train()
     for (n, a), (_, b) in zip(whole.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.allclose(a, b, atol=1e-6), n
     steps = [json.loads(l)["step"] for l in (tmp_path / "split" / "loss.jsonl").read_text().splitlines()]
     assert steps == list(range(6))
-
-
-def test_a_run_saved_on_another_device_resumes_here(tmp_path):
-    """The device is free to change on resume (a CPU run may go on on a GPU and back): a state whose
-    config names cuda resumes on the CPU, exactly where it stopped."""
-    whole = trainer(tmp_path, name="whole")
-    whole.train()
-    first = trainer(tmp_path, name="moved")
-    first.train_step = stop_at(4, first.train_step)
-    with pytest.raises(KeyboardInterrupt):
-        first.train()
-    state_file = tmp_path / "moved" / "state.pt"
-    state = torch.load(state_file, weights_only=True)
-    state["config"]["device"] = "cuda"
-    torch.save(state, state_file)
-    resumed = trainer(tmp_path, name="moved", steps=6, device="cpu")
-    resumed.train()
-    for (n, a), (_, b) in zip(whole.model.state_dict().items(), resumed.model.state_dict().items()):
-        assert torch.allclose(a, b, atol=1e-6), n
 
 
 def test_batches_move_whole_to_the_training_device(tmp_path):
