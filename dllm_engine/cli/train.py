@@ -6,7 +6,7 @@ import sys
 
 
 def add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train an embedded tiny checkpoint on the task suite (CPU)")
+    p = sub.add_parser("train", help="train an embedded tiny checkpoint on the task suite (CPU or GPU)")
     p.add_argument("--family", required=True, choices=["llada", "sdar"])
     p.add_argument("--out", required=True, help="checkpoint folder to write")
     p.add_argument("--work", required=True, help="folder for the resumable state and loss log")
