@@ -152,7 +152,8 @@ def test_eval_reports_the_final_answer_grade_of_worked_tasks():
     assert (rows["sort"]["accuracy"], rows["sort"]["final_accuracy"]) == (1.0, None)
     assert report.final_accuracy == 1.0 and report.as_dict()["final_accuracy"] == 1.0
     sum_line, sort_line = report.table().splitlines()[1:3]
-    assert sum_line.split()[2:4] == ["0.0%", "100.0%"] and sort_line.split()[2:4] == ["100.0%", "–"]
+    assert sum_line.split()[2:5] == ["0.0%", "100.0%", "–"] and sort_line.split()[2:5] == ["100.0%", "–", "–"]
+    assert rows["sum"]["form_accuracy"] is None and report.form_accuracy is None  # one form: no grade
 
 
 def test_cli_reports_errors_without_traceback(capsys, ckpt):

@@ -116,7 +116,10 @@ def test_metrics_declared_are_the_ones_process_results_reports(tmp_path):
     split.mkdir()
     worked_row = (DATA_DIR / "test" / "sum.jsonl").read_text().splitlines()[0]
     copy_row = (DATA_DIR / "test" / "sort.jsonl").read_text().splitlines()[0]
-    files = {"mysum": worked_row, "add": copy_row, "insert": worked_row}
+    phrased_row = (DATA_DIR / "test" / "calc.jsonl").read_text().splitlines()[0]
+    describe_row = (DATA_DIR / "test" / "describe.jsonl").read_text().splitlines()[0]
+    files = {"mysum": worked_row, "add": copy_row, "insert": worked_row, "mycalc": phrased_row,
+             "describe": describe_row}
     for stem, row in files.items():
         (split / f"{stem}.jsonl").write_text(row + "\n")
     write_tasks(tmp_path / "out", split)
@@ -125,6 +128,10 @@ def test_metrics_declared_are_the_ones_process_results_reports(tmp_path):
                                 .replace("!function", "#"))  # the hook's tag aside
         doc = json.loads(row)
         assert {m["metric"] for m in config["metric_list"]} == set(process_results(doc, [doc["answer"]])), stem
+    assert process_results(json.loads(phrased_row), ["no trace"]) == {"exact_match": 0.0, "final_answer": 0.0,
+                                                                       "form": 0.0}
+    assert process_results(json.loads(describe_row), [json.loads(describe_row)["answer"]]) == {
+        "exact_match": 1.0, "form": 1.0}  # open-ended: no final answer, a form
     group = yaml.safe_load((tmp_path / "out" / "dllm_worked.yaml").read_text())
     assert group["task"] == ["dllm_add", "dllm_insert"]
     assert [m["metric"] for m in group["aggregate_metric_list"]] == ["exact_match"]

@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from dllm_engine.tasks import TASK_FAMILIES, TASKS, VOCAB, Example, grade, grade_final, load_split
+from dllm_engine.tasks import (TASK_FAMILIES, TASKS, VOCAB, Example, grade, grade_final, grade_form,
+                               load_split)
 from dllm_engine.tasks.phrased import (CALC_STEPS, PHRASED_WORDS, SEPARATORS, PhrasedTask, describe_ok)
 
 PHRASED = TASK_FAMILIES["phrased"]
@@ -136,6 +137,36 @@ def test_final_grade_reads_the_last_line_whatever_the_trace(task: str) -> None:
         other = line.replace(f" {final}", f" {(int(final) + 1) % 10}") if f" {final}" in f" {line}" else line
         assert not grade_final(ex, other) or other == line
     assert not grade_final(ex, "no final line")
+
+
+@pytest.mark.parametrize("task", TRACED)
+def test_form_grade_ignores_values_not_shape(task: str) -> None:
+    """``form`` passes every generated answer and any of its numbers changed (a computing error),
+    and fails a step dropped or doubled, a cut, or the separator styles mixed (phrasing errors)."""
+    for ex in _samples(task, 30):
+        words = ex.answer.split()
+        assert grade_form(ex, ex.answer)
+        for i, w in enumerate(words):
+            if w.isdigit():
+                wrong = " ".join(words[:i] + [str((int(w) + 1) % 10)] + words[i + 1:])
+                assert grade_form(ex, wrong) and not grade(ex, wrong), wrong
+        for wrong in _mutations(ex.answer):
+            if len(wrong.split()) != len(words) or not any(w in wrong.split() for w in SEPARATORS):
+                assert not grade_form(ex, wrong), wrong  # dropped, doubled or cut
+
+
+def test_form_grade_takes_any_kind_that_may_stand_there() -> None:
+    """``biggest``: a comparison phrased as the wrong kind (``beats`` where the digit is smaller)
+    is a computing error, so the form holds; a final line where a comparison stands does not."""
+    ex = Example("biggest", "biggest : 3 7 2", "")
+    assert grade(ex, "take 3 , 7 beats 3 , 2 < 7 , still 7 , answer : 7")
+    wrong_kind = "take 3 , 7 beats 3 , 2 beats 7 , answer : 7"
+    assert grade_form(ex, wrong_kind) and not grade(ex, wrong_kind)
+    assert not grade_form(ex, "take 3 , 7 beats 3 , answer : 7 , answer : 7")
+    assert not grade_form(ex, "take 3 , 7 beats 3 , 2 < 7 , still 7 . answer : 7")  # mixed style
+    assert grade_form(Example("describe", "describe : 3 cats 2 dogs", ""), "there are 5 hats and 2 cups")
+    assert not grade_form(Example("describe", "describe : 3 cats 2 dogs", ""), "there are 5 hats 2")
+    assert grade_form(Example("sort", "sort : 3 1", "1 3"), "1 3") is None  # one form: no form grade
 
 
 def test_calc_accepts_the_issue_s_phrasings() -> None:

@@ -11,7 +11,7 @@ from ..engine.llm import LLM
 from ..engine.sequence import SequenceStats
 from ..sampling_params import SamplingParams
 from ..strategies.base import merge_diagnostics
-from ..tasks import Example, grade, grade_final, load_split
+from ..tasks import Example, grade, grade_final, grade_form, load_split
 
 
 @dataclass
@@ -21,6 +21,7 @@ class TaskResult:
     correct: int = 0
     stats: SequenceStats = field(default_factory=SequenceStats)  # summed over the task's prompts
     final_correct: int | None = None  # final-answer-only grade; None for a task without one
+    form_correct: int | None = None  # form-only grade (phrased tasks); None for a task without one
 
     @property
     def accuracy(self) -> float:
@@ -32,17 +33,27 @@ class TaskResult:
             return None
         return self.final_correct / self.num_prompts if self.num_prompts else 0.0
 
-    def add(self, ok: bool, stats: SequenceStats, final_ok: bool | None = None) -> None:
+    @property
+    def form_accuracy(self) -> float | None:
+        if self.form_correct is None:
+            return None
+        return self.form_correct / self.num_prompts if self.num_prompts else 0.0
+
+    def add(self, ok: bool, stats: SequenceStats, final_ok: bool | None = None,
+            form_ok: bool | None = None) -> None:
         self.num_prompts += 1
         self.correct += int(ok)
         if final_ok is not None:
             self.final_correct = (self.final_correct or 0) + int(final_ok)
+        if form_ok is not None:
+            self.form_correct = (self.form_correct or 0) + int(form_ok)
         self.stats.add(stats)
 
     def row(self) -> dict:
-        final = self.final_accuracy
+        final, form = self.final_accuracy, self.form_accuracy
         return {"task": self.task, "num_prompts": self.num_prompts, "accuracy": round(self.accuracy, 4),
                 "final_accuracy": None if final is None else round(final, 4),
+                "form_accuracy": None if form is None else round(form, 4),
                 "mean_output_tokens": round(self.stats.output_tokens / max(1, self.num_prompts), 2),
                 "nfe": self.stats.nfe, "tokens_per_step": round(self.stats.tokens_per_step, 3),
                 "answer_tokens_per_step": round(self.stats.answer_tokens_per_step, 3),
@@ -85,13 +96,20 @@ class EvalReport:
         return sum(finals) / len(finals) if finals else None
 
     @property
+    def form_accuracy(self) -> float | None:
+        """Mean of the form-only grades of the tasks that have one (None if none has)."""
+        forms = [t.form_accuracy for t in self.tasks.values() if t.form_accuracy is not None]
+        return sum(forms) / len(forms) if forms else None
+
+    @property
     def throughput(self) -> float:
         return self.stats.output_tokens / self.stats.seconds if self.stats.seconds else 0.0
 
     def as_dict(self) -> dict:
-        final = self.final_accuracy
+        final, form = self.final_accuracy, self.form_accuracy
         return {"method": self.method, "accuracy": round(self.accuracy, 4),
                 "final_accuracy": None if final is None else round(final, 4),
+                "form_accuracy": None if form is None else round(form, 4),
                 "throughput": round(self.throughput, 2), **self.stats.as_dict(),
                 "stop_share": round(self.stats.stop_share, 4),
                 "ahead_share": round(self.stats.ahead_share, 4),
@@ -101,17 +119,19 @@ class EvalReport:
 
     def table(self) -> str:
         buckets = list(commit_histogram(self.stats))
-        lines = [f"{'task':<10} {'n':>4} {'acc':>7} {'final':>7} {'out_len':>8} {'nfe':>6} {'tok/step':>9} {'ans/step':>9} {'redund':>7} "
+        lines = [f"{'task':<10} {'n':>4} {'acc':>7} {'final':>7} {'form':>7} {'out_len':>8} {'nfe':>6} {'tok/step':>9} {'ans/step':>9} {'redund':>7} "
                  f"{'stop%':>6} {'ahead%':>6} | steps committing " + " ".join(f"{b:>5}" for b in buckets) + " tokens"]
         for t in self.tasks.values():
             r = t.row()
             final = "–" if t.final_accuracy is None else f"{t.final_accuracy:.1%}"
-            lines.append(f"{t.task:<10} {t.num_prompts:>4} {t.accuracy:>7.1%} {final:>7} {r['mean_output_tokens']:>8.2f} "
+            form = "–" if t.form_accuracy is None else f"{t.form_accuracy:.1%}"
+            lines.append(f"{t.task:<10} {t.num_prompts:>4} {t.accuracy:>7.1%} {final:>7} {form:>7} {r['mean_output_tokens']:>8.2f} "
                          f"{r['nfe']:>6} {r['tokens_per_step']:>9.2f} {r['answer_tokens_per_step']:>9.2f} {r['redundancy']:>7.2f} {r['stop_share']:>6.1%} {r['ahead_share']:>6.1%}"
                          f" | {'':>16} " + " ".join(f"{v:>5.0%}" for v in r["steps_by_commits"].values()))
         s = self.stats
         lines.append(f"{'mean':<10} {sum(t.num_prompts for t in self.tasks.values()):>4} {self.accuracy:>7.1%}"
                      f" {'' if self.final_accuracy is None else f'{self.final_accuracy:.1%}':>7}"
+                     f" {'' if self.form_accuracy is None else f'{self.form_accuracy:.1%}':>7}"
                      f"   throughput {self.throughput:.1f} tok/s, redundancy {s.redundancy:.2f}, "
                      f"tokens/step {s.tokens_per_step:.2f}, answer tokens/step {s.answer_tokens_per_step:.2f}, stop share {s.stop_share:.1%}, "
                      f"committed ahead of the frontier {s.ahead_share:.1%}, {s.seconds:.1f} s")
@@ -145,8 +165,8 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
             outs = llm.chat([chat_prompt(e) for e in chunk], params)
             report.method, records = outs.method, records + [outs.diagnostics]
             for ex, out in zip(chunk, outs):
-                report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(grade(ex, out.text), out.stats,
-                                                                          grade_final(ex, out.text))
+                report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(
+                    grade(ex, out.text), out.stats, grade_final(ex, out.text), grade_form(ex, out.text))
                 all_stats.append(out.stats)
             bar.update(len(chunk))
     report.stats = SequenceStats.total(all_stats, time.perf_counter() - start)

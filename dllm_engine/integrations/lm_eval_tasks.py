@@ -6,14 +6,15 @@ folder, ``dllm_<family>.yaml`` grouping each task family's files (``dllm_copy``,
 offline (the rows are read by the ``datasets`` json loader). Each answer is graded by the task's own
 grader (``tasks.grade``, the one ``dllm eval`` uses), so both report the same accuracy; a group's
 score is the mean of its tasks' scores, as ``dllm eval``'s. A task with a final result (the worked
-family) also reports ``final_answer`` (``tasks.grade_final``), and ``dllm_worked`` its mean.
+family) also reports ``final_answer`` (``tasks.grade_final``), and ``dllm_worked`` its mean; a task
+with a form-only grade (the phrased family) reports ``form`` (``tasks.grade_form``).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ..tasks import TASK_FAMILIES, TASKS, Example, grade, grade_final
+from ..tasks import TASK_FAMILIES, TASKS, Example, grade, grade_final, grade_form
 from ..tasks.splits import DATA_DIR
 
 GROUP = "dllm_suite"
@@ -22,12 +23,13 @@ PREFIX = "dllm_"
 
 def metrics(data_file: Path) -> list[str]:
     """The metrics ``process_results`` reports on the rows of ``data_file``: exact match, and
-    the final answer where a row's task has one (each row is graded by its own ``task``, which
-    the file's name need not be)."""
+    the final answer and the form where a row's task has them (each row is graded by its own
+    ``task``, which the file's name need not be)."""
     tasks = {json.loads(line).get("task") for line in data_file.read_text(encoding="utf-8").splitlines()
              if line.strip()}
-    final = any(TASKS[t].has_final_answer for t in tasks if t in TASKS)
-    return ["exact_match"] + (["final_answer"] if final else [])
+    known = [TASKS[t] for t in tasks if t in TASKS]
+    return (["exact_match"] + (["final_answer"] if any(t.has_final_answer for t in known) else [])
+            + (["form"] if any(t.has_form for t in known) else []))
 
 
 def task_yaml(name: str, data_file: Path, task_metrics: list[str]) -> str:
@@ -54,7 +56,7 @@ def task_yaml(name: str, data_file: Path, task_metrics: list[str]) -> str:
 
 def group_yaml(group: str, tasks: list[str], task_metrics: dict[str, list[str]]) -> str:
     """A group's mean of every metric all its tasks report (``task_metrics``: task name -> metrics)."""
-    shared = [m for m in ("exact_match", "final_answer") if all(m in task_metrics[t] for t in tasks)]
+    shared = [m for m in ("exact_match", "final_answer", "form") if all(m in task_metrics[t] for t in tasks)]
     config = {"group": group, "task": tasks,
               "aggregate_metric_list": [{"metric": m, "aggregation": "mean", "weight_by_size": False}
                                         for m in shared],
@@ -88,8 +90,9 @@ def groups(stems: list[str]) -> dict[str, list[str]]:
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
     """lm-eval hook: grade the first response with the task's own grader (and its final-answer
-    grader where it has one)."""
+    and form graders where it has them)."""
     example = Example(doc["task"], doc["prompt"], doc["answer"], id=doc.get("id"))
-    final = grade_final(example, results[0])
+    final, form = grade_final(example, results[0]), grade_form(example, results[0])
     return {"exact_match": float(grade(example, results[0])),
-            **({} if final is None else {"final_answer": float(final)})}
+            **({} if final is None else {"final_answer": float(final)}),
+            **({} if form is None else {"form": float(form)})}

@@ -52,6 +52,7 @@ class Task(ABC):
 
     name: ClassVar[str]
     has_final_answer: ClassVar[bool] = False  # ``grade_final`` grades (the worked family)
+    has_form: ClassVar[bool] = False  # ``grade_form`` grades (the phrased family)
 
     def generate(self, rng: random.Random) -> Example:
         """Draw one example using only ``rng``, so equal seeds give equal examples."""
@@ -66,6 +67,11 @@ class Task(ABC):
     def grade_final(self, output_text: str, example: Example) -> bool | None:
         """The final-answer-only grade, for a task whose answer ends in a final result (the
         worked family); None for a task that has none."""
+        return None
+
+    def grade_form(self, output_text: str, example: Example) -> bool | None:
+        """The form-only grade, for a task whose answers may be phrased in many ways (the phrased
+        family): the answer's shape right whatever values it holds; None for a task without one."""
         return None
 
     @abstractmethod

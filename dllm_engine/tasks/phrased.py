@@ -117,12 +117,24 @@ def render(template: Template, values: dict[str, str]) -> list[str]:
     return [values[w[1:-1]] if w.startswith("{") and w.endswith("}") and len(w) > 2 else w for w in template]
 
 
-def match(template: Template, words: list[str], pos: int, values: dict[str, str]) -> int | None:
-    """The end of ``template`` matched at ``words[pos:]`` with its slots equal to ``values``,
-    or None."""
-    want = render(template, values)
-    end = pos + len(want)
-    return end if words[pos:end] == want else None
+def match(template: Template, words: list[str], pos: int, values: dict[str, str] | None) -> int | None:
+    """The end of ``template`` matched at ``words[pos:]`` with its slots equal to ``values``
+    (``None``: any word fills a slot), or None."""
+    end = pos + len(template)
+    if end > len(words):
+        return None
+    if values is None:
+        same = all(w.startswith("{") or w == got for w, got in zip(template, words[pos:end]))
+        return end if same else None
+    return end if words[pos:end] == render(template, values) else None
+
+
+def same_place_kinds(steps: dict[str, tuple[Template, ...]], kind: str) -> tuple[str, ...]:
+    """The step kinds that may stand where a step of ``kind`` does, whatever the values: the
+    start kind, the final kind, or any kind between them."""
+    if kind in ("start", "final"):
+        return (kind,)
+    return tuple(k for k in steps if k not in ("start", "final"))
 
 
 class PhrasedTask(Task):
@@ -130,6 +142,7 @@ class PhrasedTask(Task):
     ``STEPS`` their phrasings; the answer samples one phrasing and connective per step."""
 
     has_final_answer = True
+    has_form = True
     STEPS: ClassVar[dict[str, tuple[Template, ...]]]
 
     def _sample(self, rng: random.Random) -> tuple[list[str], list[str]]:
@@ -191,6 +204,13 @@ class PhrasedTask(Task):
         steps = self.trace(self.prompt_args(example))
         return self.final_answer(output_text) == dict(steps[-1].values)["c"]
 
+    def grade_form(self, output_text: str, example: Example) -> bool:
+        """The trace's form alone: the right number of steps, each in a phrasing the generator
+        can produce at its place, whatever the values in its slots (``check_trace(form=True)``).
+        A right form with a wrong trace is a computing error; a wrong form, a phrasing one."""
+        steps = tuple(self.trace(self.prompt_args(example)))
+        return check_trace(self, steps, tuple(output_text.split()), form=True)
+
     def steps_of(self, example: Example) -> list[Step]:
         """The steps of ``example``'s problem (its trace, final step included)."""
         return self.trace(self.prompt_args(example))
@@ -198,8 +218,9 @@ class PhrasedTask(Task):
 
 @functools.lru_cache(maxsize=8192)
 def _check(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[str, ...], sep: str, k: int,
-           pos: int) -> bool:
-    """``words[pos:]`` phrases ``steps[k:]``, each after ``sep``."""
+           pos: int, form: bool = False) -> bool:
+    """``words[pos:]`` phrases ``steps[k:]``, each after ``sep`` (``form``: in a phrasing of any
+    kind that may stand at the step's place, slots unchecked)."""
     step = steps[k]
     if k:
         if pos >= len(words) or words[pos] != sep:
@@ -209,22 +230,27 @@ def _check(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[str, ...], s
         after = pos + len(conn)
         if words[pos:after] != conn:
             continue
-        for template in task.STEPS[step.kind]:
-            end = match(template, list(words), after, dict(step.values))
+        kinds = same_place_kinds(task.STEPS, step.kind) if form else (step.kind,)
+        templates = dict.fromkeys(t for kind in kinds for t in task.STEPS[kind])
+        for template in templates:
+            end = match(template, list(words), after, None if form else dict(step.values))
             if end is None:
                 continue
             if k == len(steps) - 1:
                 if end == len(words):
                     return True
-            elif _check(task, steps, words, sep, k + 1, end):
+            elif _check(task, steps, words, sep, k + 1, end, form):
                 return True
     return False
 
 
-def check_trace(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[str, ...]) -> bool:
+def check_trace(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[str, ...],
+                form: bool = False) -> bool:
     """``words`` is a phrasing of ``steps`` the generator can produce: every step in order with
-    its values, one connective and one template each, one separator kind throughout."""
-    return any(_check(task, steps, words, sep, 0, 0) for sep in SEPARATORS)
+    its values, one connective and one template each, one separator kind throughout. ``form``
+    checks only the shape: as many steps, each in a phrasing of a kind that may stand there
+    (``same_place_kinds``), any word in its slots."""
+    return any(_check(task, steps, words, sep, 0, 0, form) for sep in SEPARATORS)
 
 
 class CalcTask(PhrasedTask):
@@ -334,6 +360,7 @@ class DescribeTask(Task):
     phrasing, and nothing else; graded by a constraint checker (2-6 items, counts 2-9)."""
 
     name = "describe"
+    has_form = True
 
     def _sample(self, rng: random.Random) -> tuple[list[str], list[str]]:
         things = rng.sample(THINGS, rng.randint(2, 6))
@@ -360,6 +387,11 @@ class DescribeTask(Task):
         and every other word one of the descriptions' own (openers, ``,`` ``and`` ``.``, closers)."""
         return describe_ok(output_text.split(), example.prompt.partition(":")[2].split())
 
+    def grade_form(self, output_text: str, example: Example) -> bool:
+        """The description's form alone: an opener, then mentions (a count and an item, each
+        item once) and the descriptions' own glue words, whichever items and counts they name."""
+        return describe_ok(output_text.split(), example.prompt.partition(":")[2].split(), form=True)
+
     def results(self, answer: str) -> int:
         return sum(w in THINGS for w in answer.split())
 
@@ -368,8 +400,9 @@ GLUE: frozenset[str] = frozenset({",", ".", "and", *(w for o in DESCRIBE_OPENERS
                                   *(w for c in DESCRIBE_CLOSERS for w in c)})
 
 
-def describe_ok(words: list[str], args: list[str]) -> bool:
-    """The ``describe`` constraint check of ``words`` against the prompt's ``count thing`` pairs."""
+def describe_ok(words: list[str], args: list[str], form: bool = False) -> bool:
+    """The ``describe`` constraint check of ``words`` against the prompt's ``count thing`` pairs
+    (``form``: the shape only, not which items and counts are mentioned)."""
     want = Counter({t: int(n) for n, t in zip(args[::2], args[1::2])})
     if not words or not any(tuple(words[:len(o)]) == o for o in DESCRIBE_OPENERS):
         return False
@@ -387,7 +420,7 @@ def describe_ok(words: list[str], args: list[str]) -> bool:
             i += 1
         else:
             return False
-    return got == dict(want)
+    return form or got == dict(want)
 
 
 PHRASED_TASKS: tuple[Task, ...] = (CalcTask(), ShopTask(), BiggestTask(), TallyTask(), DescribeTask())

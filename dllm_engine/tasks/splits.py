@@ -147,3 +147,8 @@ def grade(example: Example, output_text: str) -> bool:
 def grade_final(example: Example, output_text: str) -> bool | None:
     """The final-answer-only grade of ``example.task`` (None for a task without a final result)."""
     return TASKS[resolve_tasks([example.task])[0]].grade_final(output_text, example)
+
+
+def grade_form(example: Example, output_text: str) -> bool | None:
+    """The form-only grade of ``example.task`` (None for a task whose answers have one form)."""
+    return TASKS[resolve_tasks([example.task])[0]].grade_form(output_text, example)
