@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from dllm_engine import LLM
+from dllm_engine.errors import UserError
 from dllm_engine.eval.chain_probe import (chain_probe, copy_masked_rows, result_positions,
                                           right_masked_rows)
+from dllm_engine.eval.frontier_probe import block_end, frontier_probe
 from dllm_engine.tasks import load_split
 from fixtures import write_checkpoint
 
@@ -116,3 +118,61 @@ def test_counts_are_their_forwards_one_row_at_a_time():
     # a block holding the whole row is full attention: the right-masked count again
     wide = chain_probe(llm, examples, block_size=4096)
     assert {t: r.block_masked for t, r in wide.items()} == {t: r.right_masked for t, r in rows.items()}
+
+
+# -- the frontier probe ----------------------------------------------------------------------
+def test_frontier_block_end_follows_the_decoders_layout():
+    assert block_end(10, prompt_len=10, block_length=32, block_causal=False) == 42  # after the prompt
+    assert block_end(41, 10, 32, False) == 42 and block_end(42, 10, 32, False) == 74
+    assert block_end(10, 10, 32, True) == 32 and block_end(32, 10, 32, True) == 64  # from position 0
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_frontier_probe_matches_the_decoders_first_step(tmp_path, family):
+    """On a one-token answer the probe reads the canvas a decoder starts from: it says the step
+    commits the frontier exactly when the decoder's first step does, and otherwise how far ahead
+    the decoder's single commit stands; every answer token is probed once."""
+    from dllm_engine import SamplingParams
+    from dllm_engine.tasks import Example
+    llm = LLM(write_checkpoint(tmp_path / family, family))
+    method = "block" if family == "sdar" else "dual-cache"
+    prompts = [f"sort : {' '.join(str((i * 7 + k) % 10) for k in range(4 + i % 5))}" for i in range(12)]
+    threshold = 0.15  # a random model's top probabilities are 0.1-0.35: the frontier reaches it or not
+    params = SamplingParams(method=method, threshold=threshold, max_new_tokens=64, record_steps=True)
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    seen = set()
+    for prompt, out in zip(prompts, outs):
+        first = out.steps[0]
+        start = len(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False))
+        row = frontier_probe(llm, [Example("sort", prompt, "1")], threshold=threshold,
+                             max_new_tokens=64)["sort"]
+        positions = sorted(c.position for c in first.committed)
+        assert row.positions == 1
+        assert row.frontier_committed == int(start in positions)
+        if start not in positions:  # the most confident slot is committed, ahead
+            assert start + row.ahead_gap in positions and row.ahead_gap > 0
+        seen.add(row.frontier_committed)
+    assert seen == {0, 1}  # both cases met
+    examples = load_split(["sort", "count"], limit=2)
+    rows = frontier_probe(llm, examples, threshold=threshold, max_new_tokens=64, rows_per_forward=5)
+    for task in ("sort", "count"):
+        n = sum(len(llm.tokenizer.encode(e.answer, add_special_tokens=False)) for e in examples if e.task == task)
+        row = rows[task]
+        assert row.positions == n
+        assert all(0 <= c <= n for c in (row.frontier_committed, row.frontier_right, row.over_threshold))
+    with pytest.raises(UserError, match="max_new_tokens"):
+        frontier_probe(llm, [Example("sort", "sort : 1 2", "1 2")], max_new_tokens=1)
+    if family == "sdar":
+        with pytest.raises(UserError, match="decodes blocks of"):
+            frontier_probe(llm, examples, block_length=8)
+
+
+def test_frontier_probe_on_a_template_answer():
+    """The embedded tiny-llada on ``sum`` (one fixed template): with the answer right so far it
+    reads the next word right and the step commits it (a template's slots are all sure)."""
+    llm = LLM(CHECKPOINTS / "tiny-llada")
+    row = frontier_probe(llm, load_split(["sum"], limit=2))["sum"]
+    assert row.frontier_right / row.positions > 0.95
+    assert row.frontier_committed == row.positions

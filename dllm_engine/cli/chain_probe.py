@@ -1,4 +1,5 @@
-"""``dllm chain-probe``: do worked answers compute each intermediate result, or copy it."""
+"""``dllm chain-probe`` (do worked answers compute each intermediate result, or copy it) and
+``dllm frontier-probe`` (is the decoding frontier the slot a threshold decoder commits first)."""
 from __future__ import annotations
 
 import argparse
@@ -11,20 +12,48 @@ def add_chain_probe(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chain-probe", help="worked tasks: does the model compute each intermediate "
                        "result with the right masked, or only copy it (see eval/chain_probe.py)")
     p.add_argument("--tasks", default="sum,add,story", help="worked tasks whose results follow '='")
+    add_probe_args(p)
+
+
+def add_frontier_probe(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("frontier-probe", help="along the held-out answers, is the first masked slot the "
+                       "most confident of its block, as a threshold decoder ranks them "
+                       "(see eval/frontier_probe.py)")
+    p.add_argument("--tasks", default="phrased", help="tasks, a family or 'all' (as dllm eval)")
+    p.add_argument("--block-length", type=int, default=None,
+                   help="the decoder's block (default: a block-diffusion model's own, else 32)")
+    p.add_argument("--threshold", type=float, default=0.9, help="counted: some slot reaches it")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="the canvas's generation slots")
+    add_probe_args(p)
+
+
+def add_probe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=20, help="prompts per task")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     add_model_args(p)
 
 
-def run_chain_probe(args: argparse.Namespace) -> None:
-    from ..eval.chain_probe import chain_probe, probe_table
+def run_probe(args: argparse.Namespace, probe, table) -> None:
+    """Load the split and the model, run ``probe(llm, examples)``, print ``table`` of its rows."""
     from ..outputs import write_json_atomic
     from ..tasks import load_split, resolve_tasks
     tasks = resolve_tasks(args.tasks)
     check_json_path(args.json)
     set_threads(args.threads)
-    rows = chain_probe(common.load_llm(args), load_split(tasks, limit=args.limit))
+    rows = probe(common.load_llm(args), load_split(tasks, limit=args.limit))
     print(f"model: {args.model}")
-    print(probe_table(rows))
+    print(table(rows))
     if args.json:
         write_json_atomic(args.json, [r.as_dict() for r in rows.values()])
+
+
+def run_chain_probe(args: argparse.Namespace) -> None:
+    from ..eval.chain_probe import chain_probe, probe_table
+    run_probe(args, chain_probe, probe_table)
+
+
+def run_frontier_probe(args: argparse.Namespace) -> None:
+    from ..eval.frontier_probe import frontier_probe, frontier_table
+    run_probe(args, lambda llm, examples: frontier_probe(
+        llm, examples, block_length=args.block_length, threshold=args.threshold,
+        max_new_tokens=args.max_new_tokens), frontier_table)

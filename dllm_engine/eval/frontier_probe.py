@@ -1,0 +1,126 @@
+"""Is the decoding frontier the slot a confidence-ranked decoder commits first?
+
+A threshold decoder commits every masked slot of the current block whose top probability reaches
+the threshold, and at least the most confident one. When the first masked slot (the frontier) is
+the most confident, decoding runs left to right; when a slot further right is, the decoder commits
+it ahead of the frontier and the words between must then fit around it. A word whose place is fixed
+by the prompt (a template) is safe to commit ahead; in freely phrased text a slot's word depends on
+the phrasing chosen before it, so committing it ahead guesses where the words before it will end.
+
+The probe walks held-out answers token by token, with no decoding error to compound: for every
+answer position f it builds the canvas a decoder would hold with the answer right up to f (the
+prompt and ``answer[:f]`` committed, every later slot masked, blocks laid out as the family's
+decoder lays them: after the prompt for semi-autoregressive models, from position 0 for block
+diffusion) and reads the model's top probabilities over the masked slots of f's block, with the
+family's own attention. Per task it counts the positions where the step would commit the frontier
+(it reaches the threshold, or no slot does and it is the most confident), where the frontier's top
+word is the answer's, where some slot reaches the threshold, and sums the frontier's and the most
+confident slot's probabilities and, where the frontier would be left masked, how far ahead the
+most confident slot stands.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..decoding.rules import greedy_predictions
+from ..engine.llm import LLM
+from ..errors import UserError
+from ..tasks import Example
+from .evaluate import chat_prompt
+
+
+@dataclass
+class FrontierRow:
+    task: str
+    positions: int = 0  # answer positions probed
+    frontier_committed: int = 0  # the step would commit the frontier (threshold, or the most confident)
+    frontier_right: int = 0  # the frontier's top word was the answer's
+    over_threshold: int = 0  # some masked slot of the block reached the threshold
+    frontier_confidence: float = 0.0  # summed: the frontier's top probability
+    best_confidence: float = 0.0  # summed: the most confident slot's top probability
+    ahead_gap: int = 0  # summed where the frontier is left masked: its distance to the most confident slot
+
+    def as_dict(self) -> dict:
+        n = max(1, self.positions)
+        ahead = self.positions - self.frontier_committed
+        return {"task": self.task, "positions": self.positions,
+                "frontier_committed": round(self.frontier_committed / n, 4),
+                "frontier_right": round(self.frontier_right / n, 4),
+                "over_threshold": round(self.over_threshold / n, 4),
+                "frontier_confidence": round(self.frontier_confidence / n, 4),
+                "best_confidence": round(self.best_confidence / n, 4),
+                "mean_ahead_gap": round(self.ahead_gap / max(1, ahead), 2)}
+
+
+def block_end(pos: int, prompt_len: int, block_length: int, block_causal: bool) -> int:
+    """The end of the decoder's block holding canvas position ``pos``."""
+    origin = 0 if block_causal else prompt_len
+    return origin + ((pos - origin) // block_length + 1) * block_length
+
+
+@torch.no_grad()
+def frontier_probe(llm: LLM, examples: list[Example], block_length: int | None = None,
+                   threshold: float = 0.9, max_new_tokens: int = 256,
+                   rows_per_forward: int = 32) -> dict[str, FrontierRow]:
+    """Per task, how the masked slots' confidences stand against the frontier's along the gold
+    answers (see the module's docstring). ``block_length``: the decoder's (block-causal
+    families: their own, the default; others: 32); the canvas holds ``max_new_tokens`` slots."""
+    tok, model = llm.tokenizer, llm.model
+    block_causal = model.config.is_block_causal
+    if block_length is None:
+        block_length = model.config.block_size if block_causal else 32
+    if block_causal and block_length != model.config.block_size:
+        raise UserError(f"{llm.path} decodes blocks of {model.config.block_size}, not {block_length}")
+    if block_length < 1 or not 0 < threshold <= 1 or rows_per_forward < 1:
+        raise UserError("block_length and rows_per_forward must be >= 1, threshold in (0, 1]")
+    mask_id = llm.token_ids.mask_id
+    device = next(model.parameters()).device
+    shift = 1 if model.config.logit_shift else 0  # Dream predicts slot t from position t - 1
+    rows: dict[str, FrontierRow] = {}
+    for ex in examples:
+        prompt = list(tok.apply_chat_template(chat_prompt(ex), add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+        answer = tok.encode(ex.answer, add_special_tokens=False)
+        try:  # a model whose vocabulary predates the task's words: by name, not an IndexError
+            llm.check_ids(prompt + answer)
+        except UserError as e:
+            raise UserError(f"a prompt of task {ex.task}: {e}") from None
+        if len(answer) > max_new_tokens:
+            raise UserError(f"an answer of task {ex.task} has {len(answer)} tokens, over "
+                            f"max_new_tokens {max_new_tokens}")
+        p = len(prompt)
+        length = block_end(p + max_new_tokens - 1, p, block_length, block_causal)
+        full = torch.full((length,), mask_id, dtype=torch.long, device=device)
+        full[:p + len(answer)] = torch.tensor(prompt + answer, device=device)
+        row = rows.setdefault(ex.task, FrontierRow(ex.task))
+        cols = torch.arange(length, device=device)
+        for start in range(0, len(answer), rows_per_forward):
+            fronts = torch.arange(p + start, p + min(len(answer), start + rows_per_forward), device=device)
+            x = torch.where(cols[None] >= fronts[:, None], mask_id, full[None])
+            hidden = model.forward_context(x, model.plain_context(x, None))
+            for r, f in enumerate(fronts.tolist()):
+                end = block_end(f, p, block_length, block_causal)
+                word, top = greedy_predictions(model.logits(hidden[r, f - shift:end - shift]), mask_id)
+                best = int(top.argmax())
+                row.positions += 1
+                committed = bool(top[0] >= threshold) or best == 0
+                row.frontier_committed += int(committed)
+                row.frontier_right += int(word[0] == full[f])
+                row.over_threshold += int(top[best] >= threshold)
+                row.frontier_confidence += float(top[0])
+                row.best_confidence += float(top[best])
+                row.ahead_gap += 0 if committed else best
+    return rows
+
+
+def frontier_table(rows: dict[str, FrontierRow]) -> str:
+    lines = [f"{'task':10} {'positions':>9} {'frontier committed':>19} {'frontier right':>15} "
+             f"{'p(frontier)':>12} {'p(best)':>8} {'any >= thr':>11} {'ahead gap':>10}"]
+    for r in rows.values():
+        d = r.as_dict()
+        lines.append(f"{r.task:10} {r.positions:>9} {d['frontier_committed']:>19.1%} {d['frontier_right']:>15.1%} "
+                     f"{d['frontier_confidence']:>12.3f} {d['best_confidence']:>8.3f} "
+                     f"{d['over_threshold']:>11.1%} {d['mean_ahead_gap']:>10.2f}")
+    return "\n".join(lines)
