@@ -222,8 +222,8 @@ def test_eval_table_prints_every_figure_with_two_decimals(ckpt):
     report = evaluate(LLM(ckpt), SamplingParams(max_new_tokens=16, block_length=8), tasks=["sort", "count"],
                       limit=3, use_tqdm=False)
     for line in report.table().splitlines()[1:-1]:  # task rows: out_len, tok/step, ans/step, redundancy
-        _, _, _, final, out_len, nfe, per_step, answer_per_step, redundancy, *_ = line.split()
-        assert final == "–" and nfe.isdigit() and all(re.fullmatch(r"\d+\.\d\d", x)
+        _, _, _, final, form, out_len, nfe, per_step, answer_per_step, redundancy, *_ = line.split()
+        assert final == form == "–" and nfe.isdigit() and all(re.fullmatch(r"\d+\.\d\d", x)
                                                     for x in (out_len, per_step, answer_per_step, redundancy)), line
 
 
