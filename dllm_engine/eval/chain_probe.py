@@ -61,6 +61,20 @@ def result_positions(answer: list[int], open_id: int, close_id: int) -> list[int
     return out
 
 
+def encode_example(llm: LLM, ex: Example) -> tuple[list[int], list[int]]:
+    """(the chat prompt's ids, the answer's ids) of ``ex``; a model whose vocabulary lacks the
+    task's words is refused by name, not with an IndexError."""
+    tok = llm.tokenizer
+    prompt = list(tok.apply_chat_template(chat_prompt(ex), add_generation_prompt=True, tokenize=True,
+                                          return_dict=False))
+    answer = tok.encode(ex.answer, add_special_tokens=False)
+    try:
+        llm.check_ids(prompt + answer)
+    except UserError as e:
+        raise UserError(f"a prompt of task {ex.task}: {e}") from None
+    return prompt, answer
+
+
 def right_masked_rows(ids: Tensor, targets: list[int], start: int, mask_id: int) -> Tensor:
     """One row per target position t: ``ids`` with every answer token from t on masked (the
     prompt, ``ids[:start]``, and the answer before t stay)."""
@@ -108,13 +122,7 @@ def chain_probe(llm: LLM, examples: list[Example], open_word: str = "=",
     device = next(model.parameters()).device
     block_size = model.config.block_size if model.config.is_block_causal else block_size
     for ex in examples:
-        prompt = list(tok.apply_chat_template(chat_prompt(ex), add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
-        answer = tok.encode(ex.answer, add_special_tokens=False)
-        try:  # a model whose vocabulary predates the task's words: by name, not an IndexError
-            llm.check_ids(prompt + answer)
-        except UserError as e:
-            raise UserError(f"a prompt of task {ex.task}: {e}") from None
+        prompt, answer = encode_example(llm, ex)
         targets = [len(prompt) + i for i in result_positions(answer, open_id, close_id)]
         row = rows.setdefault(ex.task, ChainProbeRow(ex.task))
         if not targets:
@@ -136,11 +144,15 @@ def chain_probe(llm: LLM, examples: list[Example], open_word: str = "=",
     return rows
 
 
-def probe_table(rows: dict[str, ChainProbeRow]) -> str:
-    lines = [f"{'task':10} {'results':>8} {'right masked':>13} {'copy masked':>12} "
-             f"{'block masked':>13} {'causal':>8}"]
+def probe_table(rows: dict, columns: tuple[tuple[str, str, str], ...] | None = None) -> str:
+    """One line per task: its ``task``, then each column (header, ``as_dict`` key, format spec);
+    the default columns are the chain probe's."""
+    columns = columns or (("results", "results", "d"), ("right masked", "right_masked", ".1%"),
+                          ("copy masked", "copy_masked", ".1%"), ("block masked", "block_masked", ".1%"),
+                          ("causal", "causal", ".1%"))
+    widths = [max(8, len(head) + 1) for head, _, _ in columns]
+    lines = [f"{'task':10}" + "".join(f" {head:>{w}}" for (head, _, _), w in zip(columns, widths))]
     for r in rows.values():
         d = r.as_dict()
-        lines.append(f"{r.task:10} {r.results:>8} {d['right_masked']:>13.1%} "
-                     f"{d['copy_masked']:>12.1%} {d['block_masked']:>13.1%} {d['causal']:>8.1%}")
+        lines.append(f"{r.task:10}" + "".join(f" {d[key]:>{w}{spec}}" for (_, key, spec), w in zip(columns, widths)))
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from ..decoding.rules import greedy_predictions
 from ..engine.llm import LLM
 from ..errors import UserError
 from ..tasks import Example
-from .evaluate import chat_prompt
+from .chain_probe import encode_example, probe_table
 
 
 @dataclass
@@ -67,7 +67,7 @@ def frontier_probe(llm: LLM, examples: list[Example], block_length: int | None =
     """Per task, how the masked slots' confidences stand against the frontier's along the gold
     answers (see the module's docstring). ``block_length``: the decoder's (block-causal
     families: their own, the default; others: 32); the canvas holds ``max_new_tokens`` slots."""
-    tok, model = llm.tokenizer, llm.model
+    model = llm.model
     block_causal = model.config.is_block_causal
     if block_length is None:
         block_length = model.config.block_size if block_causal else 32
@@ -80,13 +80,7 @@ def frontier_probe(llm: LLM, examples: list[Example], block_length: int | None =
     shift = 1 if model.config.logit_shift else 0  # Dream predicts slot t from position t - 1
     rows: dict[str, FrontierRow] = {}
     for ex in examples:
-        prompt = list(tok.apply_chat_template(chat_prompt(ex), add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
-        answer = tok.encode(ex.answer, add_special_tokens=False)
-        try:  # a model whose vocabulary predates the task's words: by name, not an IndexError
-            llm.check_ids(prompt + answer)
-        except UserError as e:
-            raise UserError(f"a prompt of task {ex.task}: {e}") from None
+        prompt, answer = encode_example(llm, ex)
         if len(answer) > max_new_tokens:
             raise UserError(f"an answer of task {ex.task} has {len(answer)} tokens, over "
                             f"max_new_tokens {max_new_tokens}")
@@ -115,12 +109,11 @@ def frontier_probe(llm: LLM, examples: list[Example], block_length: int | None =
     return rows
 
 
+FRONTIER_COLUMNS = (("positions", "positions", "d"), ("frontier committed", "frontier_committed", ".1%"),
+                    ("frontier right", "frontier_right", ".1%"), ("p(frontier)", "frontier_confidence", ".3f"),
+                    ("p(best)", "best_confidence", ".3f"), ("any >= thr", "over_threshold", ".1%"),
+                    ("ahead gap", "mean_ahead_gap", ".2f"))
+
+
 def frontier_table(rows: dict[str, FrontierRow]) -> str:
-    lines = [f"{'task':10} {'positions':>9} {'frontier committed':>19} {'frontier right':>15} "
-             f"{'p(frontier)':>12} {'p(best)':>8} {'any >= thr':>11} {'ahead gap':>10}"]
-    for r in rows.values():
-        d = r.as_dict()
-        lines.append(f"{r.task:10} {r.positions:>9} {d['frontier_committed']:>19.1%} {d['frontier_right']:>15.1%} "
-                     f"{d['frontier_confidence']:>12.3f} {d['best_confidence']:>8.3f} "
-                     f"{d['over_threshold']:>11.1%} {d['mean_ahead_gap']:>10.2f}")
-    return "\n".join(lines)
+    return probe_table(rows, FRONTIER_COLUMNS)
