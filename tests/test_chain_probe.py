@@ -8,7 +8,7 @@ from dllm_engine import LLM
 from dllm_engine.errors import UserError
 from dllm_engine.eval.chain_probe import (chain_probe, copy_masked_rows, result_positions,
                                           right_masked_rows)
-from dllm_engine.eval.frontier_probe import block_end, frontier_probe
+from dllm_engine.eval.frontier_probe import block_end, frontier_probe, oracle_frontier_probe
 from dllm_engine.tasks import load_split
 from fixtures import write_checkpoint
 
@@ -176,3 +176,35 @@ def test_frontier_probe_on_a_template_answer():
     row = frontier_probe(llm, load_split(["sum"], limit=2))["sum"]
     assert row.frontier_right / row.positions > 0.95
     assert row.frontier_committed == row.positions
+
+
+def test_oracle_frontier_probe_reads_the_generator_s_next_word(tmp_path):
+    """The oracle's frontier probability, drawn from samples, is the exact next-word probability
+    the writing states give (each state's pending word, or the first words of the next step's
+    writings, or the end); every position whose next word is certain reaches the threshold."""
+    from collections import defaultdict
+    from dllm_engine.tasks import TASKS, VOCAB
+    from dllm_engine.tasks.phrased import step_writings, writing_states
+    llm = LLM(write_checkpoint(tmp_path / "llada", "llada", vocab_size=len(VOCAB)))
+    ex = load_split(["tally"], limit=1)[0]
+    task, gold = TASKS["tally"], ex.answer.split()
+    steps = task.steps_of(ex)
+    exact = []
+    for i in range(len(gold)):
+        nexts = defaultdict(float)
+        for state in writing_states(task, steps, gold[:i]):
+            if state.pending:
+                nexts[state.pending[0]] += state.weight
+            elif state.next_step == len(steps):
+                nexts["<end>"] += state.weight
+            else:
+                k = state.next_step
+                for words, share in step_writings(task, steps[k], k, state.sep).items():
+                    nexts[words[0]] += state.weight * share
+        exact.append(max(nexts.values()) / sum(nexts.values()))
+    row = oracle_frontier_probe(llm, [ex], samples=2000)["tally"]
+    assert row.positions == len(gold)
+    assert row.frontier_confidence / len(gold) == pytest.approx(sum(exact) / len(gold), abs=0.02)
+    assert sum(p == 1.0 for p in exact) <= row.over_threshold < len(gold)  # sure, and unsure, places
+    with pytest.raises(UserError, match="phrased tasks with a trace"):
+        oracle_frontier_probe(llm, load_split(["describe"], limit=1))

@@ -9,7 +9,8 @@ import pytest
 
 from dllm_engine.tasks import (TASK_FAMILIES, TASKS, VOCAB, Example, grade, grade_final, grade_form,
                                load_split)
-from dllm_engine.tasks.phrased import (CALC_STEPS, PHRASED_WORDS, SEPARATORS, PhrasedTask, describe_ok)
+from dllm_engine.tasks.phrased import (CALC_STEPS, PHRASED_WORDS, SEPARATORS, PhrasedTask, continue_writing,
+                                      describe_ok, step_writings, writing_states)
 
 PHRASED = TASK_FAMILIES["phrased"]
 TRACED = [t for t in PHRASED if isinstance(TASKS[t], PhrasedTask)]
@@ -167,6 +168,43 @@ def test_form_grade_takes_any_kind_that_may_stand_there() -> None:
     assert grade_form(Example("describe", "describe : 3 cats 2 dogs", ""), "there are 5 hats and 2 cups")
     assert not grade_form(Example("describe", "describe : 3 cats 2 dogs", ""), "there are 5 hats 2")
     assert grade_form(Example("sort", "sort : 3 1", "1 3"), "1 3") is None  # one form: no form grade
+
+
+def test_writing_states_weigh_each_prefix_as_the_generator_does() -> None:
+    """Every phrasing of a short problem, enumerated with its probability: for each prefix of
+    each, the writing states' weights sum to the probability that ``phrase`` starts so."""
+    import itertools
+    task, ex = TASKS["calc"], Example("calc", "calc : 9 - 1 + 1", "")
+    steps = task.steps_of(ex)
+    answers: dict[tuple[str, ...], float] = {}
+    for sep in SEPARATORS:
+        options = [step_writings(task, step, k, sep).items() for k, step in enumerate(steps)]
+        for choice in itertools.product(*options):
+            words = tuple(w for words, _ in choice for w in words)
+            share = 1 / len(SEPARATORS)
+            for _, p in choice:
+                share *= p
+            answers[words] = answers.get(words, 0.0) + share
+    assert sum(answers.values()) == pytest.approx(1.0)
+    rng = random.Random(0)
+    for words in rng.sample(sorted(answers), 40):
+        for i in range(len(words) + 1):
+            want = sum(p for a, p in answers.items() if a[:i] == words[:i])
+            assert sum(s.weight for s in writing_states(task, steps, list(words[:i]))) == pytest.approx(want)
+    assert writing_states(task, steps, ["9", "times"]) == []  # no phrasing starts so
+
+
+@pytest.mark.parametrize("task", TRACED)
+def test_writing_continues_every_prefix_into_a_valid_trace(task: str) -> None:
+    gen, rng = TASKS[task], random.Random(task)
+    for ex in load_split([task], limit=2):
+        steps, gold = gen.steps_of(ex), ex.answer.split()
+        for i in range(len(gold) + 1):
+            states = writing_states(gen, steps, gold[:i])
+            assert states, i
+            state = rng.choices(states, weights=[s.weight for s in states])[0]
+            assert grade(ex, " ".join(gold[:i] + continue_writing(gen, steps, state, rng)))
+            assert len(continue_writing(gen, steps, state, rng, limit=3)) >= min(3, len(gold) - i)
 
 
 def test_calc_accepts_the_issue_s_phrasings() -> None:

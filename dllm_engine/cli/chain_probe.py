@@ -24,6 +24,10 @@ def add_frontier_probe(sub: argparse._SubParsersAction) -> None:
                    help="the decoder's block (default: a block-diffusion model's own, else 32)")
     p.add_argument("--threshold", type=float, default=0.9, help="counted: some slot reaches it")
     p.add_argument("--max-new-tokens", type=int, default=256, help="the canvas's generation slots")
+    p.add_argument("--oracle", action="store_true",
+                   help="the phrased tasks' own generator in the model's place: what a model that had "
+                        "learned them perfectly would see (the model gives the tokenizer and block layout)")
+    p.add_argument("--samples", type=int, default=200, help="--oracle: answers drawn per position")
     add_probe_args(p)
 
 
@@ -53,7 +57,11 @@ def run_chain_probe(args: argparse.Namespace) -> None:
 
 
 def run_frontier_probe(args: argparse.Namespace) -> None:
-    from ..eval.frontier_probe import frontier_probe, frontier_table
-    run_probe(args, lambda llm, examples: frontier_probe(
-        llm, examples, block_length=args.block_length, threshold=args.threshold,
-        max_new_tokens=args.max_new_tokens), frontier_table)
+    from ..eval.frontier_probe import frontier_probe, frontier_table, oracle_frontier_probe
+    layout = {"block_length": args.block_length, "threshold": args.threshold,
+              "max_new_tokens": args.max_new_tokens}
+    if args.oracle:
+        run_probe(args, lambda llm, examples: oracle_frontier_probe(llm, examples, samples=args.samples,
+                                                                    **layout), frontier_table)
+    else:
+        run_probe(args, lambda llm, examples: frontier_probe(llm, examples, **layout), frontier_table)

@@ -216,6 +216,68 @@ class PhrasedTask(Task):
         return self.trace(self.prompt_args(example))
 
 
+@dataclass(frozen=True)
+class WritingState:
+    """Where the generator stands after writing a prefix one way: the separator style it chose,
+    the words it has still to write of the step under way, the index of the step after that,
+    and the probability of the choices that wrote the prefix so."""
+
+    weight: float
+    sep: str
+    pending: tuple[str, ...]
+    next_step: int
+
+
+def step_writings(task: PhrasedTask, step: Step, k: int, sep: str) -> dict[tuple[str, ...], float]:
+    """The words step ``k`` can be written as (its separator, connective and phrasing), each with
+    its probability under ``phrase``; choices that write the same words are one."""
+    conns, templates = connectives_of(step.kind, k), task.STEPS[step.kind]
+    out: dict[tuple[str, ...], float] = {}
+    for conn in conns:
+        for template in templates:
+            words = (sep,) * (k > 0) + conn + tuple(render(template, dict(step.values)))
+            out[words] = out.get(words, 0.0) + 1 / len(conns) / len(templates)
+    return out
+
+
+def writing_states(task: PhrasedTask, steps: list[Step], prefix: list[str]) -> list[WritingState]:
+    """Every way the generator can have written ``prefix`` (the first words of a phrasing of
+    ``steps``), weighted by its probability; empty if no phrasing starts so."""
+    out: list[WritingState] = []
+
+    def walk(sep: str, k: int, pos: int, weight: float) -> None:
+        if pos == len(prefix):
+            out.append(WritingState(weight, sep, (), k))
+            return
+        if k == len(steps):
+            return
+        for words, share in step_writings(task, steps[k], k, sep).items():
+            rest = tuple(prefix[pos:pos + len(words)])
+            if words[:len(rest)] != rest:
+                continue
+            if len(rest) < len(words):  # the prefix ends inside this step
+                out.append(WritingState(weight * share, sep, words[len(rest):], k + 1))
+            else:
+                walk(sep, k + 1, pos + len(words), weight * share)
+
+    for sep in SEPARATORS:
+        walk(sep, 0, 0, 1 / len(SEPARATORS))
+    return out
+
+
+def continue_writing(task: PhrasedTask, steps: list[Step], state: WritingState,
+                     rng: random.Random, limit: int | None = None) -> list[str]:
+    """The rest of an answer from ``state``, each later step's connective and phrasing drawn as
+    ``phrase`` draws them (``limit``: at least its first ``limit`` words, not all)."""
+    words = list(state.pending)
+    for k in range(state.next_step, len(steps)):
+        if limit is not None and len(words) >= limit:
+            break
+        words += [state.sep] * (k > 0) + list(rng.choice(connectives_of(steps[k].kind, k)))
+        words += render(rng.choice(task.STEPS[steps[k].kind]), dict(steps[k].values))
+    return words
+
+
 @functools.lru_cache(maxsize=8192)
 def _check(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[str, ...], sep: str, k: int,
            pos: int, form: bool = False) -> bool:
