@@ -8,7 +8,7 @@ from dllm_engine import LLM
 from dllm_engine.errors import UserError
 from dllm_engine.eval.chain_probe import (chain_probe, copy_masked_rows, result_positions,
                                           right_masked_rows)
-from dllm_engine.eval.frontier_probe import block_end, frontier_probe, oracle_frontier_probe
+from dllm_engine.eval.frontier_probe import block_ends, frontier_probe, oracle_frontier_probe
 from dllm_engine.tasks import load_split
 from fixtures import write_checkpoint
 
@@ -121,10 +121,12 @@ def test_counts_are_their_forwards_one_row_at_a_time():
 
 
 # -- the frontier probe ----------------------------------------------------------------------
-def test_frontier_block_end_follows_the_decoders_layout():
-    assert block_end(10, prompt_len=10, block_length=32, block_causal=False) == 42  # after the prompt
-    assert block_end(41, 10, 32, False) == 42 and block_end(42, 10, 32, False) == 74
-    assert block_end(10, 10, 32, True) == 32 and block_end(32, 10, 32, True) == 64  # from position 0
+def test_frontier_block_ends_follow_the_decoders_layout():
+    ends = block_ends(prompt_len=10, max_new_tokens=64, block_length=32, block_causal=False)
+    assert len(ends) == 64 and ends[0] == 42  # after the prompt
+    assert ends[41 - 10] == 42 and ends[42 - 10] == 74
+    ends = block_ends(10, 64, 32, True)
+    assert ends[0] == 32 and ends[32 - 10] == 64 and ends[-1] == 96  # from position 0
 
 
 @pytest.mark.parametrize("family", ["llada", "sdar"])

@@ -96,6 +96,20 @@ class TokenIds:
     stop_ids: frozenset[int]
 
 
+def block_layout(prompt_len: int, max_new_tokens: int, block_length: int,
+                 block_causal: bool) -> list[tuple[int, int]]:
+    """The canvas's blocks ``[start, end)`` as the decoders lay them: semi-AR decoders put block 0
+    right after the prompt, in whole blocks for any ``max_new_tokens`` (the answer is cut at it);
+    block diffusion aligns blocks to position 0, so the prompt's tail shares the first block."""
+    bl = block_length
+    if block_causal:
+        end = -(-(prompt_len + max_new_tokens) // bl) * bl
+        starts = range((prompt_len // bl) * bl, end, bl)
+    else:
+        starts = range(prompt_len, prompt_len + -(-max_new_tokens // bl) * bl, bl)
+    return [(s, s + bl) for s in starts]
+
+
 class Sequence:
     """Canvas = prompt + generation slots (``mask_id`` until committed), decoded block by block.
 
@@ -112,14 +126,9 @@ class Sequence:
         self.params = params
         self.ids = ids
         self.prompt_len = len(prompt_ids)
-        bl = params.block_length
-        if params.decoder.block_causal:
-            end = -(-(self.prompt_len + params.max_new_tokens) // bl) * bl
-            starts = range((self.prompt_len // bl) * bl, end, bl)
-        else:  # any max_new_tokens: whole blocks, the answer is cut at max_new_tokens
-            end = self.prompt_len + params.generation_slots
-            starts = range(self.prompt_len, end, bl)
-        self.blocks: list[tuple[int, int]] = [(s, s + bl) for s in starts]
+        self.blocks = block_layout(self.prompt_len, params.max_new_tokens, params.block_length,
+                                   params.decoder.block_causal)
+        end = self.blocks[-1][1]
         self.canvas = torch.full((end,), ids.mask_id, dtype=torch.long, device=device)
         self.canvas[: self.prompt_len] = torch.tensor(prompt_ids, dtype=torch.long)
         self.block_idx = 0

@@ -29,15 +29,17 @@ class TaskResult:
 
     @property
     def final_accuracy(self) -> float | None:
-        if self.final_correct is None:
-            return None
-        return self.final_correct / self.num_prompts if self.num_prompts else 0.0
+        return self.share(self.final_correct)
 
     @property
     def form_accuracy(self) -> float | None:
-        if self.form_correct is None:
+        return self.share(self.form_correct)
+
+    def share(self, count: int | None) -> float | None:
+        """``count`` over the prompts (None for a grade the task does not have)."""
+        if count is None:
             return None
-        return self.form_correct / self.num_prompts if self.num_prompts else 0.0
+        return count / self.num_prompts if self.num_prompts else 0.0
 
     def add(self, ok: bool, stats: SequenceStats, final_ok: bool | None = None,
             form_ok: bool | None = None) -> None:
@@ -62,6 +64,12 @@ class TaskResult:
                 "ahead_share": round(self.stats.ahead_share, 4),
                 "mean_ahead_gap": round(self.stats.mean_ahead_gap, 2),
                 "steps_by_commits": commit_histogram(self.stats)}
+
+
+def mean_known(values) -> float | None:
+    """The mean of the values that are not None (None if all are)."""
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 COMMIT_BUCKETS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, None))
@@ -92,14 +100,12 @@ class EvalReport:
     @property
     def final_accuracy(self) -> float | None:
         """Mean of the final-answer grades of the tasks that have one (None if none has)."""
-        finals = [t.final_accuracy for t in self.tasks.values() if t.final_accuracy is not None]
-        return sum(finals) / len(finals) if finals else None
+        return mean_known(t.final_accuracy for t in self.tasks.values())
 
     @property
     def form_accuracy(self) -> float | None:
         """Mean of the form-only grades of the tasks that have one (None if none has)."""
-        forms = [t.form_accuracy for t in self.tasks.values() if t.form_accuracy is not None]
-        return sum(forms) / len(forms) if forms else None
+        return mean_known(t.form_accuracy for t in self.tasks.values())
 
     @property
     def throughput(self) -> float:

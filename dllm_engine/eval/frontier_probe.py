@@ -33,6 +33,7 @@ import torch
 
 from ..decoding.rules import greedy_predictions
 from ..engine.llm import LLM
+from ..engine.sequence import block_layout
 from ..errors import UserError
 from ..tasks import Example
 from .chain_probe import encode_example, probe_table
@@ -77,10 +78,11 @@ class FrontierRow:
                 "step_commits": round(self.commits / n, 2)}
 
 
-def block_end(pos: int, prompt_len: int, block_length: int, block_causal: bool) -> int:
-    """The end of the decoder's block holding canvas position ``pos``."""
-    origin = 0 if block_causal else prompt_len
-    return origin + ((pos - origin) // block_length + 1) * block_length
+def block_ends(prompt_len: int, max_new_tokens: int, block_length: int, block_causal: bool) -> list[int]:
+    """For each canvas position from the prompt's end on, the end of the decoder's block holding
+    it (``Sequence``'s layout, ``block_layout``); the last one is the canvas's length."""
+    blocks = block_layout(prompt_len, max_new_tokens, block_length, block_causal)
+    return [end for start, end in blocks for pos in range(start, end) if pos >= prompt_len]
 
 
 def decoder_layout(llm: LLM, block_length: int | None, threshold: float) -> tuple[bool, int]:
@@ -124,7 +126,8 @@ def frontier_probe(llm: LLM, examples: list[Example], block_length: int | None =
     for ex in examples:
         prompt, answer = encode_fitting(llm, ex, max_new_tokens)
         p = len(prompt)
-        length = block_end(p + max_new_tokens - 1, p, block_length, block_causal)
+        ends = block_ends(p, max_new_tokens, block_length, block_causal)  # ends[i]: answer slot i's
+        length = ends[-1]
         full = torch.full((length,), mask_id, dtype=torch.long, device=device)
         full[:p + len(answer)] = torch.tensor(prompt + answer, device=device)
         row = rows.setdefault(ex.task, FrontierRow(ex.task))
@@ -134,7 +137,7 @@ def frontier_probe(llm: LLM, examples: list[Example], block_length: int | None =
             x = torch.where(cols[None] >= fronts[:, None], mask_id, full[None])
             hidden = model.forward_context(x, model.plain_context(x, None))
             for r, f in enumerate(fronts.tolist()):
-                end = block_end(f, p, block_length, block_causal)
+                end = ends[f - p]
                 word, top = greedy_predictions(model.logits(hidden[r, f - shift:end - shift]), mask_id)
                 row.count(top.tolist(), bool(word[0] == full[f]), threshold)
     return rows
@@ -166,8 +169,9 @@ def oracle_frontier_probe(llm: LLM, examples: list[Example], block_length: int |
         if len(gold) != len(answer):
             raise UserError(f"{llm.path}: the tokenizer does not write one token per word of {ex.task}")
         row = rows.setdefault(ex.task, FrontierRow(ex.task))
+        ends = block_ends(p, max_new_tokens, block_length, block_causal)
         for i in range(len(gold)):
-            width = block_end(p + i, p, block_length, block_causal) - (p + i)
+            width = ends[i] - (p + i)
             states = writing_states(task, steps, gold[:i])
             chosen = rng.choices(states, weights=[s.weight for s in states], k=samples)
             slots = [Counter() for _ in range(width)]

@@ -9,4 +9,4 @@ from .registry import TASK_FAMILIES, TASK_NAMES, TASKS, VOCAB, resolve_tasks, ta
 from .splits import check_mix, grade, grade_final, grade_form, load_split, train_examples, write_split
 
 __all__ = ["TASKS", "TASK_NAMES", "TASK_FAMILIES", "VOCAB", "Example", "Task", "check_mix", "grade", "grade_final",
-           "grade_form",            "load_split", "resolve_tasks", "task_family", "train_examples", "write_split"]
+           "grade_form", "load_split", "resolve_tasks", "task_family", "train_examples", "write_split"]

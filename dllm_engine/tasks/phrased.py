@@ -158,15 +158,9 @@ class PhrasedTask(Task):
         raise NotImplementedError
 
     def phrase(self, steps: list[Step], rng: random.Random) -> list[str]:
-        """One phrasing of ``steps``: a connective and a template drawn for every step."""
-        sep = rng.choice(SEPARATORS)
-        words: list[str] = []
-        for i, step in enumerate(steps):
-            if i:
-                words.append(sep)
-            words += rng.choice(connectives_of(step.kind, i))
-            words += render(rng.choice(self.STEPS[step.kind]), dict(step.values))
-        return words
+        """One phrasing of ``steps``: a separator style, then a connective and a template drawn
+        for every step (``continue_writing`` from nothing written)."""
+        return continue_writing(self, steps, WritingState(1.0, rng.choice(SEPARATORS), (), 0), rng)
 
     # -- grading ----------------------------------------------------------------------------
     def prompt_args(self, example: Example) -> list[str]:
@@ -208,8 +202,7 @@ class PhrasedTask(Task):
         """The trace's form alone: the right number of steps, each in a phrasing the generator
         can produce at its place, whatever the values in its slots (``check_trace(form=True)``).
         A right form with a wrong trace is a computing error; a wrong form, a phrasing one."""
-        steps = tuple(self.trace(self.prompt_args(example)))
-        return check_trace(self, steps, tuple(output_text.split()), form=True)
+        return check_trace(self, tuple(self.steps_of(example)), tuple(output_text.split()), form=True)
 
     def steps_of(self, example: Example) -> list[Step]:
         """The steps of ``example``'s problem (its trace, final step included)."""
@@ -228,6 +221,11 @@ class WritingState:
     next_step: int
 
 
+def write_step(step: Step, k: int, sep: str, conn: Template, template: Template) -> tuple[str, ...]:
+    """Step ``k`` written with ``conn`` and ``template``, after ``sep`` unless it is the first."""
+    return (sep,) * (k > 0) + conn + tuple(render(template, dict(step.values)))
+
+
 def step_writings(task: PhrasedTask, step: Step, k: int, sep: str) -> dict[tuple[str, ...], float]:
     """The words step ``k`` can be written as (its separator, connective and phrasing), each with
     its probability under ``phrase``; choices that write the same words are one."""
@@ -235,7 +233,7 @@ def step_writings(task: PhrasedTask, step: Step, k: int, sep: str) -> dict[tuple
     out: dict[tuple[str, ...], float] = {}
     for conn in conns:
         for template in templates:
-            words = (sep,) * (k > 0) + conn + tuple(render(template, dict(step.values)))
+            words = write_step(step, k, sep, conn, template)
             out[words] = out.get(words, 0.0) + 1 / len(conns) / len(templates)
     return out
 
@@ -273,8 +271,8 @@ def continue_writing(task: PhrasedTask, steps: list[Step], state: WritingState,
     for k in range(state.next_step, len(steps)):
         if limit is not None and len(words) >= limit:
             break
-        words += [state.sep] * (k > 0) + list(rng.choice(connectives_of(steps[k].kind, k)))
-        words += render(rng.choice(task.STEPS[steps[k].kind]), dict(steps[k].values))
+        conn = rng.choice(connectives_of(steps[k].kind, k))  # drawn first, as ever: seeded splits
+        words += write_step(steps[k], k, state.sep, conn, rng.choice(task.STEPS[steps[k].kind]))
     return words
 
 
@@ -288,12 +286,12 @@ def _check(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[str, ...], s
         if pos >= len(words) or words[pos] != sep:
             return False
         pos += 1
+    kinds = same_place_kinds(task.STEPS, step.kind) if form else (step.kind,)
+    templates = dict.fromkeys(t for kind in kinds for t in task.STEPS[kind])
     for conn in dict.fromkeys(connectives_of(step.kind, k)):
         after = pos + len(conn)
         if words[pos:after] != conn:
             continue
-        kinds = same_place_kinds(task.STEPS, step.kind) if form else (step.kind,)
-        templates = dict.fromkeys(t for kind in kinds for t in task.STEPS[kind])
         for template in templates:
             end = match(template, list(words), after, None if form else dict(step.values))
             if end is None:
