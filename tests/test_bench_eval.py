@@ -132,6 +132,30 @@ def test_evaluate_counts_every_prompt(ckpt):
         evaluate(LLM(ckpt), SamplingParams(), tasks=["sort"], limit=1, batch_size=0)
 
 
+def test_eval_samples_hold_every_prompt_with_the_report_s_grades(tmp_path):
+    """``--samples``: one JSON line per prompt, in split order, whose grades add up to the report's
+    and whose output is what the model wrote for that prompt."""
+    from dllm_engine import SamplingParams
+    from dllm_engine.eval.evaluate import chat_prompt
+    from dllm_engine.tasks import VOCAB
+    ckpt = write_checkpoint(tmp_path / "llada", "llada", vocab_size=len(VOCAB))  # reads phrased words
+    llm, params = LLM(ckpt), SamplingParams(method="dual-cache", max_new_tokens=16, block_length=8)
+    examples = load_split(["sort", "calc"], limit=3)
+    path = tmp_path / "samples.jsonl"
+    report = evaluate(llm, params, examples=examples, batch_size=4, use_tqdm=False, samples=path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["id"], r["task"], r["prompt"], r["target"]) for r in rows] == \
+        [(e.id, e.task, e.prompt, e.answer) for e in examples]
+    for task, result in report.tasks.items():
+        mine = [r for r in rows if r["task"] == task]
+        assert sum(r["correct"] for r in mine) == result.correct
+        assert sum(r["nfe"] for r in mine) == result.stats.nfe
+        assert sum(r["output_tokens"] for r in mine) == result.stats.output_tokens
+    assert {r["form_correct"] is None for r in rows if r["task"] == "sort"} == {True}  # no form grade
+    assert {type(r["form_correct"]) for r in rows if r["task"] == "calc"} == {bool}
+    assert rows[0]["output"] == llm.chat([chat_prompt(examples[0])], params)[0].text
+
+
 def test_eval_reports_the_final_answer_grade_of_worked_tasks():
     """A reference answer with a wrong step but the right result: the model's right trace fails
     the whole-answer grade and passes the final-answer one; a copy task has no final grade."""

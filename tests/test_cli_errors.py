@@ -95,6 +95,8 @@ def cases(ckpt, tmp_path_factory) -> dict[str, tuple[list[str], str]]:
         # an output that cannot be written fails before the run, not after it
         "eval json into a missing folder": (["eval", *model, "--tasks", "sort", "--limit", "1", "--json",
                                              "/nonexistent-dllm/x.json"], "folder /nonexistent-dllm does not exist"),
+        "eval samples into a missing folder": (["eval", *model, "--tasks", "sort", "--limit", "1", "--samples",
+                                                "/nonexistent-dllm/x.jsonl"], "--samples /nonexistent-dllm/x.jsonl: folder"),
         "chain-probe json is a folder": (["chain-probe", *model, "--json", str(ckpt)], "is a folder; give a file name"),
         # the spec fails before the (broken) weights are read: specs are checked first
         "bench spec before weights": (["bench", "--model", str(folders["truncated weights"]), "--methods",

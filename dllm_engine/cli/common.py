@@ -130,15 +130,15 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def check_json_path(path: str | None) -> None:
-    """Refuse a ``--json`` path that cannot be written before a run's work, not after it."""
+def check_json_path(path: str | None, flag: str = "--json") -> None:
+    """Refuse an output file (``flag``'s) that cannot be written before a run's work, not after it."""
     if path is None:
         return
     target = Path(path)
     if target.is_dir():
-        raise UserError(f"--json {path}: is a folder; give a file name")
+        raise UserError(f"{flag} {path}: is a folder; give a file name")
     if not target.parent.is_dir():
-        raise UserError(f"--json {path}: folder {target.parent} does not exist")
+        raise UserError(f"{flag} {path}: folder {target.parent} does not exist")
 
 
 def prepare_out(out: str | None, name: str) -> None:

@@ -15,6 +15,9 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="prompts per task")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--json", default=None, help="write the report as JSON here")
+    p.add_argument("--samples", default=None, metavar="FILE",
+                   help="write every prompt, its target, the model's output and its grades here, one "
+                        "JSON line each, a batch at a time as it finishes")
     add_model_args(p)
     add_sampling_args(p)
 
@@ -25,11 +28,13 @@ def run_eval(args: argparse.Namespace) -> None:
     from ..tasks import resolve_tasks
     args.tasks = resolve_tasks(args.tasks)  # a typo fails before the model loads
     check_json_path(args.json)
+    check_json_path(args.samples, "--samples")
     set_threads(args.threads)
     given = sampling_params(args)  # bad options fail before the model loads
     llm = common.load_llm(args)
     params = llm.resolve(given)
-    report = evaluate(llm, params, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size)
+    report = evaluate(llm, params, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
+                      samples=args.samples)
     print(f"model: {args.model}")
     print(f"method: {params.describe()}")
     print(report.table())

@@ -1,8 +1,11 @@
 """Run a decoding method over the held-out split with the chat template; grade exactly."""
 from __future__ import annotations
 
+import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -150,11 +153,23 @@ def chat_prompt(example: Example) -> list[dict]:
     return [{"role": "user", "content": example.prompt}]
 
 
+def sample_record(ex: Example, text: str, stats: SequenceStats, ok: bool, final_ok: bool | None,
+                  form_ok: bool | None) -> dict:
+    """One prompt's line of ``--samples``: what was asked, what was expected, what came out, its
+    grades (None for a grade the task does not have) and its decoding counts."""
+    return {"id": ex.id, "task": ex.task, "prompt": ex.prompt, "target": ex.answer, "output": text,
+            "correct": ok, "final_correct": final_ok, "form_correct": form_ok, "nfe": stats.nfe,
+            "output_tokens": stats.output_tokens, "decoded_tokens": stats.decoded_tokens,
+            "ahead_tokens": stats.ahead_tokens}
+
+
 def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, limit: int | None = None,
              batch_size: int = 32, use_tqdm: bool = True, examples: list[Example] | None = None,
-             desc: str | None = None) -> EvalReport:
+             desc: str | None = None, samples: str | Path | None = None) -> EvalReport:
     """Accuracy and stats (``SequenceStats``) of ``params`` on the held-out split (or ``examples``);
-    ``use_tqdm``: a progress bar of the prompts done, named ``desc`` (default: eval METHOD)."""
+    ``use_tqdm``: a progress bar of the prompts done, named ``desc`` (default: eval METHOD);
+    ``samples``: a JSON-lines file that gets every prompt's ``sample_record``, a batch at a time as
+    it finishes (an interrupted run keeps the prompts it graded)."""
     if batch_size < 1:
         raise UserError(f"batch size must be >= 1, got {batch_size}")
     examples = examples if examples is not None else load_split(tasks, limit=limit)
@@ -164,16 +179,21 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
     records: list[dict] = []
     # a named bar (a bench row's) gives way to the row it measures; closed on Ctrl-C or an error too
     with tqdm(total=len(examples), desc=desc or f"eval {params.method}", unit="prompt", disable=not use_tqdm,
-              leave=desc is None) as bar:
+              leave=desc is None) as bar, \
+            (open(samples, "w", encoding="utf-8") if samples is not None else nullcontext()) as log:
         start = time.perf_counter()
         for i in range(0, len(examples), batch_size):
             chunk = examples[i:i + batch_size]
             outs = llm.chat([chat_prompt(e) for e in chunk], params)
             report.method, records = outs.method, records + [outs.diagnostics]
             for ex, out in zip(chunk, outs):
-                report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(
-                    grade(ex, out.text), out.stats, grade_final(ex, out.text), grade_form(ex, out.text))
+                grades = grade(ex, out.text), grade_final(ex, out.text), grade_form(ex, out.text)
+                report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(grades[0], out.stats, *grades[1:])
                 all_stats.append(out.stats)
+                if log is not None:
+                    log.write(json.dumps(sample_record(ex, out.text, out.stats, *grades)) + "\n")
+            if log is not None:
+                log.flush()
             bar.update(len(chunk))
     report.stats = SequenceStats.total(all_stats, time.perf_counter() - start)
     report.diagnostics = {k: v for rec in merge_diagnostics(records).values() for k, v in rec.summary().items()}
