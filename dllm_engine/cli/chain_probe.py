@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
-from .common import add_model_args, check_json_path, set_threads
+from .common import add_model_args, check_output_path, set_threads
 
 
 def add_chain_probe(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +42,7 @@ def run_probe(args: argparse.Namespace, probe, table) -> None:
     from ..outputs import write_json_atomic
     from ..tasks import load_split, resolve_tasks
     tasks = resolve_tasks(args.tasks)
-    check_json_path(args.json)
+    check_output_path(args.json)
     set_threads(args.threads)
     rows = probe(common.load_llm(args), load_split(tasks, limit=args.limit))
     print(f"model: {args.model}")

@@ -130,7 +130,7 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def check_json_path(path: str | None, flag: str = "--json") -> None:
+def check_output_path(path: str | None, flag: str = "--json") -> None:
     """Refuse an output file (``flag``'s) that cannot be written before a run's work, not after it."""
     if path is None:
         return

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
-from .common import add_model_args, add_sampling_args, check_json_path, sampling_params, set_threads
+from .common import add_model_args, add_sampling_args, check_output_path, sampling_params, set_threads
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
@@ -27,8 +27,8 @@ def run_eval(args: argparse.Namespace) -> None:
     from ..outputs import write_json_atomic
     from ..tasks import resolve_tasks
     args.tasks = resolve_tasks(args.tasks)  # a typo fails before the model loads
-    check_json_path(args.json)
-    check_json_path(args.samples, "--samples")
+    check_output_path(args.json)
+    check_output_path(args.samples, "--samples")
     set_threads(args.threads)
     given = sampling_params(args)  # bad options fail before the model loads
     llm = common.load_llm(args)

@@ -187,11 +187,11 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
             outs = llm.chat([chat_prompt(e) for e in chunk], params)
             report.method, records = outs.method, records + [outs.diagnostics]
             for ex, out in zip(chunk, outs):
-                grades = grade(ex, out.text), grade_final(ex, out.text), grade_form(ex, out.text)
-                report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(grades[0], out.stats, *grades[1:])
+                ok, final_ok, form_ok = grade(ex, out.text), grade_final(ex, out.text), grade_form(ex, out.text)
+                report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(ok, out.stats, final_ok, form_ok)
                 all_stats.append(out.stats)
                 if log is not None:
-                    log.write(json.dumps(sample_record(ex, out.text, out.stats, *grades)) + "\n")
+                    log.write(json.dumps(sample_record(ex, out.text, out.stats, ok, final_ok, form_ok)) + "\n")
             if log is not None:
                 log.flush()
             bar.update(len(chunk))
