@@ -542,7 +542,8 @@ def test_write_json_atomic_keeps_the_old_file_when_a_write_fails(tmp_path, monke
 @pytest.mark.parametrize("command", [["eval", "--tasks", "sort", "--limit", "1", "--max-new-tokens", "8",
                                       "--block-length", "8"],
                                      ["chain-probe", "--tasks", "sum", "--limit", "1"],  # the embedded model
-                                     ["frontier-probe", "--tasks", "sum", "--limit", "1"]])
+                                     ["frontier-probe", "--tasks", "sum", "--limit", "1"],
+                                     ["canvas-probe", "--tasks", "calc", "--limit", "1", "--max-new-tokens", "32"]])
 def test_json_output_failing_to_write_names_the_file_and_keeps_the_old_one(ckpt, tmp_path, capsys,
                                                                          monkeypatch, command):
     from dllm_engine import outputs

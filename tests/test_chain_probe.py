@@ -210,3 +210,95 @@ def test_oracle_frontier_probe_reads_the_generator_s_next_word(tmp_path):
     assert sum(p == 1.0 for p in exact) <= row.over_threshold < len(gold)  # sure, and unsure, places
     with pytest.raises(UserError, match="phrased tasks with a trace"):
         oracle_frontier_probe(llm, load_split(["describe"], limit=1))
+
+
+# -- the canvas probe ------------------------------------------------------------------------
+class _ScriptedLLM:
+    """Stands in for an LLM whose decoder commits each answer's words in a given order, some
+    replaced by wrong ones: ``chat`` returns outputs with the step records of that order."""
+    PROMPT = [7, 7, 7]  # three prompt tokens
+
+    def __init__(self, scripts: list[list[list[tuple[int, str]]]], max_new_tokens: int):
+        self.scripts, self.max_new_tokens = scripts, max_new_tokens
+        self.ids: dict[str, int] = {"<end>": 0}
+        self.token_ids = type("Ids", (), {"stop_ids": frozenset({0})})()
+
+    def id_of(self, word: str) -> int:
+        return self.ids.setdefault(word, len(self.ids) + 10)
+
+    def token_text(self, token_id: int) -> str:
+        return next(w for w, i in self.ids.items() if i == token_id)
+
+    def resolve(self, params):
+        return params.replace(max_new_tokens=self.max_new_tokens)
+
+    def chat(self, conversations, params):
+        from dllm_engine.engine.trace import Commit, StepRecord
+        from dllm_engine.engine.llm import RequestOutput
+        assert params.record_steps
+        outs = []
+        for script in self.scripts[:len(conversations)]:
+            p = len(self.PROMPT)
+            records = [StepRecord(step=k, block=0, block_start=p, block_end=p + self.max_new_tokens,
+                                  block_step=k, canvas_len=p + self.max_new_tokens, processed_tokens=0.0,
+                                  seconds=0.0, committed=[Commit(p + i, self.id_of(w), 1.0) for i, w in step])
+                       for k, step in enumerate(script)]
+            outs.append(RequestOutput(prompt_token_ids=list(self.PROMPT), token_ids=[], text="", stats=None,
+                                      finish_reason="stop", steps=records))
+        self.scripts = self.scripts[len(conversations):]
+        return outs
+
+
+def test_canvas_probe_finds_the_step_that_loses_each_canvas():
+    """Over random commit orders of right and wrong words, the probe's losing step (found by
+    bisection) is the first frame a step-by-step check refuses, each step is classed ahead
+    exactly when it leaves a masked slot left of a slot it commits, and the counts add up."""
+    import random
+    from dllm_engine import SamplingParams
+    from dllm_engine.eval.canvas_probe import canvas_probe
+    from dllm_engine.tasks import TASKS
+    from dllm_engine.tasks.phrased import END, check_trace
+    rng, n_slots = random.Random("canvas-probe"), 256
+    examples = load_split(["calc", "tally"], limit=6)
+    scripts, want = [], {}
+    for ex in examples:
+        task, words = TASKS[ex.task], ex.answer.split() + ["<end>"] * 4
+        order = rng.sample(range(len(words)), len(words))
+        steps, k = [], 0
+        while k < len(order):  # one to three slots a step
+            take = order[k:k + rng.randint(1, 3)]
+            k += len(take)
+            steps.append([(i, words[i] if rng.random() < 0.93 else rng.choice(["so", "is", "9", ","]))
+                          for i in take])
+        scripts.append(steps)
+        row = want.setdefault(ex.task, {"ahead": 0, "steps": 0, True: [0, 0, 0, 0], False: [0, 0, 0, 0]})
+        canvas, frames, ahead = [None] * n_slots, [], []
+        for step in steps:
+            for i, w in step:
+                canvas[i] = END if w == "<end>" else w
+            frames.append(tuple(canvas))
+            ahead.append(any(None in canvas[:i] for i, _ in step))
+        row["ahead"] += sum(ahead)
+        row["steps"] += len(steps)
+        for form in (True, False):
+            lost_at = next((j for j, f in enumerate(frames)
+                            if not check_trace(task, tuple(task.steps_of(ex)), f, form=form)), None)
+            upto = ahead if lost_at is None else ahead[:lost_at + 1]
+            counts = row[form]
+            counts[0] += lost_at is not None
+            counts[1] += lost_at is not None and ahead[lost_at]
+            counts[2] += sum(upto)
+            counts[3] += len(upto) - sum(upto)
+    llm = _ScriptedLLM(scripts, n_slots)
+    rows = canvas_probe(llm, SamplingParams(method="dual-cache"), examples, batch_size=4)
+    lost_somewhere = 0
+    for task, row in rows.items():
+        w = want[task]
+        assert (row.answers, row.ahead, row.steps) == (6, w["ahead"], w["steps"])
+        for loss, form in ((row.form, True), (row.trace, False)):
+            assert [loss.lost, loss.lost_ahead, loss.ahead_steps, loss.frontier_steps] == w[form]
+        assert row.form.lost <= row.trace.lost  # a lost form loses the trace
+        lost_somewhere += row.trace.lost
+    assert 0 < lost_somewhere < 12  # some canvases kept, some lost
+    with pytest.raises(UserError, match="phrased tasks with a trace"):
+        canvas_probe(llm, SamplingParams(), load_split(["describe"], limit=1))

@@ -9,8 +9,8 @@ import pytest
 
 from dllm_engine.tasks import (TASK_FAMILIES, TASKS, VOCAB, Example, grade, grade_final, grade_form,
                                load_split)
-from dllm_engine.tasks.phrased import (CALC_STEPS, PHRASED_WORDS, SEPARATORS, PhrasedTask, continue_writing,
-                                      describe_ok, step_writings, writing_states)
+from dllm_engine.tasks.phrased import (CALC_STEPS, END, PHRASED_WORDS, SEPARATORS, PhrasedTask, check_trace,
+                                      continue_writing, describe_ok, step_writings, writing_states)
 
 PHRASED = TASK_FAMILIES["phrased"]
 TRACED = [t for t in PHRASED if isinstance(TASKS[t], PhrasedTask)]
@@ -154,6 +154,55 @@ def test_form_grade_ignores_values_not_shape(task: str) -> None:
         for wrong in _mutations(ex.answer):
             if len(wrong.split()) != len(words) or not any(w in wrong.split() for w in SEPARATORS):
                 assert not grade_form(ex, wrong), wrong  # dropped, doubled or cut
+
+
+@pytest.mark.parametrize("task", TRACED)
+def test_a_canvas_is_finishable_while_some_phrasing_fits_it(task: str) -> None:
+    """On a decoder's canvas (``None`` masked, ``END`` a stop token) the checker says whether a
+    phrasing can still be written there: a generated answer with any slots masked, followed by
+    masked slots or stop tokens, is; a word that no phrasing puts at its place, a stop token
+    inside the trace or a canvas too short is not; a wrong value loses the trace, not the form."""
+    gen, rng = TASKS[task], random.Random(f"canvas-{task}")
+    values_lost = 0
+    for ex in _samples(task, 20, seed="canvas"):
+        steps, words = tuple(gen.steps_of(ex)), ex.answer.split()
+        n = len(words)
+        masked = tuple(None if rng.random() < 0.6 else w for w in words)
+        for tail in ((None,) * 8, (END,) * 8, (None, END) * 4, ()):
+            assert check_trace(gen, steps, masked + tail) and check_trace(gen, steps, masked + tail, form=True)
+        assert check_trace(gen, steps, (None,) * (n + 40))  # nothing committed yet
+        assert not check_trace(gen, steps, (None,) * 3)  # no room for two steps and a separator
+        assert not check_trace(gen, steps, (None,) * 3 + (END,) + (None,) * n)  # nor before a stop token
+        # a word that cannot stand where it is: a separator as the answer's first word
+        assert not check_trace(gen, steps, (words[0] if words[0] in SEPARATORS else SEPARATORS[0],)
+                               + (None,) * (n + 40))
+        digits = [i for i, w in enumerate(words) if w.isdigit()]
+        i = digits[len(digits) // 2]
+        wrong = masked[:i] + (str((int(words[i]) + 1) % 10),) + masked[i + 1:] + (END,)
+        if not check_trace(gen, steps, wrong):  # a value the trace fixes (not an operand read twice)
+            assert check_trace(gen, steps, wrong, form=True)
+            values_lost += 1
+    assert values_lost >= 10
+
+
+def test_committing_more_slots_never_makes_a_canvas_finishable_again() -> None:
+    """The monotonicity the canvas probe's bisection relies on, over random commit orders of
+    right and wrong words."""
+    gen, rng = TASKS["calc"], random.Random("monotone")
+    lost = 0
+    for ex in _samples("calc", 10, seed="monotone"):
+        steps, words = tuple(gen.steps_of(ex)), ex.answer.split() + ["<end>"] * 6
+        canvas = [None] * len(words)
+        seen_lost = {False: False, True: False}
+        for i in rng.sample(range(len(words)), len(words)):
+            canvas[i] = END if words[i] == "<end>" else words[i] if rng.random() < 0.9 else rng.choice(
+                ["so", "is", "9", ","])
+            for form in (False, True):
+                ok = check_trace(gen, steps, tuple(canvas), form=form)
+                assert not (ok and seen_lost[form])
+                seen_lost[form] |= not ok
+        lost += seen_lost[False]
+    assert lost >= 3  # some orders lose the canvas (and the test would see one found again)
 
 
 def test_form_grade_takes_any_kind_that_may_stand_there() -> None:

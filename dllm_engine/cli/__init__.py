@@ -9,7 +9,8 @@ from ..errors import UserError
 
 from .bench import add_bench, run_bench
 from .bench_serve import add_bench_serve, run_bench_serve
-from .chain_probe import add_chain_probe, add_frontier_probe, run_chain_probe, run_frontier_probe
+from .chain_probe import (add_canvas_probe, add_chain_probe, add_frontier_probe, run_canvas_probe,
+                          run_chain_probe, run_frontier_probe)
 from .download import add_download, run_download
 from .eval import add_eval, run_eval
 from .generate import add_generate, run_generate
@@ -24,6 +25,7 @@ from .train import add_train, run_train
 COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eval),
             "chain-probe": (add_chain_probe, run_chain_probe),
             "frontier-probe": (add_frontier_probe, run_frontier_probe),
+            "canvas-probe": (add_canvas_probe, run_canvas_probe),
             "bench": (add_bench, run_bench), "profile": (add_profile, run_profile), "train": (add_train, run_train),
             "serve": (add_serve, run_serve), "bench-serve": (add_bench_serve, run_bench_serve),
             "lm-eval-tasks": (add_lm_eval_tasks, run_lm_eval_tasks),

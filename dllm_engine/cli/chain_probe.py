@@ -1,11 +1,13 @@
-"""``dllm chain-probe`` (do worked answers compute each intermediate result, or copy it) and
-``dllm frontier-probe`` (is the decoding frontier the slot a threshold decoder commits first)."""
+"""``dllm chain-probe`` (do worked answers compute each intermediate result, or copy it),
+``dllm frontier-probe`` (is the decoding frontier the slot a threshold decoder commits first) and
+``dllm canvas-probe`` (which decoding step makes a phrased answer unfinishable, and did it commit
+ahead of the frontier)."""
 from __future__ import annotations
 
 import argparse
 
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
-from .common import add_model_args, check_output_path, set_threads
+from .common import add_model_args, add_sampling_args, check_output_path, sampling_params, set_threads
 
 
 def add_chain_probe(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +31,16 @@ def add_frontier_probe(sub: argparse._SubParsersAction) -> None:
                         "learned them perfectly would see (the model gives the tokenizer and block layout)")
     p.add_argument("--samples", type=int, default=200, help="--oracle: answers drawn per position")
     add_probe_args(p)
+
+
+def add_canvas_probe(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("canvas-probe", help="phrased tasks: which step of a method's own decoding "
+                       "makes the canvas unfinishable, and did it commit ahead of the frontier "
+                       "(see eval/canvas_probe.py)")
+    p.add_argument("--tasks", default="calc,shop,biggest,tally", help="phrased tasks with a trace")
+    p.add_argument("--batch-size", type=int, default=32)
+    add_probe_args(p)
+    add_sampling_args(p)
 
 
 def add_probe_args(p: argparse.ArgumentParser) -> None:
@@ -65,3 +77,16 @@ def run_frontier_probe(args: argparse.Namespace) -> None:
                                                                     **layout), frontier_table)
     else:
         run_probe(args, lambda llm, examples: frontier_probe(llm, examples, **layout), frontier_table)
+
+
+def run_canvas_probe(args: argparse.Namespace) -> None:
+    from ..eval.canvas_probe import canvas_probe, canvas_table
+    from ..errors import UserError
+    from ..tasks import TASKS, resolve_tasks
+    from ..tasks.phrased import PhrasedTask
+    other = [t for t in resolve_tasks(args.tasks) if not isinstance(TASKS[t], PhrasedTask)]
+    if other:  # before the model loads
+        raise UserError(f"the canvas probe reads the phrased tasks with a trace, not {', '.join(other)}")
+    given = sampling_params(args)  # bad options fail before the model loads
+    run_probe(args, lambda llm, examples: canvas_probe(llm, given, examples, batch_size=args.batch_size),
+              canvas_table)

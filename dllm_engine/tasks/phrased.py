@@ -117,16 +117,33 @@ def render(template: Template, values: dict[str, str]) -> list[str]:
     return [values[w[1:-1]] if w.startswith("{") and w.endswith("}") and len(w) > 2 else w for w in template]
 
 
-def match(template: Template, words: list[str], pos: int, values: dict[str, str] | None) -> int | None:
+class _End:
+    """The type of ``END``."""
+
+    def __repr__(self) -> str:
+        return "END"
+
+
+END = _End()  # in a canvas: the answer has ended (a stop token); only ever after the trace
+Word = str | None | _End  # a canvas slot: a word, ``None`` (masked: any word) or ``END``
+
+
+def fills(got: Word, want: str) -> bool:
+    """``got`` may stand where the word ``want`` is written: it is that word, or masked."""
+    return got is None or got == want
+
+
+def match(template: Template, words: tuple[Word, ...], pos: int, values: dict[str, str] | None) -> int | None:
     """The end of ``template`` matched at ``words[pos:]`` with its slots equal to ``values``
-    (``None``: any word fills a slot), or None."""
+    (``None``: any word fills a slot; a masked slot, ``None``, matches any word), or None."""
     end = pos + len(template)
     if end > len(words):
         return None
+    got = words[pos:end]
     if values is None:
-        same = all(w.startswith("{") or w == got for w, got in zip(template, words[pos:end]))
+        same = all((w.startswith("{") and g is not END) or fills(g, w) for w, g in zip(template, got))
         return end if same else None
-    return end if words[pos:end] == render(template, values) else None
+    return end if all(map(fills, got, render(template, values))) else None
 
 
 def same_place_kinds(steps: dict[str, tuple[Template, ...]], kind: str) -> tuple[str, ...]:
@@ -277,40 +294,55 @@ def continue_writing(task: PhrasedTask, steps: list[Step], state: WritingState,
 
 
 @functools.lru_cache(maxsize=8192)
-def _check(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[str, ...], sep: str, k: int,
-           pos: int, form: bool = False) -> bool:
-    """``words[pos:]`` phrases ``steps[k:]``, each after ``sep`` (``form``: in a phrasing of any
-    kind that may stand at the step's place, slots unchecked)."""
-    step = steps[k]
-    if k:
-        if pos >= len(words) or words[pos] != sep:
-            return False
-        pos += 1
-    kinds = same_place_kinds(task.STEPS, step.kind) if form else (step.kind,)
-    templates = dict.fromkeys(t for kind in kinds for t in task.STEPS[kind])
-    for conn in dict.fromkeys(connectives_of(step.kind, k)):
-        after = pos + len(conn)
-        if words[pos:after] != conn:
-            continue
-        for template in templates:
-            end = match(template, list(words), after, None if form else dict(step.values))
-            if end is None:
+def _check(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[Word, ...], sep: str,
+           form: bool = False) -> bool:
+    """``words`` phrases ``steps``, each after ``sep`` (``form``: in a phrasing of any kind that
+    may stand at the step's place, slots unchecked), then holds only masked slots and ``END``."""
+    memo: dict[tuple[int, int], bool] = {}
+
+    def rest(k: int, pos: int) -> bool:  # words[pos:] phrases steps[k:]
+        if (k, pos) not in memo:
+            memo[k, pos] = phrases_rest(k, pos)
+        return memo[k, pos]
+
+    def phrases_rest(k: int, pos: int) -> bool:
+        step = steps[k]
+        if k:
+            if pos >= len(words) or not fills(words[pos], sep):
+                return False
+            pos += 1
+        kinds = same_place_kinds(task.STEPS, step.kind) if form else (step.kind,)
+        templates = dict.fromkeys(t for kind in kinds for t in task.STEPS[kind])
+        for conn in dict.fromkeys(connectives_of(step.kind, k)):
+            after = pos + len(conn)
+            if after > len(words) or not all(map(fills, words[pos:after], conn)):
                 continue
-            if k == len(steps) - 1:
-                if end == len(words):
+            for template in templates:
+                end = match(template, words, after, None if form else dict(step.values))
+                if end is None:
+                    continue
+                if k == len(steps) - 1:
+                    if all(w is None or w is END for w in words[end:]):
+                        return True
+                elif rest(k + 1, end):
                     return True
-            elif _check(task, steps, words, sep, k + 1, end, form):
-                return True
-    return False
+        return False
+
+    return rest(0, 0)
 
 
-def check_trace(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[str, ...],
+def check_trace(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[Word, ...],
                 form: bool = False) -> bool:
     """``words`` is a phrasing of ``steps`` the generator can produce: every step in order with
     its values, one connective and one template each, one separator kind throughout. ``form``
     checks only the shape: as many steps, each in a phrasing of a kind that may stand there
-    (``same_place_kinds``), any word in its slots."""
-    return any(_check(task, steps, words, sep, 0, 0, form) for sep in SEPARATORS)
+    (``same_place_kinds``), any word in its slots.
+
+    ``words`` may also be a decoder's canvas: ``None`` for a slot still masked (any word may
+    come there) and ``END`` for a stop token, which may only follow the trace. It is then
+    whether the canvas can still be completed into such a phrasing, ending at or before its
+    last slot; committing more slots never makes an unfinishable canvas finishable again."""
+    return any(_check(task, steps, words, sep, form) for sep in SEPARATORS)
 
 
 class CalcTask(PhrasedTask):

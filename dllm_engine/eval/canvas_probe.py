@@ -1,0 +1,150 @@
+"""Which decoding step makes a phrased answer's canvas unfinishable, and did it commit ahead?
+
+``frontier_probe`` reads the model along the gold answers, where no decoding error compounds. This
+probe reads the decoder's own canvases: it decodes the held-out prompts of the phrased tasks with a
+trace (recording every step, ``SamplingParams.record_steps``) and asks, after each step, whether the
+canvas can still be completed into a phrasing the task generator can write (``check_trace`` on the
+canvas: masked slots may take any word, a stop token may only follow the trace). Committing slots
+never makes an unfinishable canvas finishable again, so each answer has one step that loses it (or
+none, for a right answer); the probe finds it by bisection, twice: for the whole trace (values
+checked) and for its form (phrasing alone, any word in the value slots).
+
+Each step is counted as committing ahead (some slot it commits has a masked slot on its left once
+it is done) or at the frontier only. Up to and including the losing step, the probe counts both
+kinds and how many of each lost the canvas: if committing ahead is what breaks the phrasing, a step
+that commits ahead loses the form far more often than one that commits at the frontier.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..engine.llm import LLM
+from ..engine.trace import MASK, StepRecord, canvas_frames
+from ..errors import UserError
+from ..sampling_params import SamplingParams
+from ..tasks import TASKS, Example
+from .chain_probe import probe_table
+from .evaluate import chat_prompt
+
+
+@dataclass
+class Loss:
+    """Where one answer's canvas stopped being finishable, for one grade."""
+    lost: int = 0  # answers whose canvas became unfinishable
+    lost_ahead: int = 0  # ... at a step that committed ahead
+    ahead_steps: int = 0  # steps up to the loss (or the end) that committed ahead
+    frontier_steps: int = 0  # ... that committed at the frontier only (or nothing)
+
+    def count(self, ahead: list[bool], lost_at: int | None) -> None:
+        """One answer: ``ahead[i]`` whether step i committed ahead; ``lost_at`` the step after
+        which its canvas was unfinishable (None: never)."""
+        considered = ahead if lost_at is None else ahead[:lost_at + 1]
+        self.ahead_steps += sum(considered)
+        self.frontier_steps += len(considered) - sum(considered)
+        if lost_at is not None:
+            self.lost += 1
+            self.lost_ahead += int(ahead[lost_at])
+
+    def as_dict(self, answers: int, prefix: str) -> dict:
+        frontier_losses = self.lost - self.lost_ahead
+        return {f"{prefix}_lost": round(self.lost / max(1, answers), 4),
+                f"{prefix}_lost_ahead": round(self.lost_ahead / max(1, self.lost), 4),
+                f"{prefix}_loss_per_ahead_step": round(self.lost_ahead / max(1, self.ahead_steps), 4),
+                f"{prefix}_loss_per_frontier_step": round(frontier_losses / max(1, self.frontier_steps), 4)}
+
+
+@dataclass
+class CanvasRow:
+    task: str
+    answers: int = 0
+    steps: int = 0  # decoding steps, all of them
+    ahead: int = 0  # of them, steps that committed ahead
+    form: Loss = field(default_factory=Loss)  # the form lost (phrasing, values unchecked)
+    trace: Loss = field(default_factory=Loss)  # the whole trace lost (a phrasing or a value)
+
+    def as_dict(self) -> dict:
+        return {"task": self.task, "answers": self.answers,
+                "ahead_steps": round(self.ahead / max(1, self.steps), 4),
+                **self.form.as_dict(self.answers, "form"), **self.trace.as_dict(self.answers, "trace")}
+
+
+def ahead_steps(frames: list[list[int | None]], records: list[StepRecord], prompt_len: int) -> list[bool]:
+    """Per step: whether a slot it committed has a masked slot on its left once it is done."""
+    out = []
+    for frame, record in zip(frames, records):
+        first_masked = next((i for i, tok in enumerate(frame) if tok is MASK), len(frame))
+        out.append(any(c.position - prompt_len > first_masked for c in record.committed))
+    return out
+
+
+def first_unfinishable(finishable, n: int) -> int | None:
+    """The first of frames 0..n-1 that ``finishable(i)`` refuses, by bisection (it is monotone:
+    once refused, every later frame is); None if the last frame is finishable."""
+    if n == 0 or finishable(n - 1):
+        return None
+    lo, hi = 0, n - 1  # frame hi is refused; find the first
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if finishable(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def canvas_probe(llm: LLM, params: SamplingParams, examples: list[Example],
+                 batch_size: int = 32) -> dict[str, CanvasRow]:
+    """Per task, which steps of ``params``'s decoding made the canvas unfinishable (see the
+    module's docstring); the phrased tasks with a trace only (``describe`` has no steps)."""
+    from ..tasks.phrased import END, PhrasedTask, check_trace
+    for ex in examples:
+        if not isinstance(TASKS[ex.task], PhrasedTask):
+            raise UserError(f"the canvas probe reads the phrased tasks with a trace, not {ex.task}")
+    if batch_size < 1:
+        raise UserError(f"batch_size must be >= 1, got {batch_size}")
+    params = llm.resolve(params.replace(record_steps=True))
+    stop_ids = llm.token_ids.stop_ids
+    words = {}  # token id -> its word in a canvas
+
+    def word(tok: int | None):
+        if tok is MASK:
+            return None
+        if tok in stop_ids:
+            return END
+        if tok not in words:
+            words[tok] = llm.token_text(tok).strip()
+        return words[tok]
+
+    rows: dict[str, CanvasRow] = {}
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        for ex, out in zip(chunk, llm.chat([chat_prompt(e) for e in chunk], params)):
+            task = TASKS[ex.task]
+            steps = tuple(task.steps_of(ex))
+            p = len(out.prompt_token_ids)
+            records = out.steps or []
+            frames = canvas_frames(records, p)
+            canvases = [tuple(map(word, f)) + (None,) * (params.max_new_tokens - len(f)) for f in frames]
+            ahead = ahead_steps(frames, records, p)
+            row = rows.setdefault(ex.task, CanvasRow(ex.task))
+            row.answers += 1
+            row.steps += len(ahead)
+            row.ahead += sum(ahead)
+            for loss, form in ((row.form, True), (row.trace, False)):
+                lost_at = first_unfinishable(lambda i: check_trace(task, steps, canvases[i], form=form),
+                                             len(canvases))
+                loss.count(ahead, lost_at)
+    return rows
+
+
+CANVAS_COLUMNS = (("answers", "answers", "d"), ("ahead steps", "ahead_steps", ".1%"),
+                  ("form lost", "form_lost", ".1%"), ("at ahead", "form_lost_ahead", ".1%"),
+                  ("per ahead step", "form_loss_per_ahead_step", ".2%"),
+                  ("per frontier step", "form_loss_per_frontier_step", ".2%"),
+                  ("trace lost", "trace_lost", ".1%"), ("at ahead", "trace_lost_ahead", ".1%"),
+                  ("per ahead step", "trace_loss_per_ahead_step", ".2%"),
+                  ("per frontier step", "trace_loss_per_frontier_step", ".2%"))
+
+
+def canvas_table(rows: dict[str, CanvasRow]) -> str:
+    return probe_table(rows, CANVAS_COLUMNS)
