@@ -80,13 +80,9 @@ def run_frontier_probe(args: argparse.Namespace) -> None:
 
 
 def run_canvas_probe(args: argparse.Namespace) -> None:
-    from ..eval.canvas_probe import canvas_probe, canvas_table
-    from ..errors import UserError
-    from ..tasks import TASKS, resolve_tasks
-    from ..tasks.phrased import PhrasedTask
-    other = [t for t in resolve_tasks(args.tasks) if not isinstance(TASKS[t], PhrasedTask)]
-    if other:  # before the model loads
-        raise UserError(f"the canvas probe reads the phrased tasks with a trace, not {', '.join(other)}")
+    from ..eval.canvas_probe import canvas_probe, canvas_table, refuse_untraced
+    from ..tasks import resolve_tasks
+    refuse_untraced(resolve_tasks(args.tasks))  # before the model loads
     given = sampling_params(args)  # bad options fail before the model loads
     run_probe(args, lambda llm, examples: canvas_probe(llm, given, examples, batch_size=args.batch_size),
               canvas_table)

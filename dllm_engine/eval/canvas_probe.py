@@ -92,14 +92,20 @@ def first_unfinishable(finishable, n: int) -> int | None:
     return lo
 
 
+def refuse_untraced(tasks) -> None:
+    """UserError naming any of ``tasks`` that is not a phrased task with a trace."""
+    from ..tasks.phrased import PhrasedTask
+    other = [t for t in dict.fromkeys(tasks) if not isinstance(TASKS[t], PhrasedTask)]
+    if other:
+        raise UserError(f"the canvas probe reads the phrased tasks with a trace, not {', '.join(other)}")
+
+
 def canvas_probe(llm: LLM, params: SamplingParams, examples: list[Example],
                  batch_size: int = 32) -> dict[str, CanvasRow]:
     """Per task, which steps of ``params``'s decoding made the canvas unfinishable (see the
     module's docstring); the phrased tasks with a trace only (``describe`` has no steps)."""
-    from ..tasks.phrased import END, PhrasedTask, check_trace
-    for ex in examples:
-        if not isinstance(TASKS[ex.task], PhrasedTask):
-            raise UserError(f"the canvas probe reads the phrased tasks with a trace, not {ex.task}")
+    from ..tasks.phrased import END, check_trace
+    refuse_untraced(ex.task for ex in examples)
     if batch_size < 1:
         raise UserError(f"batch_size must be >= 1, got {batch_size}")
     params = llm.resolve(params.replace(record_steps=True))
