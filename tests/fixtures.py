@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from dllm_engine.config import ModelConfig
+from dllm_engine.engine.sequence import TokenIds
 from dllm_engine.models import DiffusionLM, get_family, save_model
 
 VOCAB = 96  # the project tokenizer's 95 ids (+1), so text prompts work on the fixtures too
@@ -164,3 +165,49 @@ def write_llada_moe_checkpoint(folder: Path, seed: int = 0, shard_bytes: int | N
         from dllm_engine.tokenizer import save_tokenizer
         save_tokenizer(folder, "llada")
     return folder
+
+
+class ScriptedLLM:
+    """Stands in for an LLM whose decoder commits each answer's words in a given order, some
+    replaced by wrong ones: ``chat`` returns outputs with the step records of that order. Its
+    vocabulary grows as words are asked for: ``<end>`` (the end of turn), ``<eos>``, ``<mask>``."""
+    PROMPT = [7, 7, 7]  # three prompt tokens
+
+    def __init__(self, scripts: list[list[list[tuple[int, str]]]], max_new_tokens: int):
+        self.scripts, self.max_new_tokens = scripts, max_new_tokens
+        llm = self
+
+        class Vocab(dict):  # every word has an id, given when first asked for
+            def __missing__(self, word: str) -> int:
+                return llm.id_of(word)
+
+        self.ids = Vocab({"<end>": 0, "<eos>": 1, "<mask>": 2})
+        self.token_ids = TokenIds(mask_id=2, eos_id=1, stop_ids=frozenset({0, 1}))
+        self.tokenizer = type("Tokenizer", (), {"get_vocab": lambda _: self.ids})()
+
+    def id_of(self, word: str) -> int:
+        if word not in self.ids:
+            self.ids[word] = len(self.ids) + 10
+        return self.ids[word]
+
+    def token_text(self, token_id: int) -> str:
+        return next(w for w, i in self.ids.items() if i == token_id)
+
+    def resolve(self, params):
+        return params.replace(max_new_tokens=self.max_new_tokens)
+
+    def chat(self, conversations, params):
+        from dllm_engine.engine.trace import Commit, StepRecord
+        from dllm_engine.engine.llm import RequestOutput
+        assert params.record_steps
+        outs = []
+        for script in self.scripts[:len(conversations)]:
+            p = len(self.PROMPT)
+            records = [StepRecord(step=k, block=0, block_start=p, block_end=p + self.max_new_tokens,
+                                  block_step=k, canvas_len=p + self.max_new_tokens, processed_tokens=0.0,
+                                  seconds=0.0, committed=[Commit(p + i, self.id_of(w), 1.0) for i, w in step])
+                       for k, step in enumerate(script)]
+            outs.append(RequestOutput(prompt_token_ids=list(self.PROMPT), token_ids=[], text="", stats=None,
+                                      finish_reason="stop", steps=records))
+        self.scripts = self.scripts[len(conversations):]
+        return outs

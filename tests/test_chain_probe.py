@@ -10,7 +10,7 @@ from dllm_engine.eval.chain_probe import (chain_probe, copy_masked_rows, result_
                                           right_masked_rows)
 from dllm_engine.eval.frontier_probe import block_ends, frontier_probe, oracle_frontier_probe
 from dllm_engine.tasks import load_split
-from fixtures import write_checkpoint
+from fixtures import ScriptedLLM, write_checkpoint
 
 pytestmark = pytest.mark.slow  # probe runs over the held-out split
 
@@ -213,42 +213,6 @@ def test_oracle_frontier_probe_reads_the_generator_s_next_word(tmp_path):
 
 
 # -- the canvas probe ------------------------------------------------------------------------
-class _ScriptedLLM:
-    """Stands in for an LLM whose decoder commits each answer's words in a given order, some
-    replaced by wrong ones: ``chat`` returns outputs with the step records of that order."""
-    PROMPT = [7, 7, 7]  # three prompt tokens
-
-    def __init__(self, scripts: list[list[list[tuple[int, str]]]], max_new_tokens: int):
-        self.scripts, self.max_new_tokens = scripts, max_new_tokens
-        self.ids: dict[str, int] = {"<end>": 0}
-        self.token_ids = type("Ids", (), {"stop_ids": frozenset({0})})()
-
-    def id_of(self, word: str) -> int:
-        return self.ids.setdefault(word, len(self.ids) + 10)
-
-    def token_text(self, token_id: int) -> str:
-        return next(w for w, i in self.ids.items() if i == token_id)
-
-    def resolve(self, params):
-        return params.replace(max_new_tokens=self.max_new_tokens)
-
-    def chat(self, conversations, params):
-        from dllm_engine.engine.trace import Commit, StepRecord
-        from dllm_engine.engine.llm import RequestOutput
-        assert params.record_steps
-        outs = []
-        for script in self.scripts[:len(conversations)]:
-            p = len(self.PROMPT)
-            records = [StepRecord(step=k, block=0, block_start=p, block_end=p + self.max_new_tokens,
-                                  block_step=k, canvas_len=p + self.max_new_tokens, processed_tokens=0.0,
-                                  seconds=0.0, committed=[Commit(p + i, self.id_of(w), 1.0) for i, w in step])
-                       for k, step in enumerate(script)]
-            outs.append(RequestOutput(prompt_token_ids=list(self.PROMPT), token_ids=[], text="", stats=None,
-                                      finish_reason="stop", steps=records))
-        self.scripts = self.scripts[len(conversations):]
-        return outs
-
-
 def test_canvas_probe_finds_the_step_that_loses_each_canvas():
     """Over random commit orders of right and wrong words, the probe's losing step (found by
     bisection) is the first frame a step-by-step check refuses, each step is classed ahead
@@ -289,7 +253,7 @@ def test_canvas_probe_finds_the_step_that_loses_each_canvas():
             counts[1] += lost_at is not None and ahead[lost_at]
             counts[2] += sum(upto)
             counts[3] += len(upto) - sum(upto)
-    llm = _ScriptedLLM(scripts, n_slots)
+    llm = ScriptedLLM(scripts, n_slots)
     rows = canvas_probe(llm, SamplingParams(method="dual-cache"), examples, batch_size=4)
     lost_somewhere = 0
     for task, row in rows.items():

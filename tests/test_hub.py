@@ -213,7 +213,7 @@ def test_fetches_only_what_the_engine_reads(monkeypatch, tmp_path):
     assert sorted(kept) == sorted(listing[:7])
 
 
-@pytest.mark.parametrize("command", ["generate", "eval", "chain-probe", "frontier-probe", "canvas-probe", "bench", "profile", "serve", "download"])
+@pytest.mark.parametrize("command", ["generate", "eval", "chain-probe", "frontier-probe", "canvas-probe", "canvas-rows", "bench", "profile", "serve", "download"])
 def test_every_model_command_takes_a_revision(command, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])

@@ -19,13 +19,14 @@ from .playground import add_playground, run_playground
 from .profile import add_profile, run_profile
 from .report import add_report, run_report
 from .serve import add_serve, run_serve
-from .train import add_train, run_train
+from .train import add_canvas_rows, add_train, run_canvas_rows, run_train
 
 # command -> (adds its subparser, runs it); one module per command beside this file
 COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eval),
             "chain-probe": (add_chain_probe, run_chain_probe),
             "frontier-probe": (add_frontier_probe, run_frontier_probe),
             "canvas-probe": (add_canvas_probe, run_canvas_probe),
+            "canvas-rows": (add_canvas_rows, run_canvas_rows),
             "bench": (add_bench, run_bench), "profile": (add_profile, run_profile), "train": (add_train, run_train),
             "serve": (add_serve, run_serve), "bench-serve": (add_bench_serve, run_bench_serve),
             "lm-eval-tasks": (add_lm_eval_tasks, run_lm_eval_tasks),

@@ -1,8 +1,13 @@
-"""``dllm train``: train an embedded tiny checkpoint (the trainer lives in ``dllm_engine.train``)."""
+"""``dllm train``: train an embedded tiny checkpoint (the trainer lives in ``dllm_engine.train``);
+``dllm canvas-rows``: rows from a model's own decoded canvases for it to train on."""
 from __future__ import annotations
 
 import argparse
 import sys
+
+from . import common  # common.load_llm, looked up per call: tests stand in for the model
+from ..errors import UserError
+from .common import add_model_args, add_sampling_args, check_output_path, sampling_params, set_threads
 
 
 def add_train(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +47,26 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task-mix", type=task_mix, default=None, metavar="TASK=N,...",
                    help="oversample tasks: N examples of TASK per round of one of each other task "
                         "(e.g. lookup=3,spell=2)")
+    p.add_argument("--canvas-rows", default=None, metavar="FILE",
+                   help="llada: add the masked-diffusion loss of rows from a model's own decoded "
+                        "canvases, as `dllm canvas-rows` writes them")
+    p.add_argument("--canvas-batch", type=int, default=8, help="canvas rows per step")
+    p.add_argument("--canvas-weight", type=float, default=1.0, help="weight of the canvas rows' loss")
+
+
+def add_canvas_rows(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("canvas-rows", help="phrased tasks: training rows from a model's own decoded "
+                       "canvases, each finished into a phrasing that fits it, for `dllm train "
+                       "--canvas-rows` (see train/canvases.py)")
+    p.add_argument("--out", required=True, help="file to write the rows to")
+    p.add_argument("--tasks", default="calc,shop,biggest,tally", help="phrased tasks with a trace")
+    p.add_argument("--count", type=int, default=1000, help="training prompts to decode")
+    p.add_argument("--per-answer", type=int, default=4, help="canvases kept per answer, at most")
+    p.add_argument("--stream-seed", type=int, default=0,
+                   help="the training stream's seed (its prompts are never held-out ones) and the rows' draws'")
+    p.add_argument("--batch-size", type=int, default=32)
+    add_model_args(p)
+    add_sampling_args(p)
 
 
 def task_mix(text: str) -> dict[str, int]:
@@ -67,7 +92,8 @@ def run_train(args: argparse.Namespace) -> None:
                       max_new_tokens=args.max_new_tokens, save_every=args.save_every,
                       init_from=args.init_from, ar_weight=args.ar_weight, task_mix=args.task_mix,
                       suffix_mask=args.suffix_mask, block_aux=args.block_aux,
-                      long_tails=args.long_tails, device=args.device)
+                      long_tails=args.long_tails, device=args.device, canvas_rows=args.canvas_rows,
+                      canvas_batch=args.canvas_batch, canvas_weight=args.canvas_weight)
     trainer = Trainer(cfg)
     try:
         out = trainer.export_saved() if args.export_only else trainer.train()
@@ -75,3 +101,28 @@ def run_train(args: argparse.Namespace) -> None:
         print(e, file=sys.stderr)
         raise SystemExit(e.exit_code) from None
     print(f"checkpoint written to {out}")
+
+
+def run_canvas_rows(args: argparse.Namespace) -> None:
+    import itertools
+
+    from ..eval.canvas_probe import refuse_untraced
+    from ..tasks import resolve_tasks, train_examples
+    from ..train.canvases import canvas_rows
+    tasks = resolve_tasks(args.tasks)
+    refuse_untraced(tasks)  # before the model loads
+    if args.count < 1:
+        raise UserError(f"--count must be >= 1, got {args.count}")
+    check_output_path(args.out)
+    given = sampling_params(args)
+    set_threads(args.threads)
+    examples = list(itertools.islice(train_examples(args.stream_seed, tasks=tasks), args.count))
+    rows = canvas_rows(common.load_llm(args), given, examples, args.per_answer, args.stream_seed,
+                       batch_size=args.batch_size, use_tqdm=True)
+    rows.save(args.out)
+    meta = rows.meta
+    print(f"model: {args.model}\nmethod: {meta['params']}")
+    for task in meta["answers"]:
+        print(f"{task:<10} answers {meta['answers'][task]:>5}  lost {meta['lost'][task]:>5}  "
+              f"rows {meta['kept'].get(task, 0):>6}")
+    print(f"{len(rows.inputs)} rows written to {args.out}")

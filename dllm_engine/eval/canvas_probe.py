@@ -16,9 +16,10 @@ that commits ahead loses the form far more often than one that commits at the fr
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..engine.llm import LLM
+from ..engine.llm import LLM, RequestOutput
 from ..engine.trace import MASK, StepRecord, canvas_frames
 from ..errors import UserError
 from ..sampling_params import SamplingParams
@@ -97,18 +98,17 @@ def refuse_untraced(tasks) -> None:
     from ..tasks.phrased import PhrasedTask
     other = [t for t in dict.fromkeys(tasks) if not isinstance(TASKS[t], PhrasedTask)]
     if other:
-        raise UserError(f"the canvas probe reads the phrased tasks with a trace, not {', '.join(other)}")
+        traced = ", ".join(n for n, t in TASKS.items() if isinstance(t, PhrasedTask))
+        raise UserError(f"this reads the phrased tasks with a trace ({traced}), not {', '.join(other)}")
 
 
-def canvas_probe(llm: LLM, params: SamplingParams, examples: list[Example],
-                 batch_size: int = 32) -> dict[str, CanvasRow]:
-    """Per task, which steps of ``params``'s decoding made the canvas unfinishable (see the
-    module's docstring); the phrased tasks with a trace only (``describe`` has no steps)."""
-    from ..tasks.phrased import END, check_trace
-    refuse_untraced(ex.task for ex in examples)
-    if batch_size < 1:
-        raise UserError(f"batch_size must be >= 1, got {batch_size}")
-    params = llm.resolve(params.replace(record_steps=True))
+def decoded_canvases(llm: LLM, params: SamplingParams, examples: list[Example], batch_size: int,
+                     progress=None) -> Iterator[tuple[Example, RequestOutput, list, list]]:
+    """Decode ``examples`` with ``params`` (resolved, ``record_steps`` on) in batches and yield,
+    per example, its output, the frames after each step (``canvas_frames``) and the same frames as
+    ``check_trace`` reads canvases: a word per slot, ``None`` masked (the canvas's slots past a
+    frame too), ``END`` a stop token. ``progress``: a bar advanced per batch."""
+    from ..tasks.phrased import END
     stop_ids = llm.token_ids.stop_ids
     words = {}  # token id -> its word in a canvas
 
@@ -121,25 +121,37 @@ def canvas_probe(llm: LLM, params: SamplingParams, examples: list[Example],
             words[tok] = llm.token_text(tok).strip()
         return words[tok]
 
-    rows: dict[str, CanvasRow] = {}
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
         for ex, out in zip(chunk, llm.chat([chat_prompt(e) for e in chunk], params)):
-            task = TASKS[ex.task]
-            steps = tuple(task.steps_of(ex))
-            p = len(out.prompt_token_ids)
-            records = out.steps or []
-            frames = canvas_frames(records, p)
-            canvases = [tuple(map(word, f)) + (None,) * (params.max_new_tokens - len(f)) for f in frames]
-            ahead = ahead_steps(frames, records, p)
-            row = rows.setdefault(ex.task, CanvasRow(ex.task))
-            row.answers += 1
-            row.steps += len(ahead)
-            row.ahead += sum(ahead)
-            for loss, form in ((row.form, True), (row.trace, False)):
-                lost_at = first_unfinishable(lambda i: check_trace(task, steps, canvases[i], form=form),
-                                             len(canvases))
-                loss.count(ahead, lost_at)
+            frames = canvas_frames(out.steps or [], len(out.prompt_token_ids))
+            yield ex, out, frames, [tuple(map(word, f)) + (None,) * (params.max_new_tokens - len(f)) for f in frames]
+        if progress is not None:
+            progress.update(len(chunk))
+
+
+def canvas_probe(llm: LLM, params: SamplingParams, examples: list[Example],
+                 batch_size: int = 32) -> dict[str, CanvasRow]:
+    """Per task, which steps of ``params``'s decoding made the canvas unfinishable (see the
+    module's docstring); the phrased tasks with a trace only (``describe`` has no steps)."""
+    from ..tasks.phrased import check_trace
+    refuse_untraced(ex.task for ex in examples)
+    if batch_size < 1:
+        raise UserError(f"batch_size must be >= 1, got {batch_size}")
+    params = llm.resolve(params.replace(record_steps=True))
+    rows: dict[str, CanvasRow] = {}
+    for ex, out, frames, canvases in decoded_canvases(llm, params, examples, batch_size):
+        task = TASKS[ex.task]
+        steps = tuple(task.steps_of(ex))
+        ahead = ahead_steps(frames, out.steps or [], len(out.prompt_token_ids))
+        row = rows.setdefault(ex.task, CanvasRow(ex.task))
+        row.answers += 1
+        row.steps += len(ahead)
+        row.ahead += sum(ahead)
+        for loss, form in ((row.form, True), (row.trace, False)):
+            lost_at = first_unfinishable(lambda i: check_trace(task, steps, canvases[i], form=form),
+                                         len(canvases))
+            loss.count(ahead, lost_at)
     return rows
 
 

@@ -345,6 +345,56 @@ def check_trace(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[Word, .
     return any(_check(task, steps, words, sep, form) for sep in SEPARATORS)
 
 
+def fill_canvas(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[Word, ...],
+                rng: random.Random) -> list[str] | None:
+    """A phrasing of ``steps`` that fits the canvas ``words`` (as ``check_trace`` reads one: its
+    written words kept, its masked slots filled, its stop tokens after the trace), drawn with the
+    probability ``phrase`` gives it among the phrasings that fit; None if none fits.
+
+    A decoder that commits ahead leaves canvases no gold answer passes through; this is the
+    answer such a canvas should be finished into (``dllm canvas-rows``)."""
+    def choices(sep: str, k: int, pos: int) -> list[tuple[float, tuple[str, ...], int]]:
+        """(probability, words, end) of each way step ``k`` can be written from ``pos``."""
+        step, out = steps[k], []
+        if k:
+            if pos >= len(words) or not fills(words[pos], sep):
+                return out
+            pos += 1
+        conns, templates = connectives_of(step.kind, k), task.STEPS[step.kind]
+        values = dict(step.values)
+        for conn in conns:
+            after = pos + len(conn)
+            if after > len(words) or not all(map(fills, words[pos:after], conn)):
+                continue
+            for template in templates:
+                end = match(template, words, after, values)
+                if end is not None:
+                    out.append((1 / len(conns) / len(templates), write_step(step, k, sep, conn, template), end))
+        return out
+
+    def weight(sep: str, k: int, pos: int, memo: dict) -> float:
+        """The probability that steps k.. written from ``pos`` fit the rest of the canvas."""
+        if k == len(steps):
+            return float(all(w is None or w is END for w in words[pos:]))
+        if (k, pos) not in memo:
+            memo[k, pos] = sum(p * weight(sep, k + 1, end, memo) for p, _, end in choices(sep, k, pos))
+        return memo[k, pos]
+
+    memos = {sep: {} for sep in SEPARATORS}
+    totals = [weight(sep, 0, 0, memos[sep]) for sep in SEPARATORS]
+    if not any(totals):
+        return None
+    sep = rng.choices(SEPARATORS, weights=totals)[0]
+    out: list[str] = []
+    k = pos = 0
+    while k < len(steps):
+        options = [(p * weight(sep, k + 1, end, memos[sep]), written, end) for p, written, end in choices(sep, k, pos)]
+        _, written, pos = rng.choices(options, weights=[w for w, _, _ in options])[0]
+        out += written
+        k += 1
+    return out
+
+
 class CalcTask(PhrasedTask):
     """``calc : 3 + 5 - 2`` -> e.g. ``3 plus 5 is 8 , then taking 2 from 8 leaves 6 , so the
     answer is 6``: an expression evaluated left to right, one phrased step per operation

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import random
 import json
 import math
 import os
@@ -28,6 +29,7 @@ from ..models import DiffusionLM, get_family, save_model
 from ..models.loader import parse_device
 from ..tasks import check_mix, train_examples
 from ..tokenizer import save_tokenizer
+from .canvases import CanvasRows
 from .data import LONG_TAILS, Batch, Encoder, block_diffusion_batch, masked_diffusion_batch
 
 POOL = 4  # batches per length-sorted pool
@@ -86,6 +88,9 @@ class TrainConfig:
     block_aux: float = 0.0  # full-attention families: weight of an auxiliary block diffusion loss
     long_tails: float = LONG_TAILS  # masked diffusion: share of batches with canvases up to MAX_CANVAS
     device: str = "cpu"  # where the model trains; batches are drawn on the CPU either way
+    canvas_rows: str | None = None  # full-attention families: rows from a model's own canvases (canvases.py)
+    canvas_batch: int = 8  # of them per step
+    canvas_weight: float = 1.0  # weight of their masked-diffusion loss
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_SPECIALS:
@@ -103,6 +108,11 @@ class TrainConfig:
             raise UserError("steps and batch_size must be >= 1")
         if self.save_every < 1:
             raise UserError(f"save_every must be >= 1, got {self.save_every}")
+        if self.canvas_rows and self.family == "sdar":
+            raise UserError("canvas_rows are masked-diffusion rows, for full-attention families, not sdar")
+        if self.canvas_batch < 1 or self.canvas_weight < 0:
+            raise UserError(f"canvas_batch must be >= 1 and canvas_weight >= 0, got {self.canvas_batch} "
+                            f"and {self.canvas_weight}")
         check_mix(self.task_mix)  # a bad mix fails here, not at the first step
         parse_device(self.device)  # an unusable device fails here, with the devices to use
 
@@ -181,6 +191,7 @@ class Trainer:
         self.saved_step: int | None = None  # the step of work's state.pt, once read or written
         self._stop: int | None = None  # the signal that asked the loop to stop
         self._pool: tuple[int, list] | None = None  # (seed, examples) of the current pool
+        self.canvases = self.load_canvas_rows() if cfg.canvas_rows else None
 
     def model_config(self, model_type: str) -> ModelConfig:
         c, tok = self.cfg, self.tokenizer
@@ -241,6 +252,23 @@ class Trainer:
         seed = self.cfg.seed * 1_000_003 + step + 500_009
         return block_diffusion_batch(self.encoder, self.examples(step), seed, self.cfg.block_size,
                                      self.cfg.suffix_mask).to(self.device)
+
+    def load_canvas_rows(self) -> CanvasRows:
+        rows = CanvasRows.load(self.cfg.canvas_rows)
+        meta, enc = rows.meta, self.encoder
+        mine = {"mask_id": enc.mask_id, "eos_id": enc.eos_id, "end_of_turn_id": enc.end_of_turn_id}
+        theirs = {k: meta.get(k) for k in mine}
+        if theirs != mine or meta.get("vocab_size", 0) > len(self.tokenizer):
+            raise UserError(f"canvas rows {self.cfg.canvas_rows} were written with another tokenizer "
+                            f"({theirs}, {meta.get('vocab_size')} tokens) than this run's ({mine}, "
+                            f"{len(self.tokenizer)} tokens)")
+        return rows
+
+    def canvas_batch(self, step: int) -> Batch:
+        """``canvas_batch`` rows of ``canvas_rows``, drawn from the step's seed."""
+        n = len(self.canvases.inputs)
+        picks = random.Random(self.cfg.seed * 1_000_003 + step + 900_001).sample(range(n), min(n, self.cfg.canvas_batch))
+        return self.canvases.batch(picks, self.encoder.mask_id, self.encoder.eos_id).to(self.device)
 
     def pool(self, pool_seed: int) -> list:
         """The length-sorted pool drawn from ``pool_seed``, built once for its POOL steps."""
@@ -440,6 +468,8 @@ class Trainer:
         total = diffusion + self.cfg.ar_weight * causal
         if self.cfg.block_aux:
             total = total + self.cfg.block_aux * self.diffusion_loss(self.block_batch(step))
+        if self.canvases is not None:
+            total = total + self.cfg.canvas_weight * self.diffusion_loss(self.canvas_batch(step))
         self.opt.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)

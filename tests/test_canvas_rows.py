@@ -1,0 +1,182 @@
+"""Rows from a model's own canvases: the phrasing that finishes a canvas, the rows a decoding
+leaves, and the trainer's loss on them (``dllm canvas-rows``, ``dllm train --canvas-rows``)."""
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from dllm_engine import SamplingParams
+from dllm_engine.errors import UserError
+from dllm_engine.tasks import TASKS, load_split
+from dllm_engine.tasks.phrased import END, check_trace, fill_canvas
+from dllm_engine.train import TrainConfig, Trainer
+from dllm_engine.train.canvases import CanvasRows, canvas_rows
+from fixtures import ScriptedLLM
+
+TRACED = ["calc", "shop", "biggest", "tally"]
+
+
+def canvases(rng, example, keep: float, wrong: float = 0.0):
+    """The gold answer with a ``keep`` share of its words written (a ``wrong`` share of those
+    replaced) and the rest masked, then a masked tail."""
+    words = example.answer.split()
+    canvas = [None] * (len(words) + 12)
+    for i, w in enumerate(words):
+        if rng.random() < keep:
+            canvas[i] = rng.choice(["so", "9", ",", "is"]) if rng.random() < wrong else w
+    return tuple(canvas)
+
+
+@pytest.mark.parametrize("task_name", TRACED)
+def test_a_fill_fits_its_canvas_and_exists_exactly_when_check_trace_says(task_name):
+    task, rng = TASKS[task_name], random.Random(task_name)
+    fitted = refused = 0
+    for ex in load_split([task_name], limit=8):
+        steps = tuple(task.steps_of(ex))
+        for keep, wrong in ((0.0, 0.0), (0.3, 0.0), (0.6, 0.05), (0.9, 0.02)):
+            canvas = canvases(rng, ex, keep, wrong)
+            fill = fill_canvas(task, steps, canvas, rng)
+            assert (fill is not None) == check_trace(task, steps, canvas)
+            if fill is None:
+                refused += 1
+                continue
+            fitted += 1
+            assert len(fill) <= len(canvas)
+            assert all(c is None or c == w for c, w in zip(canvas, fill))  # written words kept
+            assert all(c is None or c is END for c in canvas[len(fill):])
+            assert check_trace(task, steps, tuple(fill))  # a right trace, as the generator writes
+    assert fitted and refused
+
+
+def test_fills_are_drawn_as_the_generator_writes():
+    """A fill is drawn as ``phrase`` writes answers, among those that fit: on a canvas of the
+    median answer's length (the longer half does not fit), the first words and lengths of 2000
+    fills are distributed as those of the written answers that fit (the split's shortest trace
+    among 20, for speed). Choosing among the phrasings that fit without weighing how many ways
+    remain after each would favour long openings and fail here."""
+    task = TASKS["calc"]
+    steps = min((tuple(task.steps_of(ex)) for ex in load_split(["calc"], limit=20)), key=len)
+    rng, n = random.Random(0), 2000
+    written = [task.phrase(list(steps), rng) for _ in range(3 * n)]
+    room = sorted(map(len, written))[len(written) // 2]
+    fitting = [w for w in written if len(w) <= room]
+    fills = [fill_canvas(task, steps, (None,) * room, rng) for _ in range(n)]
+    for key in (lambda a: a[0], len):
+        got, want = Counter(map(key, fills)), Counter(map(key, fitting))
+        distance = sum(abs(got[k] / n - want[k] / len(fitting)) for k in got | want) / 2
+        assert len(want) > 2 and distance < 0.05, (got, want)
+
+
+def script_decoding(rng, examples, n_slots):
+    """A decoding per example: its words (a few wrong, the end of turn after them) committed one
+    to three slots a step in a random order."""
+    scripts = []
+    for ex in examples:
+        words = ex.answer.split() + ["<end>"]
+        order = rng.sample(range(len(words)), len(words))
+        steps, k = [], 0
+        while k < len(order):
+            take = order[k:k + rng.randint(1, 3)]
+            k += len(take)
+            steps.append([(i, words[i] if rng.random() < 0.95 else rng.choice(["so", "9", ","])) for i in take])
+        scripts.append(steps)
+    return scripts
+
+
+def test_rows_are_finishable_canvases_as_decoded_with_a_fitting_target():
+    rng, n_slots = random.Random("rows"), 256
+    examples = load_split(["calc", "tally"], limit=5)
+    scripts = script_decoding(rng, examples, n_slots)
+    llm = ScriptedLLM([list(s) for s in scripts], n_slots)
+    rows = canvas_rows(llm, SamplingParams(method="dual-cache"), examples, per_answer=3, seed=1, batch_size=4)
+    names = {i: w for w, i in llm.ids.items()}
+    assert len(rows.inputs) == len(rows.targets) == len(rows.prompt_lengths) == sum(rows.meta["kept"].values())
+    assert rows.meta["answers"] == {"calc": 5, "tally": 5} and sum(rows.meta["lost"].values()) > 0
+    seen = 0
+    for inputs, targets, p in zip(rows.inputs, rows.targets, rows.prompt_lengths):
+        assert inputs[:p] == targets[:p] == ScriptedLLM.PROMPT and len(inputs) == len(targets) <= p + n_slots
+        canvas, target = inputs[p:], [names[t] for t in targets[p:]]
+        assert 2 in canvas  # a masked slot left to learn
+        assert all(c == 2 or c == t for c, t in zip(canvas, targets[p:]))  # written slots kept
+        end = target.index("<end>")
+        assert all(t == "<eos>" or c != 2 for c, t in zip(canvas[end + 1:], target[end + 1:]))  # EOS padding
+        # the canvas as decoded: some step's frame of some script, cut
+        written = {i: names[c] for i, c in enumerate(canvas) if c != 2}
+        frames = []
+        for script in scripts:
+            slots = {}
+            for step in script:
+                slots.update(step)
+                frames.append(dict(slots))
+        assert any({i: w for i, w in f.items() if i < len(canvas)} == written for f in frames)
+        assert any(check_trace(TASKS[e.task], tuple(TASKS[e.task].steps_of(e)), tuple(target[:end]))
+                   for e in examples)  # a right trace of one of the prompts
+        seen += 1
+    assert seen == len(rows.inputs) > 0
+
+
+def test_rows_round_trip_and_a_bad_file_is_refused(tmp_path):
+    rows = CanvasRows([[7, 2, 2], [7, 5, 2, 2]], [[7, 5, 0], [7, 5, 6, 0]], [1, 1], {"mask_id": 2})
+    rows.save(tmp_path / "rows.pt")
+    back = CanvasRows.load(tmp_path / "rows.pt")
+    assert (back.inputs, back.targets, back.prompt_lengths, back.meta) == (rows.inputs, rows.targets, [1, 1],
+                                                                           {"mask_id": 2})
+    b = back.batch([0, 1], mask_id=2, eos_id=1)
+    assert b.input_ids.tolist() == [[7, 2, 2, 2], [7, 5, 2, 2]]  # padded with masked slots
+    assert b.targets.tolist() == [[7, 5, 0, 1], [7, 5, 6, 0]]  # whose target is EOS
+    assert b.is_masked.tolist() == [[False, True, True, True], [False, False, True, True]]
+    assert torch.allclose(b.weight, torch.tensor([1.0, 1.5]))  # 1 / share of the response masked
+    (tmp_path / "junk.pt").write_text("not rows")
+    for path, match in ((tmp_path / "junk.pt", "not a file"), (tmp_path / "none.pt", "no such file")):
+        with pytest.raises(UserError, match=match):
+            CanvasRows.load(path)
+
+
+TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
+            batch_size=4, warmup=2, save_every=2, block_size=8)
+
+
+@pytest.mark.slow
+def test_the_trainer_adds_the_canvas_rows_loss(tmp_path):
+    plain = Trainer(TrainConfig(family="llada", out=str(tmp_path / "a-out"), work=str(tmp_path / "a"), **TINY))
+    enc = plain.encoder
+    prompt, _ = enc.encode(load_split(["calc"], limit=1)[0])
+    meta = {"mask_id": enc.mask_id, "eos_id": enc.eos_id, "end_of_turn_id": enc.end_of_turn_id,
+            "vocab_size": len(plain.tokenizer)}
+    rows = CanvasRows([prompt + [enc.mask_id] * 6], [prompt + [20, 21, 22, enc.end_of_turn_id, 3, 3]],
+                      [len(prompt)], meta)
+    rows.save(tmp_path / "rows.pt")
+    with_rows = Trainer(TrainConfig(family="llada", out=str(tmp_path / "b-out"), work=str(tmp_path / "b"),
+                                    canvas_rows=str(tmp_path / "rows.pt"), canvas_batch=2, **TINY))
+    b = with_rows.canvas_batch(0)
+    assert b.input_ids.shape == (1, len(prompt) + 6) and int(b.is_masked.sum()) == 6
+    plain.train_step(0)
+    with_rows.train_step(0)  # same weights and examples, one more loss term: a different update
+    assert any(not torch.equal(p, q) for p, q in zip(plain.model.parameters(), with_rows.model.parameters()))
+    rows.meta["mask_id"] = 99
+    rows.save(tmp_path / "other.pt")
+    with pytest.raises(UserError, match="another tokenizer"):
+        Trainer(TrainConfig(family="llada", out=str(tmp_path / "c-out"), work=str(tmp_path / "c"),
+                            canvas_rows=str(tmp_path / "other.pt"), **TINY))
+    with pytest.raises(UserError, match="not sdar"):
+        TrainConfig(family="sdar", out="x", work="y", canvas_rows=str(tmp_path / "rows.pt"))
+
+
+def test_cli_writes_rows_and_refuses_bad_input_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    from dllm_engine.cli import common, main
+    sdar = str(Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-sdar")
+    out = tmp_path / "rows.pt"
+    assert main(["canvas-rows", "--model", sdar, "--method", "block", "--threshold", "0.9", "--tasks", "biggest",
+                 "--count", "2", "--per-answer", "2", "--threads", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = CanvasRows.load(out)
+    assert rows.meta["answers"] == {"biggest": 2} and 0 < len(rows.inputs) <= 4
+    assert f"{len(rows.inputs)} rows written to {out}" in printed and "biggest" in printed
+    monkeypatch.setattr(common, "load_llm", lambda *_: pytest.fail("the model loaded"))
+    for argv, error in ((["--tasks", "describe"], "phrased tasks with a trace (calc, shop, biggest, tally), not describe"),
+                        (["--count", "0"], "--count must be >= 1")):
+        assert main(["canvas-rows", "--out", str(tmp_path / "x.pt"), *argv]) == 2
+        assert error in capsys.readouterr().err
