@@ -167,6 +167,18 @@ def write_llada_moe_checkpoint(folder: Path, seed: int = 0, shard_bytes: int | N
     return folder
 
 
+def commit_script(rng, words: list[str], right: float, wrong: tuple[str, ...]) -> list[list[tuple[int, str]]]:
+    """A decoding of ``words`` for ``ScriptedLLM``: slots committed one to three a step in a random
+    order, each with its word with probability ``right``, else with one of ``wrong``."""
+    order = rng.sample(range(len(words)), len(words))
+    steps, k = [], 0
+    while k < len(order):
+        take = order[k:k + rng.randint(1, 3)]
+        k += len(take)
+        steps.append([(i, words[i] if rng.random() < right else rng.choice(wrong)) for i in take])
+    return steps
+
+
 class ScriptedLLM:
     """Stands in for an LLM whose decoder commits each answer's words in a given order, some
     replaced by wrong ones: ``chat`` returns outputs with the step records of that order. Its

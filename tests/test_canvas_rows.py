@@ -12,7 +12,7 @@ from dllm_engine.tasks import TASKS, load_split
 from dllm_engine.tasks.phrased import END, check_trace, fill_canvas
 from dllm_engine.train import TrainConfig, Trainer
 from dllm_engine.train.canvases import CanvasRows, canvas_rows
-from fixtures import ScriptedLLM
+from fixtures import ScriptedLLM, commit_script
 
 TRACED = ["calc", "shop", "biggest", "tally"]
 
@@ -68,32 +68,21 @@ def test_fills_are_drawn_as_the_generator_writes():
         assert len(want) > 2 and distance < 0.05, (got, want)
 
 
-def script_decoding(rng, examples, n_slots):
-    """A decoding per example: its words (a few wrong, the end of turn after them) committed one
-    to three slots a step in a random order."""
-    scripts = []
-    for ex in examples:
-        words = ex.answer.split() + ["<end>"]
-        order = rng.sample(range(len(words)), len(words))
-        steps, k = [], 0
-        while k < len(order):
-            take = order[k:k + rng.randint(1, 3)]
-            k += len(take)
-            steps.append([(i, words[i] if rng.random() < 0.95 else rng.choice(["so", "9", ","])) for i in take])
-        scripts.append(steps)
-    return scripts
-
-
 def test_rows_are_finishable_canvases_as_decoded_with_a_fitting_target():
     rng, n_slots = random.Random("rows"), 256
     examples = load_split(["calc", "tally"], limit=5)
-    scripts = script_decoding(rng, examples, n_slots)
+    scripts = [commit_script(rng, ex.answer.split() + ["<end>"], 0.95, ("so", "9", ",")) for ex in examples]
+    frames = []  # every script's slots after each of its steps
+    for script in scripts:
+        slots = {}
+        for step in script:
+            slots.update(step)
+            frames.append(dict(slots))
     llm = ScriptedLLM([list(s) for s in scripts], n_slots)
     rows = canvas_rows(llm, SamplingParams(method="dual-cache"), examples, per_answer=3, seed=1, batch_size=4)
     names = {i: w for w, i in llm.ids.items()}
-    assert len(rows.inputs) == len(rows.targets) == len(rows.prompt_lengths) == sum(rows.meta["kept"].values())
+    assert len(rows.inputs) == len(rows.targets) == len(rows.prompt_lengths) == sum(rows.meta["kept"].values()) > 0
     assert rows.meta["answers"] == {"calc": 5, "tally": 5} and sum(rows.meta["lost"].values()) > 0
-    seen = 0
     for inputs, targets, p in zip(rows.inputs, rows.targets, rows.prompt_lengths):
         assert inputs[:p] == targets[:p] == ScriptedLLM.PROMPT and len(inputs) == len(targets) <= p + n_slots
         canvas, target = inputs[p:], [names[t] for t in targets[p:]]
@@ -101,19 +90,10 @@ def test_rows_are_finishable_canvases_as_decoded_with_a_fitting_target():
         assert all(c == 2 or c == t for c, t in zip(canvas, targets[p:]))  # written slots kept
         end = target.index("<end>")
         assert all(t == "<eos>" or c != 2 for c, t in zip(canvas[end + 1:], target[end + 1:]))  # EOS padding
-        # the canvas as decoded: some step's frame of some script, cut
-        written = {i: names[c] for i, c in enumerate(canvas) if c != 2}
-        frames = []
-        for script in scripts:
-            slots = {}
-            for step in script:
-                slots.update(step)
-                frames.append(dict(slots))
+        written = {i: names[c] for i, c in enumerate(canvas) if c != 2}  # the canvas as decoded, cut
         assert any({i: w for i, w in f.items() if i < len(canvas)} == written for f in frames)
         assert any(check_trace(TASKS[e.task], tuple(TASKS[e.task].steps_of(e)), tuple(target[:end]))
                    for e in examples)  # a right trace of one of the prompts
-        seen += 1
-    assert seen == len(rows.inputs) > 0
 
 
 def test_rows_round_trip_and_a_bad_file_is_refused(tmp_path):

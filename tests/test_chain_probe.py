@@ -10,7 +10,7 @@ from dllm_engine.eval.chain_probe import (chain_probe, copy_masked_rows, result_
                                           right_masked_rows)
 from dllm_engine.eval.frontier_probe import block_ends, frontier_probe, oracle_frontier_probe
 from dllm_engine.tasks import load_split
-from fixtures import ScriptedLLM, write_checkpoint
+from fixtures import ScriptedLLM, commit_script, write_checkpoint
 
 pytestmark = pytest.mark.slow  # probe runs over the held-out split
 
@@ -226,14 +226,8 @@ def test_canvas_probe_finds_the_step_that_loses_each_canvas():
     examples = load_split(["calc", "tally"], limit=6)
     scripts, want = [], {}
     for ex in examples:
-        task, words = TASKS[ex.task], ex.answer.split() + ["<end>"] * 4
-        order = rng.sample(range(len(words)), len(words))
-        steps, k = [], 0
-        while k < len(order):  # one to three slots a step
-            take = order[k:k + rng.randint(1, 3)]
-            k += len(take)
-            steps.append([(i, words[i] if rng.random() < 0.93 else rng.choice(["so", "is", "9", ","]))
-                          for i in take])
+        task = TASKS[ex.task]
+        steps = commit_script(rng, ex.answer.split() + ["<end>"] * 4, 0.93, ("so", "is", "9", ","))
         scripts.append(steps)
         row = want.setdefault(ex.task, {"ahead": 0, "steps": 0, True: [0, 0, 0, 0], False: [0, 0, 0, 0]})
         canvas, frames, ahead = [None] * n_slots, [], []

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import random
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -293,6 +294,35 @@ def continue_writing(task: PhrasedTask, steps: list[Step], state: WritingState,
     return words
 
 
+def placements(task: PhrasedTask, steps: tuple[Step, ...], k: int, words: tuple[Word, ...], sep: str,
+               pos: int, form: bool = False) -> Iterator[tuple[float, Template, Template, int]]:
+    """Each way step ``k`` can stand in the canvas ``words`` from ``pos`` (after ``sep`` unless it
+    is the first): its connective, its template, where it ends, and the probability ``phrase``
+    writes that connective and template for its kind (``form``: a template of any kind that may
+    stand at the step's place, slots unchecked). Each distinct choice once."""
+    step = steps[k]
+    if k:
+        if pos >= len(words) or not fills(words[pos], sep):
+            return
+        pos += 1
+    kinds = same_place_kinds(task.STEPS, step.kind) if form else (step.kind,)
+    conns, templates = connectives_of(step.kind, k), [t for kind in kinds for t in task.STEPS[kind]]
+    values = None if form else dict(step.values)
+    for conn, conn_count in Counter(conns).items():
+        after = pos + len(conn)
+        if after > len(words) or not all(map(fills, words[pos:after], conn)):
+            continue
+        for template, count in Counter(templates).items():
+            end = match(template, words, after, values)
+            if end is not None:
+                yield conn_count / len(conns) * count / len(templates), conn, template, end
+
+
+def ends_the_trace(words: tuple[Word, ...], pos: int) -> bool:
+    """Nothing but masked slots and stop tokens from ``pos`` on."""
+    return all(w is None or w is END for w in words[pos:])
+
+
 @functools.lru_cache(maxsize=8192)
 def _check(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[Word, ...], sep: str,
            form: bool = False) -> bool:
@@ -301,32 +331,11 @@ def _check(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[Word, ...], 
     memo: dict[tuple[int, int], bool] = {}
 
     def rest(k: int, pos: int) -> bool:  # words[pos:] phrases steps[k:]
+        if k == len(steps):
+            return ends_the_trace(words, pos)
         if (k, pos) not in memo:
-            memo[k, pos] = phrases_rest(k, pos)
+            memo[k, pos] = any(rest(k + 1, end) for *_, end in placements(task, steps, k, words, sep, pos, form))
         return memo[k, pos]
-
-    def phrases_rest(k: int, pos: int) -> bool:
-        step = steps[k]
-        if k:
-            if pos >= len(words) or not fills(words[pos], sep):
-                return False
-            pos += 1
-        kinds = same_place_kinds(task.STEPS, step.kind) if form else (step.kind,)
-        templates = dict.fromkeys(t for kind in kinds for t in task.STEPS[kind])
-        for conn in dict.fromkeys(connectives_of(step.kind, k)):
-            after = pos + len(conn)
-            if after > len(words) or not all(map(fills, words[pos:after], conn)):
-                continue
-            for template in templates:
-                end = match(template, words, after, None if form else dict(step.values))
-                if end is None:
-                    continue
-                if k == len(steps) - 1:
-                    if all(w is None or w is END for w in words[end:]):
-                        return True
-                elif rest(k + 1, end):
-                    return True
-        return False
 
     return rest(0, 0)
 
@@ -355,27 +364,13 @@ def fill_canvas(task: PhrasedTask, steps: tuple[Step, ...], words: tuple[Word, .
     answer such a canvas should be finished into (``dllm canvas-rows``)."""
     def choices(sep: str, k: int, pos: int) -> list[tuple[float, tuple[str, ...], int]]:
         """(probability, words, end) of each way step ``k`` can be written from ``pos``."""
-        step, out = steps[k], []
-        if k:
-            if pos >= len(words) or not fills(words[pos], sep):
-                return out
-            pos += 1
-        conns, templates = connectives_of(step.kind, k), task.STEPS[step.kind]
-        values = dict(step.values)
-        for conn in conns:
-            after = pos + len(conn)
-            if after > len(words) or not all(map(fills, words[pos:after], conn)):
-                continue
-            for template in templates:
-                end = match(template, words, after, values)
-                if end is not None:
-                    out.append((1 / len(conns) / len(templates), write_step(step, k, sep, conn, template), end))
-        return out
+        return [(p, write_step(steps[k], k, sep, conn, template), end)
+                for p, conn, template, end in placements(task, steps, k, words, sep, pos)]
 
     def weight(sep: str, k: int, pos: int, memo: dict) -> float:
         """The probability that steps k.. written from ``pos`` fit the rest of the canvas."""
         if k == len(steps):
-            return float(all(w is None or w is END for w in words[pos:]))
+            return float(ends_the_trace(words, pos))
         if (k, pos) not in memo:
             memo[k, pos] = sum(p * weight(sep, k + 1, end, memo) for p, _, end in choices(sep, k, pos))
         return memo[k, pos]

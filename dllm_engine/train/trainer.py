@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
-import random
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import threading
