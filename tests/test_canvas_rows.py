@@ -12,6 +12,7 @@ from dllm_engine.tasks import TASKS, load_split
 from dllm_engine.tasks.phrased import END, check_trace, fill_canvas
 from dllm_engine.train import TrainConfig, Trainer
 from dllm_engine.train.canvases import CanvasRows, canvas_rows
+from dllm_engine.train.data import block_diffusion_mask
 from fixtures import ScriptedLLM, commit_script
 
 TRACED = ["calc", "shop", "biggest", "tally"]
@@ -96,6 +97,46 @@ def test_rows_are_finishable_canvases_as_decoded_with_a_fitting_target():
                    for e in examples)  # a right trace of one of the prompts
 
 
+def block_script(rng, words: list[str], block: int, right: float, wrong: tuple[str, ...]):
+    """A block-causal decoding for ``ScriptedLLM``: ``commit_script`` within each block of
+    ``block`` positions (counted from the prompt's first) in turn, as SDAR's ``block`` decodes."""
+    steps, start, p = [], 0, len(ScriptedLLM.PROMPT)
+    while start < len(words):
+        end = min(len(words), (p + start) // block * block + block - p)
+        steps += [[(start + i, w) for i, w in step] for step in commit_script(rng, words[start:end], right, wrong)]
+        start = end
+    return steps
+
+
+def test_a_block_decoders_rows_end_at_the_block_it_was_decoding():
+    rng, block = random.Random("block rows"), 8
+    examples = load_split(["calc", "shop"], limit=5)
+    scripts = [block_script(rng, ex.answer.split() + ["<end>"], block, 0.97, ("so", "9", ",")) for ex in examples]
+    llm = ScriptedLLM([list(s) for s in scripts], 256)
+    rows = canvas_rows(llm, SamplingParams(method="block", block_length=block), examples, per_answer=4, seed=2,
+                       batch_size=4)
+    names = {i: w for w, i in llm.ids.items()}
+    assert rows.block_size == block and len(rows.inputs) > 5
+    for inputs, targets, p in zip(rows.inputs, rows.targets, rows.prompt_lengths):
+        assert len(inputs) % block == 0  # cut at a block's end
+        last_block = len(inputs) - block
+        masked = [i for i, t in enumerate(inputs) if t == 2]
+        assert masked and min(masked) >= max(p, last_block)  # every masked slot in the decoded block
+        assert all(c == 2 or c == t for c, t in zip(inputs, targets))
+        words = tuple(names[t] for t in targets[p:])
+        words = words[:words.index("<end>")] if "<end>" in words else words + (None,) * 200
+        assert any(check_trace(TASKS[e.task], tuple(TASKS[e.task].steps_of(e)), words) for e in examples)
+    b = rows.batch([0, 1, 2], mask_id=2, eos_id=1)
+    length = max(len(rows.inputs[i]) for i in range(3))
+    assert b.input_ids.shape == (3, 2 * length) and b.targets.shape == (3, length)
+    assert torch.equal(b.input_ids[:, length:], b.targets)  # the clean copy
+    assert torch.equal(b.is_masked, b.input_ids[:, :length] == 2)  # EOS padding is no loss
+    assert torch.equal(b.attention_mask, block_diffusion_mask(length, block))
+    for row in range(3):
+        response = rows.inputs[row][rows.prompt_lengths[row]:]
+        assert b.weight[row] == pytest.approx(1 / max(0.1, response.count(2) / len(response)))
+
+
 def test_rows_round_trip_and_a_bad_file_is_refused(tmp_path):
     rows = CanvasRows([[7, 2, 2], [7, 5, 2, 2]], [[7, 5, 0], [7, 5, 6, 0]], [1, 1], {"mask_id": 2})
     rows.save(tmp_path / "rows.pt")
@@ -139,8 +180,34 @@ def test_the_trainer_adds_the_canvas_rows_loss(tmp_path):
     with pytest.raises(UserError, match="another tokenizer"):
         Trainer(TrainConfig(family="llada", out=str(tmp_path / "c-out"), work=str(tmp_path / "c"),
                             canvas_rows=str(tmp_path / "other.pt"), **TINY))
-    with pytest.raises(UserError, match="not sdar"):
-        TrainConfig(family="sdar", out="x", work="y", canvas_rows=str(tmp_path / "rows.pt"))
+    with pytest.raises(UserError, match="a full-attention decoder's; a sdar run trains on a block decoder's"):
+        Trainer(TrainConfig(family="sdar", out=str(tmp_path / "d-out"), work=str(tmp_path / "d"),
+                            canvas_rows=str(tmp_path / "rows.pt"), **TINY))
+
+
+@pytest.mark.slow
+def test_an_sdar_run_trains_on_a_block_decoders_rows(tmp_path):
+    plain = Trainer(TrainConfig(family="sdar", out=str(tmp_path / "a-out"), work=str(tmp_path / "a"), **TINY))
+    enc = plain.encoder
+    prompt, _ = enc.encode(load_split(["calc"], limit=1)[0])
+    end = -(-(len(prompt) + 1) // 8) * 8  # the first block holding an answer slot
+    answer = [20 + i % 5 for i in range(end - len(prompt))]
+    meta = {"mask_id": enc.mask_id, "eos_id": enc.eos_id, "end_of_turn_id": enc.end_of_turn_id,
+            "vocab_size": len(plain.tokenizer), "block_size": 8}
+    rows = CanvasRows([prompt + [enc.mask_id] * len(answer)], [prompt + answer], [len(prompt)], meta)
+    rows.save(tmp_path / "rows.pt")
+    with_rows = Trainer(TrainConfig(family="sdar", out=str(tmp_path / "b-out"), work=str(tmp_path / "b"),
+                                    canvas_rows=str(tmp_path / "rows.pt"), **TINY))
+    b = with_rows.canvas_batch(0)
+    assert b.input_ids.shape == (1, 2 * end) and int(b.is_masked.sum()) == len(answer)
+    plain.train_step(0)
+    with_rows.train_step(0)
+    assert any(not torch.equal(p, q) for p, q in zip(plain.model.parameters(), with_rows.model.parameters()))
+    for config, error in ((dict(family="sdar", block_size=4), "blocks of 8; a sdar run trains on a block decoder's with blocks of 4"),
+                          (dict(family="llada"), "blocks of 8; a llada run trains on a full-attention decoder's")):
+        with pytest.raises(UserError, match=error):
+            Trainer(TrainConfig(out=str(tmp_path / "c-out"), work=str(tmp_path / "c"), canvas_rows=str(tmp_path / "rows.pt"),
+                                **{**TINY, **config}))
 
 
 def test_cli_writes_rows_and_refuses_bad_input_before_the_model_loads(tmp_path, capsys, monkeypatch):

@@ -48,8 +48,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                    help="oversample tasks: N examples of TASK per round of one of each other task "
                         "(e.g. lookup=3,spell=2)")
     p.add_argument("--canvas-rows", default=None, metavar="FILE",
-                   help="llada: add the masked-diffusion loss of rows from a model's own decoded "
-                        "canvases, as `dllm canvas-rows` writes them")
+                   help="add the loss of rows from a model's own decoded canvases, as `dllm "
+                        "canvas-rows` writes them (sdar: written by a block decoder with --block-size)")
     p.add_argument("--canvas-batch", type=int, default=8, help="canvas rows per step")
     p.add_argument("--canvas-weight", type=float, default=1.0, help="weight of the canvas rows' loss")
 

@@ -10,7 +10,10 @@ masked slots), and the target is a phrasing that fits them, drawn as the task's 
 write it (``fill_canvas``), then the end of turn and EOS padding.
 
 The rows are written once, from the model a stage starts from, and read by ``dllm train
---canvas-rows``, which adds their masked-diffusion loss to each step's.
+--canvas-rows``, which adds their loss to each step's. A block-causal decoder (SDAR's ``block``)
+writes rows of its own kind: its canvas holds committed blocks, the block being decoded and
+nothing after it, so a row is cut at that block's end and trains as one noisy block reading the
+clean ones before it, the state block diffusion training masks (``meta["block_size"]``).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 
 from ..errors import UserError
 from ..tasks import TASKS, Example
-from .data import MIN_T, SUFFIX_WINDOW, Batch, content_length
+from .data import MIN_T, SUFFIX_WINDOW, Batch, block_diffusion_mask, content_length
 
 if TYPE_CHECKING:
     from ..engine.llm import LLM
@@ -36,7 +39,9 @@ FORMAT = "dllm-canvas-rows/1"
 class CanvasRows:
     """Rows of one canvas each: ``inputs`` (prompt, then the canvas with the mask id in its
     masked slots) and ``targets`` (prompt, then the finished answer, end of turn, EOS padding),
-    the same length per row; ``prompt_lengths`` where each response starts."""
+    the same length per row; ``prompt_lengths`` where each response starts. ``meta["block_size"]``:
+    rows of a block-causal decoder, each cut at the end of the block it was decoding (blocks of
+    that many positions counted from the first), None or absent for full attention."""
     inputs: list[list[int]] = field(default_factory=list)
     targets: list[list[int]] = field(default_factory=list)
     prompt_lengths: list[int] = field(default_factory=list)
@@ -60,10 +65,17 @@ class CanvasRows:
             raise UserError(f"canvas rows {path}: holds no rows")
         return rows
 
+    @property
+    def block_size(self) -> int | None:
+        return self.meta.get("block_size")
+
     def batch(self, indices: list[int], mask_id: int, eos_id: int) -> Batch:
         """The rows at ``indices`` as one masked-diffusion batch, each padded to the longest with
         masked slots whose target is EOS (the canvas runs on past the answer). A row's loss
-        weight is 1 / its share of masked response slots, as ``mask_suffixes`` weights its rows."""
+        weight is 1 / its share of masked response slots, as ``mask_suffixes`` weights its rows.
+        Rows of a block-causal decoder make a block diffusion batch (``block_batch``)."""
+        if self.block_size:
+            return self.block_batch(indices, mask_id, eos_id)
         length = max(len(self.inputs[i]) for i in indices)
         inputs, targets, is_resp = [], [], []
         for i in indices:
@@ -78,6 +90,27 @@ class CanvasRows:
         return Batch(inputs, targets, is_masked, 1.0 / share, None, None,
                      content_length(targets, is_resp, eos_id))
 
+    def block_batch(self, indices: list[int], mask_id: int, eos_id: int) -> Batch:
+        """Block diffusion rows: the canvas as the noisy copy (its masked slots all in its last
+        block), the finished row as the clean copy, both padded with EOS that no query before
+        reads and no loss is taken on; the attention ``block_diffusion_batch`` trains with. The
+        weight is 1 / the share of the row's own response slots masked."""
+        length = max(len(self.inputs[i]) for i in indices)
+        noisy, clean, weight = [], [], []
+        for i in indices:
+            pad = [eos_id] * (length - len(self.inputs[i]))
+            noisy.append(self.inputs[i] + pad)
+            clean.append(self.targets[i] + pad)
+            response = self.inputs[i][self.prompt_lengths[i]:]
+            weight.append(1.0 / max(MIN_T, response.count(mask_id) / max(1, len(response))))
+        noisy, clean = torch.tensor(noisy), torch.tensor(clean)
+        is_resp = torch.zeros_like(noisy, dtype=torch.bool)
+        for row, i in enumerate(indices):
+            is_resp[row, self.prompt_lengths[i]:] = True
+        return Batch(torch.cat([noisy, clean], dim=1), clean, (noisy == mask_id) & is_resp, torch.tensor(weight),
+                     block_diffusion_mask(length, self.block_size), torch.arange(length).repeat(2)[None],
+                     content_length(clean, is_resp, eos_id))
+
 
 def end_of_turn_id(llm: LLM) -> int:
     """The stop token that closes an answer in the checkpoint's training rows (its chat
@@ -91,8 +124,9 @@ def canvas_rows(llm: LLM, params: SamplingParams, examples: list[Example], per_a
     """Decode ``examples`` (phrased tasks with a trace) with ``params`` and keep up to
     ``per_answer`` canvases of each answer, drawn among the steps whose canvas still has a masked
     slot and can still be finished into a right trace; each row's canvas is cut ``0..tail`` slots
-    after the later of the finished answer's end and the last written slot (``use_tqdm``: a
-    progress bar of the prompts decoded)."""
+    after the later of the finished answer's end and the last written slot, or, for a
+    block-causal decoder, at the end of the block holding its first masked slot: the block it
+    was decoding (``use_tqdm``: a progress bar of the prompts decoded)."""
     from tqdm import tqdm
     from ..engine.trace import MASK
     from ..eval.canvas_probe import decoded_canvases, first_unfinishable, refuse_untraced
@@ -105,7 +139,8 @@ def canvas_rows(llm: LLM, params: SamplingParams, examples: list[Example], per_a
     eot = end_of_turn_id(llm)
     vocab = llm.tokenizer.get_vocab()
     rng = random.Random(f"canvas-rows-{seed}")
-    rows = CanvasRows(meta={"params": params.describe(),
+    block = params.block_length if params.decoder.block_causal else None
+    rows = CanvasRows(meta={"params": params.describe(), "block_size": block,
                             "examples": len(examples), "per_answer": per_answer, "seed": seed,
                             "vocab_size": len(vocab), "mask_id": ids.mask_id, "eos_id": ids.eos_id,
                             "end_of_turn_id": eot, "answers": {}, "lost": {}, "kept": {}})
@@ -122,12 +157,16 @@ def canvas_rows(llm: LLM, params: SamplingParams, examples: list[Example], per_a
             answer = fill_canvas(task, steps, canvases[i], rng)
             if answer is None:  # check_trace said it fits: the two readers disagree
                 raise AssertionError(f"{ex.task}: a finishable canvas found no phrasing")
-            written = max((j for j, w in enumerate(canvases[i]) if w is not None), default=-1)
-            length = min(params.max_new_tokens, max(len(answer) + 1, written + 1) + rng.randint(0, tail))
+            prompt = list(out.prompt_token_ids)
+            if block:  # the decoded block's end, in positions counted from the prompt's first
+                first_masked = canvases[i].index(None)
+                length = min(params.max_new_tokens, (len(prompt) + first_masked) // block * block + block - len(prompt))
+            else:
+                written = max((j for j, w in enumerate(canvases[i]) if w is not None), default=-1)
+                length = min(params.max_new_tokens, max(len(answer) + 1, written + 1) + rng.randint(0, tail))
             canvas = [ids.mask_id if t is MASK else t for t in frames[i][:length]]
             canvas += [ids.mask_id] * (length - len(canvas))
             target = ([vocab[w] for w in answer] + [eot] + [ids.eos_id] * length)[:length]
-            prompt = list(out.prompt_token_ids)
             rows.inputs.append(prompt + canvas)
             rows.targets.append(prompt + [t if c == ids.mask_id else c for c, t in zip(canvas, target)])
             rows.prompt_lengths.append(len(prompt))

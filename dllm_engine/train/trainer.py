@@ -88,7 +88,7 @@ class TrainConfig:
     block_aux: float = 0.0  # full-attention families: weight of an auxiliary block diffusion loss
     long_tails: float = LONG_TAILS  # masked diffusion: share of batches with canvases up to MAX_CANVAS
     device: str = "cpu"  # where the model trains; batches are drawn on the CPU either way
-    canvas_rows: str | None = None  # full-attention families: rows from a model's own canvases (canvases.py)
+    canvas_rows: str | None = None  # rows from a model's own canvases (canvases.py), of the family's decoder
     canvas_batch: int = 8  # of them per step
     canvas_weight: float = 1.0  # weight of their masked-diffusion loss
 
@@ -108,8 +108,6 @@ class TrainConfig:
             raise UserError("steps and batch_size must be >= 1")
         if self.save_every < 1:
             raise UserError(f"save_every must be >= 1, got {self.save_every}")
-        if self.canvas_rows and self.family == "sdar":
-            raise UserError("canvas_rows are masked-diffusion rows, for full-attention families, not sdar")
         if self.canvas_batch < 1 or self.canvas_weight < 0:
             raise UserError(f"canvas_batch must be >= 1 and canvas_weight >= 0, got {self.canvas_batch} "
                             f"and {self.canvas_weight}")
@@ -255,6 +253,12 @@ class Trainer:
 
     def load_canvas_rows(self) -> CanvasRows:
         rows = CanvasRows.load(self.cfg.canvas_rows)
+        block = self.cfg.block_size if self.cfg.family == "sdar" else None
+        if rows.block_size != block:
+            written = f"a block decoder's, blocks of {rows.block_size}" if rows.block_size else "a full-attention decoder's"
+            wanted = f"a block decoder's with blocks of {block}" if block else "a full-attention decoder's"
+            raise UserError(f"canvas rows {self.cfg.canvas_rows} are {written}; a {self.cfg.family} run "
+                            f"trains on {wanted} (`dllm canvas-rows` with the method this family decodes with)")
         meta, enc = rows.meta, self.encoder
         mine = {"mask_id": enc.mask_id, "eos_id": enc.eos_id, "end_of_turn_id": enc.end_of_turn_id}
         theirs = {k: meta.get(k) for k in mine}
