@@ -5,6 +5,7 @@ for this module.
 Every wait is bounded (client timeouts, deadlines on polls)."""
 import asyncio
 import os
+import random
 import re
 import signal
 import socket
@@ -40,12 +41,29 @@ LONG = {"prompt": "sort : c b a", "max_tokens": 960, "block_length": 960, "metho
 TIMEOUT = 120  # seconds: no request of this module may take longer
 
 
+def free_port_below_ephemeral() -> int:
+    """A free port on 127.0.0.1 between Ray's worker ports (10002-19999) and the kernel's
+    ephemeral range: Ray's GCS, raylet and Serve actors bind many ports with port 0 while the
+    application starts, and one of them took a port drawn from that range before the HTTP proxy
+    bound it ("Failed to bind to address")."""
+    try:
+        ephemeral = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    for port in random.Random().sample(range(20000, max(20001, ephemeral)), min(200, max(1, ephemeral - 20000))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port between 20000 and {ephemeral}")
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """One local Ray instance and the application; yields (base URL, metrics board)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port_below_ephemeral()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         # the replicas run fixed-shape steps (``--fixed-shapes`` reaches them); the offline
