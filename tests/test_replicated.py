@@ -50,7 +50,8 @@ def free_port_below_ephemeral() -> int:
         ephemeral = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral = 32768
-    for port in random.Random().sample(range(20000, max(20001, ephemeral)), min(200, max(1, ephemeral - 20000))):
+    ports = range(20000, ephemeral)
+    for port in random.sample(ports, min(200, len(ports))):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import UserError
+from ..models.context import block_causal_limit
 from ..tasks import TASKS, Example
 from .data import MIN_T, SUFFIX_WINDOW, Batch, block_diffusion_mask, content_length
 
@@ -96,17 +97,16 @@ class CanvasRows:
         reads and no loss is taken on; the attention ``block_diffusion_batch`` trains with. The
         weight is 1 / the share of the row's own response slots masked."""
         length = max(len(self.inputs[i]) for i in indices)
-        noisy, clean, weight = [], [], []
+        noisy, clean, is_resp, weight = [], [], [], []
         for i in indices:
             pad = [eos_id] * (length - len(self.inputs[i]))
             noisy.append(self.inputs[i] + pad)
             clean.append(self.targets[i] + pad)
-            response = self.inputs[i][self.prompt_lengths[i]:]
+            p = self.prompt_lengths[i]
+            is_resp.append([False] * p + [True] * (length - p))
+            response = self.inputs[i][p:]
             weight.append(1.0 / max(MIN_T, response.count(mask_id) / max(1, len(response))))
-        noisy, clean = torch.tensor(noisy), torch.tensor(clean)
-        is_resp = torch.zeros_like(noisy, dtype=torch.bool)
-        for row, i in enumerate(indices):
-            is_resp[row, self.prompt_lengths[i]:] = True
+        noisy, clean, is_resp = torch.tensor(noisy), torch.tensor(clean), torch.tensor(is_resp)
         return Batch(torch.cat([noisy, clean], dim=1), clean, (noisy == mask_id) & is_resp, torch.tensor(weight),
                      block_diffusion_mask(length, self.block_size), torch.arange(length).repeat(2)[None],
                      content_length(clean, is_resp, eos_id))
@@ -158,9 +158,9 @@ def canvas_rows(llm: LLM, params: SamplingParams, examples: list[Example], per_a
             if answer is None:  # check_trace said it fits: the two readers disagree
                 raise AssertionError(f"{ex.task}: a finishable canvas found no phrasing")
             prompt = list(out.prompt_token_ids)
-            if block:  # the decoded block's end, in positions counted from the prompt's first
-                first_masked = canvases[i].index(None)
-                length = min(params.max_new_tokens, (len(prompt) + first_masked) // block * block + block - len(prompt))
+            if block:  # the end of the block holding the first masked slot: the one being decoded
+                first_masked = len(prompt) + canvases[i].index(None)
+                length = min(params.max_new_tokens, block_causal_limit(first_masked, block) - len(prompt))
             else:
                 written = max((j for j, w in enumerate(canvases[i]) if w is not None), default=-1)
                 length = min(params.max_new_tokens, max(len(answer) + 1, written + 1) + rng.randint(0, tail))

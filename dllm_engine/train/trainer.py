@@ -177,6 +177,7 @@ class Trainer:
         ids = self.tokenizer.convert_tokens_to_ids
         self.encoder = Encoder(self.tokenizer, ids(eot_tok), self.tokenizer.eos_token_id, ids(mask_tok))
         self.model = DiffusionLM(self.model_config(model_type))
+        self.canvases = self.load_canvas_rows() if cfg.canvas_rows else None  # refused before weights load
         self.family = get_family(model_type)
         self.init_weights()
         if cfg.init_from:
@@ -189,7 +190,6 @@ class Trainer:
         self.saved_step: int | None = None  # the step of work's state.pt, once read or written
         self._stop: int | None = None  # the signal that asked the loop to stop
         self._pool: tuple[int, list] | None = None  # (seed, examples) of the current pool
-        self.canvases = self.load_canvas_rows() if cfg.canvas_rows else None
 
     def model_config(self, model_type: str) -> ModelConfig:
         c, tok = self.cfg, self.tokenizer
@@ -253,7 +253,7 @@ class Trainer:
 
     def load_canvas_rows(self) -> CanvasRows:
         rows = CanvasRows.load(self.cfg.canvas_rows)
-        block = self.cfg.block_size if self.cfg.family == "sdar" else None
+        block = self.model.config.block_size  # None for full attention
         if rows.block_size != block:
             written = f"a block decoder's, blocks of {rows.block_size}" if rows.block_size else "a full-attention decoder's"
             wanted = f"a block decoder's with blocks of {block}" if block else "a full-attention decoder's"
