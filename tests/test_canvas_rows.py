@@ -154,6 +154,20 @@ def test_rows_round_trip_and_a_bad_file_is_refused(tmp_path):
             CanvasRows.load(path)
 
 
+def test_rows_of_several_rounds_join_into_one_set():
+    meta = {"mask_id": 10, "eos_id": 3, "end_of_turn_id": 9, "block_size": None}
+    first = CanvasRows([[1, 10]], [[1, 20]], [1], {**meta, "vocab_size": 100, "seed": 81})
+    second = CanvasRows([[2, 10, 10], [2, 5, 10]], [[2, 21, 9], [2, 5, 9]], [1, 1], {**meta, "vocab_size": 120, "seed": 82})
+    joined = CanvasRows.joined([first, second])
+    assert joined.inputs == [[1, 10], [2, 10, 10], [2, 5, 10]]
+    assert joined.targets == [[1, 20], [2, 21, 9], [2, 5, 9]] and joined.prompt_lengths == [1, 1, 1]
+    assert joined.meta["vocab_size"] == 120 and [p["seed"] for p in joined.meta["parts"]] == [81, 82]
+    assert joined.block_size is None
+    blocks = CanvasRows([[1, 10]], [[1, 20]], [1], {**meta, "block_size": 32})
+    with pytest.raises(UserError, match="different decoders or tokenizers"):
+        CanvasRows.joined([first, blocks])
+
+
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
             batch_size=4, warmup=2, save_every=2, block_size=8)
 
@@ -172,6 +186,12 @@ def test_the_trainer_adds_the_canvas_rows_loss(tmp_path):
                                     canvas_rows=str(tmp_path / "rows.pt"), canvas_batch=2, **TINY))
     b = with_rows.canvas_batch(0)
     assert b.input_ids.shape == (1, len(prompt) + 6) and int(b.is_masked.sum()) == 6
+    CanvasRows([prompt + [enc.mask_id] * 4], [prompt + [24, enc.end_of_turn_id, 3, 3]], [len(prompt)],
+               meta).save(tmp_path / "round2.pt")
+    rounds = Trainer(TrainConfig(family="llada", out=str(tmp_path / "r-out"), work=str(tmp_path / "r"),
+                                 canvas_rows=[str(tmp_path / "rows.pt"), str(tmp_path / "round2.pt")],
+                                 canvas_batch=2, **TINY))
+    assert sorted(rounds.canvas_batch(0).targets[:, len(prompt)].tolist()) == [20, 24]  # a row of each file
     plain.train_step(0)
     with_rows.train_step(0)  # same weights and examples, one more loss term: a different update
     assert any(not torch.equal(p, q) for p, q in zip(plain.model.parameters(), with_rows.model.parameters()))

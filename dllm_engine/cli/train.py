@@ -47,9 +47,10 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task-mix", type=task_mix, default=None, metavar="TASK=N,...",
                    help="oversample tasks: N examples of TASK per round of one of each other task "
                         "(e.g. lookup=3,spell=2)")
-    p.add_argument("--canvas-rows", default=None, metavar="FILE",
+    p.add_argument("--canvas-rows", default=None, nargs="+", metavar="FILE",
                    help="add the loss of rows from a model's own decoded canvases, as `dllm "
-                        "canvas-rows` writes them (sdar: written by a block decoder with --block-size)")
+                        "canvas-rows` writes them (sdar: written by a block decoder with --block-size); "
+                        "several files (rounds' rows) are joined into one set")
     p.add_argument("--canvas-batch", type=int, default=8, help="canvas rows per step")
     p.add_argument("--canvas-weight", type=float, default=1.0, help="weight of the canvas rows' loss")
 

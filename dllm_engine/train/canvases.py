@@ -66,6 +66,24 @@ class CanvasRows:
             raise UserError(f"canvas rows {path}: holds no rows")
         return rows
 
+    @classmethod
+    def joined(cls, parts: list[CanvasRows]) -> CanvasRows:
+        """The rows of several files as one set, as rounds of a model's own canvases are
+        aggregated (each round's rows written from the model the round before trained). The
+        parts must agree on the decoder's kind and the tokenizer's special ids; ``meta["parts"]``
+        keeps each part's meta."""
+        keys = ("block_size", "mask_id", "eos_id", "end_of_turn_id")
+        first = {k: parts[0].meta.get(k) for k in keys}
+        for part in parts[1:]:
+            theirs = {k: part.meta.get(k) for k in keys}
+            if theirs != first:
+                raise UserError(f"canvas rows written by different decoders or tokenizers cannot be "
+                                f"joined: {first} against {theirs}")
+        meta = {**first, "vocab_size": max(p.meta.get("vocab_size", 0) for p in parts),
+                "parts": [p.meta for p in parts]}
+        return cls([r for p in parts for r in p.inputs], [r for p in parts for r in p.targets],
+                   [n for p in parts for n in p.prompt_lengths], meta)
+
     @property
     def block_size(self) -> int | None:
         return self.meta.get("block_size")

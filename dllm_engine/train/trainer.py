@@ -88,7 +88,7 @@ class TrainConfig:
     block_aux: float = 0.0  # full-attention families: weight of an auxiliary block diffusion loss
     long_tails: float = LONG_TAILS  # masked diffusion: share of batches with canvases up to MAX_CANVAS
     device: str = "cpu"  # where the model trains; batches are drawn on the CPU either way
-    canvas_rows: str | None = None  # rows from a model's own canvases (canvases.py), of the family's decoder
+    canvas_rows: list[str] | None = None  # files of rows from a model's own canvases (canvases.py), joined
     canvas_batch: int = 8  # of them per step
     canvas_weight: float = 1.0  # weight of their masked-diffusion loss
 
@@ -111,6 +111,8 @@ class TrainConfig:
         if self.canvas_batch < 1 or self.canvas_weight < 0:
             raise UserError(f"canvas_batch must be >= 1 and canvas_weight >= 0, got {self.canvas_batch} "
                             f"and {self.canvas_weight}")
+        if isinstance(self.canvas_rows, str):  # one file, as older runs saved it
+            self.canvas_rows = [self.canvas_rows]
         check_mix(self.task_mix)  # a bad mix fails here, not at the first step
         parse_device(self.device)  # an unusable device fails here, with the devices to use
 
@@ -252,21 +254,26 @@ class Trainer:
                                      self.cfg.suffix_mask).to(self.device)
 
     def load_canvas_rows(self) -> CanvasRows:
-        rows = CanvasRows.load(self.cfg.canvas_rows)
+        """The rows of every ``canvas_rows`` file, each checked against this run's decoder kind
+        and tokenizer, joined into one set."""
         block = self.model.config.block_size  # None for full attention
-        if rows.block_size != block:
-            written = f"a block decoder's, blocks of {rows.block_size}" if rows.block_size else "a full-attention decoder's"
-            wanted = f"a block decoder's with blocks of {block}" if block else "a full-attention decoder's"
-            raise UserError(f"canvas rows {self.cfg.canvas_rows} are {written}; a {self.cfg.family} run "
-                            f"trains on {wanted} (`dllm canvas-rows` with the method this family decodes with)")
-        meta, enc = rows.meta, self.encoder
+        enc = self.encoder
         mine = {"mask_id": enc.mask_id, "eos_id": enc.eos_id, "end_of_turn_id": enc.end_of_turn_id}
-        theirs = {k: meta.get(k) for k in mine}
-        if theirs != mine or meta.get("vocab_size", 0) > len(self.tokenizer):
-            raise UserError(f"canvas rows {self.cfg.canvas_rows} were written with another tokenizer "
-                            f"({theirs}, {meta.get('vocab_size')} tokens) than this run's ({mine}, "
-                            f"{len(self.tokenizer)} tokens)")
-        return rows
+        parts = []
+        for path in self.cfg.canvas_rows:
+            rows = CanvasRows.load(path)
+            if rows.block_size != block:
+                written = f"a block decoder's, blocks of {rows.block_size}" if rows.block_size else "a full-attention decoder's"
+                wanted = f"a block decoder's with blocks of {block}" if block else "a full-attention decoder's"
+                raise UserError(f"canvas rows {path} are {written}; a {self.cfg.family} run trains on "
+                                f"{wanted} (`dllm canvas-rows` with the method this family decodes with)")
+            theirs = {k: rows.meta.get(k) for k in mine}
+            if theirs != mine or rows.meta.get("vocab_size", 0) > len(self.tokenizer):
+                raise UserError(f"canvas rows {path} were written with another tokenizer ({theirs}, "
+                                f"{rows.meta.get('vocab_size')} tokens) than this run's ({mine}, "
+                                f"{len(self.tokenizer)} tokens)")
+            parts.append(rows)
+        return CanvasRows.joined(parts)
 
     def canvas_batch(self, step: int) -> Batch:
         """``canvas_batch`` rows of ``canvas_rows``, drawn from the step's seed."""
@@ -343,6 +350,8 @@ class Trainer:
 
         def value(cfg: dict, key: str):
             v = cfg.get(key, defaults[key])
+            if key == "canvas_rows" and isinstance(v, str):  # one file, as older runs saved it
+                return [v]
             return os.path.normpath(v) if key == "init_from" and v else v
         diffs = [f"{k} {value(saved, k)} (saved) vs {value(now, k)} (now)"
                  for k in keys if value(saved, k) != value(now, k)]
