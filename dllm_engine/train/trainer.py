@@ -254,26 +254,23 @@ class Trainer:
                                      self.cfg.suffix_mask).to(self.device)
 
     def load_canvas_rows(self) -> CanvasRows:
-        """The rows of every ``canvas_rows`` file, each checked against this run's decoder kind
-        and tokenizer, joined into one set."""
+        """The rows of every ``canvas_rows`` file joined into one set (``CanvasRows.joined``
+        refuses files that disagree), checked against this run's decoder kind and tokenizer."""
+        rows = CanvasRows.joined([CanvasRows.load(path) for path in self.cfg.canvas_rows])
+        files = " ".join(self.cfg.canvas_rows)
         block = self.model.config.block_size  # None for full attention
-        enc = self.encoder
+        if rows.block_size != block:
+            written = f"a block decoder's, blocks of {rows.block_size}" if rows.block_size else "a full-attention decoder's"
+            wanted = f"a block decoder's with blocks of {block}" if block else "a full-attention decoder's"
+            raise UserError(f"canvas rows {files} are {written}; a {self.cfg.family} run trains on "
+                            f"{wanted} (`dllm canvas-rows` with the method this family decodes with)")
+        meta, enc = rows.meta, self.encoder
         mine = {"mask_id": enc.mask_id, "eos_id": enc.eos_id, "end_of_turn_id": enc.end_of_turn_id}
-        parts = []
-        for path in self.cfg.canvas_rows:
-            rows = CanvasRows.load(path)
-            if rows.block_size != block:
-                written = f"a block decoder's, blocks of {rows.block_size}" if rows.block_size else "a full-attention decoder's"
-                wanted = f"a block decoder's with blocks of {block}" if block else "a full-attention decoder's"
-                raise UserError(f"canvas rows {path} are {written}; a {self.cfg.family} run trains on "
-                                f"{wanted} (`dllm canvas-rows` with the method this family decodes with)")
-            theirs = {k: rows.meta.get(k) for k in mine}
-            if theirs != mine or rows.meta.get("vocab_size", 0) > len(self.tokenizer):
-                raise UserError(f"canvas rows {path} were written with another tokenizer ({theirs}, "
-                                f"{rows.meta.get('vocab_size')} tokens) than this run's ({mine}, "
-                                f"{len(self.tokenizer)} tokens)")
-            parts.append(rows)
-        return CanvasRows.joined(parts)
+        theirs = {k: meta.get(k) for k in mine}
+        if theirs != mine or meta.get("vocab_size", 0) > len(self.tokenizer):
+            raise UserError(f"canvas rows {files} were written with another tokenizer ({theirs}, "
+                            f"{meta.get('vocab_size')} tokens) than this run's ({mine}, {len(self.tokenizer)} tokens)")
+        return rows
 
     def canvas_batch(self, step: int) -> Batch:
         """``canvas_batch`` rows of ``canvas_rows``, drawn from the step's seed."""
