@@ -181,7 +181,8 @@ def commit_script(rng, words: list[str], right: float, wrong: tuple[str, ...]) -
 
 class ScriptedLLM:
     """Stands in for an LLM whose decoder commits each answer's words in a given order, some
-    replaced by wrong ones: ``chat`` returns outputs with the step records of that order. Its
+    replaced by wrong ones: ``chat`` returns outputs with the step records of that order (a step's
+    entries are (slot, word) at confidence 1, or (slot, word, confidence)). Its
     vocabulary grows as words are asked for: ``<end>`` (the end of turn), ``<eos>``, ``<mask>``."""
     PROMPT = [7, 7, 7]  # three prompt tokens
 
@@ -208,8 +209,13 @@ class ScriptedLLM:
     def resolve(self, params):
         return params.replace(max_new_tokens=self.max_new_tokens)
 
+    def commit(self, slot: int, word: str, confidence: float = 1.0):
+        """A script's (slot, word[, confidence]) as the engine records it."""
+        from dllm_engine.engine.trace import Commit
+        return Commit(len(self.PROMPT) + slot, self.id_of(word), confidence)
+
     def chat(self, conversations, params):
-        from dllm_engine.engine.trace import Commit, StepRecord
+        from dllm_engine.engine.trace import StepRecord
         from dllm_engine.engine.llm import RequestOutput
         assert params.record_steps
         outs = []
@@ -217,7 +223,7 @@ class ScriptedLLM:
             p = len(self.PROMPT)
             records = [StepRecord(step=k, block=0, block_start=p, block_end=p + self.max_new_tokens,
                                   block_step=k, canvas_len=p + self.max_new_tokens, processed_tokens=0.0,
-                                  seconds=0.0, committed=[Commit(p + i, self.id_of(w), 1.0) for i, w in step])
+                                  seconds=0.0, committed=[self.commit(*entry) for entry in step])
                        for k, step in enumerate(script)]
             outs.append(RequestOutput(prompt_token_ids=list(self.PROMPT), token_ids=[], text="", stats=None,
                                       finish_reason="stop", steps=records))

@@ -216,26 +216,35 @@ def test_oracle_frontier_probe_reads_the_generator_s_next_word(tmp_path):
 def test_canvas_probe_finds_the_step_that_loses_each_canvas():
     """Over random commit orders of right and wrong words, the probe's losing step (found by
     bisection) is the first frame a step-by-step check refuses, each step is classed ahead
-    exactly when it leaves a masked slot left of a slot it commits, and the counts add up."""
+    exactly when it leaves a masked slot left of a slot it commits, a step counts as below the
+    threshold exactly when every slot it commits is, and the counts add up."""
     import random
     from dllm_engine import SamplingParams
-    from dllm_engine.eval.canvas_probe import canvas_probe
+    from dllm_engine.eval.canvas_probe import canvas_probe, canvas_table
     from dllm_engine.tasks import TASKS
     from dllm_engine.tasks.phrased import END, check_trace
     rng, n_slots = random.Random("canvas-probe"), 256
+    sure = random.Random("forced")  # the commits' confidences
     examples = load_split(["calc", "tally"], limit=6)
     scripts, want = [], {}
     for ex in examples:
         task = TASKS[ex.task]
         steps = commit_script(rng, ex.answer.split() + ["<end>"] * 4, 0.93, ("so", "is", "9", ","))
+        # a one-slot step is sometimes the threshold rule's forced commit (below 0.9)
+        steps = [[(i, w, 0.5 if len(step) == 1 and sure.random() < 0.5 else sure.choice((0.9, 0.97)))
+                  for i, w in step] for step in steps]
         scripts.append(steps)
-        row = want.setdefault(ex.task, {"ahead": 0, "steps": 0, True: [0, 0, 0, 0], False: [0, 0, 0, 0]})
+        row = want.setdefault(ex.task, {"ahead": 0, "steps": 0, "below": 0, "below_ahead": 0,
+                                        True: [0, 0, 0, 0], False: [0, 0, 0, 0]})
         canvas, frames, ahead = [None] * n_slots, [], []
         for step in steps:
-            for i, w in step:
+            for i, w, _ in step:
                 canvas[i] = END if w == "<end>" else w
             frames.append(tuple(canvas))
-            ahead.append(any(None in canvas[:i] for i, _ in step))
+            ahead.append(any(None in canvas[:i] for i, _, _ in step))
+            below = all(conf < 0.9 for _, _, conf in step)
+            row["below"] += below
+            row["below_ahead"] += below and ahead[-1]
         row["ahead"] += sum(ahead)
         row["steps"] += len(steps)
         for form in (True, False):
@@ -248,15 +257,23 @@ def test_canvas_probe_finds_the_step_that_loses_each_canvas():
             counts[2] += sum(upto)
             counts[3] += len(upto) - sum(upto)
     llm = ScriptedLLM(scripts, n_slots)
-    rows = canvas_probe(llm, SamplingParams(method="dual-cache"), examples, batch_size=4)
+    rows = canvas_probe(llm, SamplingParams(method="dual-cache", threshold=0.9), examples, batch_size=4)
     lost_somewhere = 0
     for task, row in rows.items():
         w = want[task]
         assert (row.answers, row.ahead, row.steps) == (6, w["ahead"], w["steps"])
+        assert (row.below, row.below_ahead) == (w["below"], w["below_ahead"])
+        assert 0 < row.below_ahead < row.below < row.steps  # forced steps, some of them ahead
         for loss, form in ((row.form, True), (row.trace, False)):
             assert [loss.lost, loss.lost_ahead, loss.ahead_steps, loss.frontier_steps] == w[form]
         assert row.form.lost <= row.trace.lost  # a lost form loses the trace
         lost_somewhere += row.trace.lost
     assert 0 < lost_somewhere < 12  # some canvases kept, some lost
+    # a rule other than the plain threshold (here, fixed steps) has no forced commits to count
+    fixed = canvas_probe(ScriptedLLM(scripts, n_slots), SamplingParams(method="dual-cache", steps=32),
+                         examples, batch_size=4)
+    assert all(r.below is None and r.as_dict()["below_steps"] is None for r in fixed.values())
+    assert [line.split()[3] for line in canvas_table(fixed).splitlines()[1:]] == ["–", "–"]
+    assert "–" not in canvas_table(rows)
     with pytest.raises(UserError, match="phrased tasks with a trace"):
         canvas_probe(llm, SamplingParams(), load_split(["describe"], limit=1))

@@ -13,6 +13,11 @@ Each step is counted as committing ahead (some slot it commits has a masked slot
 it is done) or at the frontier only. Up to and including the losing step, the probe counts both
 kinds and how many of each lost the canvas: if committing ahead is what breaks the phrasing, a step
 that commits ahead loses the form far more often than one that commits at the frontier.
+
+Under the plain threshold rule (commit every slot at or above the threshold, and at least the most
+confident one), the probe also counts the steps at which no slot reached the threshold: the decoder
+then commits its single most confident slot below it, and where that slot stands (ahead or at the
+frontier) says whether a step's one token is the model's certainty or the rule's minimum.
 """
 from __future__ import annotations
 
@@ -60,12 +65,18 @@ class CanvasRow:
     answers: int = 0
     steps: int = 0  # decoding steps, all of them
     ahead: int = 0  # of them, steps that committed ahead
+    # steps whose commits were all below the threshold (the rule's one forced slot), and of them
+    # those that committed ahead; None where the decoder's rule is not the plain threshold
+    below: int | None = None
+    below_ahead: int | None = None
     form: Loss = field(default_factory=Loss)  # the form lost (phrasing, values unchecked)
     trace: Loss = field(default_factory=Loss)  # the whole trace lost (a phrasing or a value)
 
     def as_dict(self) -> dict:
         return {"task": self.task, "answers": self.answers,
                 "ahead_steps": round(self.ahead / max(1, self.steps), 4),
+                "below_steps": None if self.below is None else round(self.below / max(1, self.steps), 4),
+                "below_ahead": None if self.below is None else round(self.below_ahead / max(1, self.below), 4),
                 **self.form.as_dict(self.answers, "form"), **self.trace.as_dict(self.answers, "trace")}
 
 
@@ -76,6 +87,12 @@ def ahead_steps(frames: list[list[int | None]], records: list[StepRecord], promp
         first_masked = next((i for i, tok in enumerate(frame) if tok is MASK), len(frame))
         out.append(any(c.position - prompt_len > first_masked for c in record.committed))
     return out
+
+
+def below_threshold(records: list[StepRecord], threshold: float) -> list[bool]:
+    """Per step: whether every slot it committed had a confidence below ``threshold``."""
+    return [bool(r.committed) and all(c.confidence is not None and c.confidence < threshold
+                                      for c in r.committed) for r in records]
 
 
 def first_unfinishable(finishable, n: int) -> int | None:
@@ -139,6 +156,7 @@ def canvas_probe(llm: LLM, params: SamplingParams, examples: list[Example],
     if batch_size < 1:
         raise UserError(f"batch_size must be >= 1, got {batch_size}")
     params = llm.resolve(params.replace(record_steps=True))
+    threshold = params.threshold if params.commit_rule is None else None  # the plain threshold rule
     rows: dict[str, CanvasRow] = {}
     for ex, out, frames, canvases in decoded_canvases(llm, params, examples, batch_size):
         task = TASKS[ex.task]
@@ -148,6 +166,10 @@ def canvas_probe(llm: LLM, params: SamplingParams, examples: list[Example],
         row.answers += 1
         row.steps += len(ahead)
         row.ahead += sum(ahead)
+        if threshold is not None:
+            below = below_threshold(out.steps or [], threshold)
+            row.below = (row.below or 0) + sum(below)
+            row.below_ahead = (row.below_ahead or 0) + sum(a and b for a, b in zip(ahead, below))
         for loss, form in ((row.form, True), (row.trace, False)):
             lost_at = first_unfinishable(lambda i: check_trace(task, steps, canvases[i], form=form),
                                          len(canvases))
@@ -156,6 +178,7 @@ def canvas_probe(llm: LLM, params: SamplingParams, examples: list[Example],
 
 
 CANVAS_COLUMNS = (("answers", "answers", "d"), ("ahead steps", "ahead_steps", ".1%"),
+                  ("below threshold", "below_steps", ".1%"), ("of them ahead", "below_ahead", ".1%"),
                   ("form lost", "form_lost", ".1%"), ("at ahead", "form_lost_ahead", ".1%"),
                   ("per ahead step", "form_loss_per_ahead_step", ".2%"),
                   ("per frontier step", "form_loss_per_frontier_step", ".2%"),

@@ -146,7 +146,7 @@ def chain_probe(llm: LLM, examples: list[Example], open_word: str = "=",
 
 def probe_table(rows: dict, columns: tuple[tuple[str, str, str], ...] | None = None) -> str:
     """One line per task: its ``task``, then each column (header, ``as_dict`` key, format spec);
-    the default columns are the chain probe's."""
+    the default columns are the chain probe's; a value of None prints as "–"."""
     columns = columns or (("results", "results", "d"), ("right masked", "right_masked", ".1%"),
                           ("copy masked", "copy_masked", ".1%"), ("block masked", "block_masked", ".1%"),
                           ("causal", "causal", ".1%"))
@@ -154,5 +154,6 @@ def probe_table(rows: dict, columns: tuple[tuple[str, str, str], ...] | None = N
     lines = [f"{'task':10}" + "".join(f" {head:>{w}}" for (head, _, _), w in zip(columns, widths))]
     for r in rows.values():
         d = r.as_dict()
-        lines.append(f"{r.task:10}" + "".join(f" {d[key]:>{w}{spec}}" for (_, key, spec), w in zip(columns, widths)))
+        cells = ("–" if d[key] is None else format(d[key], spec) for _, key, spec in columns)
+        lines.append(f"{r.task:10}" + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
     return "\n".join(lines)
