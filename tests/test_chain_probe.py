@@ -234,17 +234,22 @@ def test_canvas_probe_finds_the_step_that_loses_each_canvas():
         steps = [[(i, w, 0.5 if len(step) == 1 and sure.random() < 0.5 else sure.choice((0.9, 0.97)))
                   for i, w in step] for step in steps]
         scripts.append(steps)
-        row = want.setdefault(ex.task, {"ahead": 0, "steps": 0, "below": 0, "below_ahead": 0,
-                                        True: [0, 0, 0, 0], False: [0, 0, 0, 0]})
-        canvas, frames, ahead = [None] * n_slots, [], []
+        row = want.setdefault(ex.task, {"ahead": 0, "steps": 0, "below": 0, "below_ahead": 0, "gapless": 0,
+                                        "gapless_below": 0, True: [0, 0, 0, 0, 0], False: [0, 0, 0, 0, 0]})
+        canvas, frames, ahead, belows = [None] * n_slots, [], [], []
         for step in steps:
+            first_masked = canvas.index(None) if None in canvas else n_slots
+            gapless = all(w is None for w in canvas[first_masked:])  # the canvas this step reads
+            row["gapless"] += gapless
             for i, w, _ in step:
                 canvas[i] = END if w == "<end>" else w
             frames.append(tuple(canvas))
             ahead.append(any(None in canvas[:i] for i, _, _ in step))
             below = all(conf < 0.9 for _, _, conf in step)
+            belows.append(below)
             row["below"] += below
             row["below_ahead"] += below and ahead[-1]
+            row["gapless_below"] += below and gapless
         row["ahead"] += sum(ahead)
         row["steps"] += len(steps)
         for form in (True, False):
@@ -256,6 +261,7 @@ def test_canvas_probe_finds_the_step_that_loses_each_canvas():
             counts[1] += lost_at is not None and ahead[lost_at]
             counts[2] += sum(upto)
             counts[3] += len(upto) - sum(upto)
+            counts[4] += sum(belows[:len(upto)])
     llm = ScriptedLLM(scripts, n_slots)
     rows = canvas_probe(llm, SamplingParams(method="dual-cache", threshold=0.9), examples, batch_size=4)
     lost_somewhere = 0
@@ -264,15 +270,19 @@ def test_canvas_probe_finds_the_step_that_loses_each_canvas():
         assert (row.answers, row.ahead, row.steps) == (6, w["ahead"], w["steps"])
         assert (row.below, row.below_ahead) == (w["below"], w["below_ahead"])
         assert 0 < row.below_ahead < row.below < row.steps  # forced steps, some of them ahead
+        assert (row.gapless, row.gapless_below) == (w["gapless"], w["gapless_below"])
+        assert 0 < row.gapless < row.steps  # the first step reads an empty canvas, later ones gaps
         for loss, form in ((row.form, True), (row.trace, False)):
-            assert [loss.lost, loss.lost_ahead, loss.ahead_steps, loss.frontier_steps] == w[form]
+            assert [loss.lost, loss.lost_ahead, loss.ahead_steps, loss.frontier_steps, loss.below_steps] == w[form]
+            assert 0 < loss.below_steps
         assert row.form.lost <= row.trace.lost  # a lost form loses the trace
         lost_somewhere += row.trace.lost
     assert 0 < lost_somewhere < 12  # some canvases kept, some lost
     # a rule other than the plain threshold (here, fixed steps) has no forced commits to count
     fixed = canvas_probe(ScriptedLLM(scripts, n_slots), SamplingParams(method="dual-cache", steps=32),
                          examples, batch_size=4)
-    assert all(r.below is None and r.as_dict()["below_steps"] is None for r in fixed.values())
+    assert all(r.below is None and r.as_dict()["below_steps"] is None is r.as_dict()["form_below_before_loss"]
+               is r.as_dict()["gapless_below"] and r.gapless > 0 for r in fixed.values())
     assert [line.split()[3] for line in canvas_table(fixed).splitlines()[1:]] == ["–", "–"]
     assert "–" not in canvas_table(rows)
     with pytest.raises(UserError, match="phrased tasks with a trace"):

@@ -17,7 +17,11 @@ that commits ahead loses the form far more often than one that commits at the fr
 Under the plain threshold rule (commit every slot at or above the threshold, and at least the most
 confident one), the probe also counts the steps at which no slot reached the threshold: the decoder
 then commits its single most confident slot below it, and where that slot stands (ahead or at the
-frontier) says whether a step's one token is the model's certainty or the rule's minimum.
+frontier) says whether a step's one token is the model's certainty or the rule's minimum. Counted
+again over the steps that read a canvas whose form (or whole trace) was still finishable, it says
+whether the model is unsure only once its own canvas has gone wrong; over the steps that read a canvas without a gap
+(no committed slot right of a masked one, the state the frontier probe reads along the gold answers),
+whether it is unsure only around its own commits ahead.
 """
 from __future__ import annotations
 
@@ -40,13 +44,17 @@ class Loss:
     lost_ahead: int = 0  # ... at a step that committed ahead
     ahead_steps: int = 0  # steps up to the loss (or the end) that committed ahead
     frontier_steps: int = 0  # ... that committed at the frontier only (or nothing)
+    below_steps: int = 0  # ... whose commits were all below the threshold (counted where known)
 
-    def count(self, ahead: list[bool], lost_at: int | None) -> None:
-        """One answer: ``ahead[i]`` whether step i committed ahead; ``lost_at`` the step after
-        which its canvas was unfinishable (None: never)."""
-        considered = ahead if lost_at is None else ahead[:lost_at + 1]
+    def count(self, ahead: list[bool], lost_at: int | None, below: list[bool] | None = None) -> None:
+        """One answer: ``ahead[i]`` whether step i committed ahead, ``below[i]`` whether its
+        commits were all below the threshold; ``lost_at`` the step after which its canvas was
+        unfinishable (None: never). The steps up to the loss are those that read a finishable canvas."""
+        end = len(ahead) if lost_at is None else lost_at + 1
+        considered = ahead[:end]
         self.ahead_steps += sum(considered)
         self.frontier_steps += len(considered) - sum(considered)
+        self.below_steps += sum((below or [])[:end])
         if lost_at is not None:
             self.lost += 1
             self.lost_ahead += int(ahead[lost_at])
@@ -56,7 +64,8 @@ class Loss:
         return {f"{prefix}_lost": round(self.lost / max(1, answers), 4),
                 f"{prefix}_lost_ahead": round(self.lost_ahead / max(1, self.lost), 4),
                 f"{prefix}_loss_per_ahead_step": round(self.lost_ahead / max(1, self.ahead_steps), 4),
-                f"{prefix}_loss_per_frontier_step": round(frontier_losses / max(1, self.frontier_steps), 4)}
+                f"{prefix}_loss_per_frontier_step": round(frontier_losses / max(1, self.frontier_steps), 4),
+                f"{prefix}_below_before_loss": round(self.below_steps / max(1, self.ahead_steps + self.frontier_steps), 4)}
 
 
 @dataclass
@@ -69,15 +78,24 @@ class CanvasRow:
     # those that committed ahead; None where the decoder's rule is not the plain threshold
     below: int | None = None
     below_ahead: int | None = None
+    # steps that read a canvas without a gap (no committed slot right of a masked one: the state a
+    # left-to-right decoder reads, as the frontier probe does), and of them those below the threshold
+    gapless: int = 0
+    gapless_below: int | None = None
     form: Loss = field(default_factory=Loss)  # the form lost (phrasing, values unchecked)
     trace: Loss = field(default_factory=Loss)  # the whole trace lost (a phrasing or a value)
 
     def as_dict(self) -> dict:
-        return {"task": self.task, "answers": self.answers,
-                "ahead_steps": round(self.ahead / max(1, self.steps), 4),
-                "below_steps": None if self.below is None else round(self.below / max(1, self.steps), 4),
-                "below_ahead": None if self.below is None else round(self.below_ahead / max(1, self.below), 4),
-                **self.form.as_dict(self.answers, "form"), **self.trace.as_dict(self.answers, "trace")}
+        out = {"task": self.task, "answers": self.answers,
+               "ahead_steps": round(self.ahead / max(1, self.steps), 4),
+               "below_steps": None if self.below is None else round(self.below / max(1, self.steps), 4),
+               "below_ahead": None if self.below is None else round(self.below_ahead / max(1, self.below), 4),
+               "gapless_steps": round(self.gapless / max(1, self.steps), 4),
+               "gapless_below": None if self.below is None else round(self.gapless_below / max(1, self.gapless), 4),
+               **self.form.as_dict(self.answers, "form"), **self.trace.as_dict(self.answers, "trace")}
+        if self.below is None:  # no threshold: nothing was counted below it
+            out["form_below_before_loss"] = out["trace_below_before_loss"] = None
+        return out
 
 
 def ahead_steps(frames: list[list[int | None]], records: list[StepRecord], prompt_len: int) -> list[bool]:
@@ -87,6 +105,15 @@ def ahead_steps(frames: list[list[int | None]], records: list[StepRecord], promp
         first_masked = next((i for i, tok in enumerate(frame) if tok is MASK), len(frame))
         out.append(any(c.position - prompt_len > first_masked for c in record.committed))
     return out
+
+
+def gapless_reads(frames: list[list[int | None]]) -> list[bool]:
+    """Per step: whether the canvas it read (the frame before it) had no committed slot right of a
+    masked one."""
+    def gapless(frame: list[int | None]) -> bool:
+        first_masked = next((i for i, tok in enumerate(frame) if tok is MASK), len(frame))
+        return all(tok is MASK for tok in frame[first_masked:])
+    return [True] + [gapless(f) for f in frames[:-1]]
 
 
 def below_threshold(records: list[StepRecord], threshold: float) -> list[bool]:
@@ -166,19 +193,25 @@ def canvas_probe(llm: LLM, params: SamplingParams, examples: list[Example],
         row.answers += 1
         row.steps += len(ahead)
         row.ahead += sum(ahead)
-        if threshold is not None:
-            below = below_threshold(out.steps or [], threshold)
+        below = None if threshold is None else below_threshold(out.steps or [], threshold)
+        gapless = gapless_reads(frames)
+        row.gapless += sum(gapless)
+        if below is not None:
             row.below = (row.below or 0) + sum(below)
             row.below_ahead = (row.below_ahead or 0) + sum(a and b for a, b in zip(ahead, below))
+            row.gapless_below = (row.gapless_below or 0) + sum(g and b for g, b in zip(gapless, below))
         for loss, form in ((row.form, True), (row.trace, False)):
             lost_at = first_unfinishable(lambda i: check_trace(task, steps, canvases[i], form=form),
                                          len(canvases))
-            loss.count(ahead, lost_at)
+            loss.count(ahead, lost_at, below)
     return rows
 
 
 CANVAS_COLUMNS = (("answers", "answers", "d"), ("ahead steps", "ahead_steps", ".1%"),
                   ("below threshold", "below_steps", ".1%"), ("of them ahead", "below_ahead", ".1%"),
+                  ("below, form kept", "form_below_before_loss", ".1%"),
+                  ("below, trace kept", "trace_below_before_loss", ".1%"),
+                  ("gapless reads", "gapless_steps", ".1%"), ("below, gapless", "gapless_below", ".1%"),
                   ("form lost", "form_lost", ".1%"), ("at ahead", "form_lost_ahead", ".1%"),
                   ("per ahead step", "form_loss_per_ahead_step", ".2%"),
                   ("per frontier step", "form_loss_per_frontier_step", ".2%"),
