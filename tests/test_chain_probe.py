@@ -273,7 +273,8 @@ def test_canvas_probe_finds_the_step_that_loses_each_canvas():
         assert (row.gapless, row.gapless_below) == (w["gapless"], w["gapless_below"])
         assert 0 < row.gapless < row.steps  # the first step reads an empty canvas, later ones gaps
         for loss, form in ((row.form, True), (row.trace, False)):
-            assert [loss.lost, loss.lost_ahead, loss.ahead_steps, loss.frontier_steps, loss.below_steps] == w[form]
+            counts = [loss.lost, loss.lost_ahead, loss.ahead_steps, loss.frontier_steps, loss.below_steps]
+            assert counts == w[form]
             assert 0 < loss.below_steps
         assert row.form.lost <= row.trace.lost  # a lost form loses the trace
         lost_somewhere += row.trace.lost

@@ -18,10 +18,10 @@ Under the plain threshold rule (commit every slot at or above the threshold, and
 confident one), the probe also counts the steps at which no slot reached the threshold: the decoder
 then commits its single most confident slot below it, and where that slot stands (ahead or at the
 frontier) says whether a step's one token is the model's certainty or the rule's minimum. Counted
-again over the steps that read a canvas whose form (or whole trace) was still finishable, it says
-whether the model is unsure only once its own canvas has gone wrong; over the steps that read a canvas without a gap
-(no committed slot right of a masked one, the state the frontier probe reads along the gold answers),
-whether it is unsure only around its own commits ahead.
+again over the steps that read a canvas whose form (or whole trace) was still finishable, the share
+says whether the model is unsure only once its own canvas has gone wrong; over the steps that read
+a canvas without a gap (no committed slot right of a masked one, the state the frontier probe reads
+along the gold answers), whether it is unsure only around its own commits ahead.
 """
 from __future__ import annotations
 
@@ -61,11 +61,12 @@ class Loss:
 
     def as_dict(self, answers: int, prefix: str) -> dict:
         frontier_losses = self.lost - self.lost_ahead
+        considered = self.ahead_steps + self.frontier_steps
         return {f"{prefix}_lost": round(self.lost / max(1, answers), 4),
                 f"{prefix}_lost_ahead": round(self.lost_ahead / max(1, self.lost), 4),
                 f"{prefix}_loss_per_ahead_step": round(self.lost_ahead / max(1, self.ahead_steps), 4),
                 f"{prefix}_loss_per_frontier_step": round(frontier_losses / max(1, self.frontier_steps), 4),
-                f"{prefix}_below_before_loss": round(self.below_steps / max(1, self.ahead_steps + self.frontier_steps), 4)}
+                f"{prefix}_below_before_loss": round(self.below_steps / max(1, considered), 4)}
 
 
 @dataclass
@@ -86,12 +87,12 @@ class CanvasRow:
     trace: Loss = field(default_factory=Loss)  # the whole trace lost (a phrasing or a value)
 
     def as_dict(self) -> dict:
-        out = {"task": self.task, "answers": self.answers,
-               "ahead_steps": round(self.ahead / max(1, self.steps), 4),
-               "below_steps": None if self.below is None else round(self.below / max(1, self.steps), 4),
-               "below_ahead": None if self.below is None else round(self.below_ahead / max(1, self.below), 4),
-               "gapless_steps": round(self.gapless / max(1, self.steps), 4),
-               "gapless_below": None if self.below is None else round(self.gapless_below / max(1, self.gapless), 4),
+        def share(part: int | None, whole: int) -> float | None:
+            return None if part is None else round(part / max(1, whole), 4)
+        out = {"task": self.task, "answers": self.answers, "ahead_steps": share(self.ahead, self.steps),
+               "below_steps": share(self.below, self.steps), "below_ahead": share(self.below_ahead, self.below),
+               "gapless_steps": share(self.gapless, self.steps),
+               "gapless_below": share(self.gapless_below, self.gapless),
                **self.form.as_dict(self.answers, "form"), **self.trace.as_dict(self.answers, "trace")}
         if self.below is None:  # no threshold: nothing was counted below it
             out["form_below_before_loss"] = out["trace_below_before_loss"] = None
