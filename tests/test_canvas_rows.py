@@ -154,6 +154,29 @@ def test_rows_round_trip_and_a_bad_file_is_refused(tmp_path):
             CanvasRows.load(path)
 
 
+def test_an_interrupted_save_leaves_the_rows_file_as_it_was(tmp_path, monkeypatch):
+    """A write stopped half way (Ctrl-C, a full disk) neither truncates the file already there nor
+    leaves a partial one: a rerun that skips an existing rows file may trust it."""
+    first = CanvasRows([[7, 2]], [[7, 5]], [1], {"mask_id": 2})
+    first.save(tmp_path / "rows.pt")
+    real_save = torch.save
+
+    def half_written(obj, path):
+        real_save(obj, path)
+        with open(path, "r+b") as f:
+            f.truncate(10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", half_written)
+    with pytest.raises(KeyboardInterrupt):
+        CanvasRows([[7, 2, 2]], [[7, 5, 6]], [1], {"mask_id": 2}).save(tmp_path / "rows.pt")
+    with pytest.raises(KeyboardInterrupt):
+        first.save(tmp_path / "new.pt")
+    monkeypatch.undo()
+    assert CanvasRows.load(tmp_path / "rows.pt").inputs == [[7, 2]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.pt"]  # nothing partial, nothing left over
+
+
 def test_rows_of_several_rounds_join_into_one_set():
     meta = {"mask_id": 10, "eos_id": 3, "end_of_turn_id": 9, "block_size": None}
     first = CanvasRows([[1, 10]], [[1, 20]], [1], {**meta, "vocab_size": 100, "seed": 81})

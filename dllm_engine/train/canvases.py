@@ -17,6 +17,7 @@ clean ones before it, the state block diffusion training masks (``meta["block_si
 """
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,7 +50,16 @@ class CanvasRows:
     meta: dict = field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
-        torch.save({"format": FORMAT, **asdict(self)}, path)
+        """Written beside ``path``, then renamed over it: an interrupted write leaves no partial
+        rows file (and the file before it, if any, as it was)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            torch.save({"format": FORMAT, **asdict(self)}, tmp)
+            os.replace(tmp, path)
+        except BaseException:  # Ctrl-C included: no temporary file left behind
+            tmp.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: str | Path) -> CanvasRows:
