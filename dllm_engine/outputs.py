@@ -5,22 +5,24 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from .errors import UserError
 
 
-def write_json_atomic(path: str | Path, obj) -> None:
-    """Write ``obj`` as indented JSON to ``path`` all at once: a temporary file in the same
-    folder, flushed to disk, then renamed over ``path``. A failed write (disk full, ...) leaves
-    the previous file as it was and raises OSError naming ``path``."""
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` all at once: ``write`` fills a temporary file in the same folder (opened
+    for binary writing), which is flushed to disk, then renamed over ``path``. A failed or
+    interrupted write (disk full, Ctrl-C, ...) leaves the previous file as it was and no temporary
+    file behind; an OSError is raised again naming ``path``."""
     path = Path(path)
-    text = json.dumps(obj, indent=2) + "\n"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         # os.open with 0o666: the umask applies as for a plain open (mkstemp would make it 0600)
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w") as f:
-            f.write(text)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -34,6 +36,12 @@ def write_json_atomic(path: str | Path, obj) -> None:
             error.errno = e.errno
             raise error from None
         raise
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write ``obj`` as indented JSON to ``path`` all at once (``write_atomic``)."""
+    text = json.dumps(obj, indent=2) + "\n"
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def prepare_out_dir(out_dir: str | Path) -> Path:

@@ -17,7 +17,6 @@ clean ones before it, the state block diffusion training masks (``meta["block_si
 """
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 from ..errors import UserError
 from ..models.context import block_causal_limit
+from ..outputs import write_atomic
 from ..tasks import TASKS, Example
 from .data import MIN_T, SUFFIX_WINDOW, Batch, block_diffusion_mask, content_length
 
@@ -50,16 +50,9 @@ class CanvasRows:
     meta: dict = field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
-        """Written beside ``path``, then renamed over it: an interrupted write leaves no partial
-        rows file (and the file before it, if any, as it was)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            torch.save({"format": FORMAT, **asdict(self)}, tmp)
-            os.replace(tmp, path)
-        except BaseException:  # Ctrl-C included: no temporary file left behind
-            tmp.unlink(missing_ok=True)
-            raise
+        """Written all at once (``write_atomic``): an interrupted write leaves no partial rows
+        file, and the file before it, if any, as it was."""
+        write_atomic(path, lambda f: torch.save({"format": FORMAT, **asdict(self)}, f))
 
     @classmethod
     def load(cls, path: str | Path) -> CanvasRows:

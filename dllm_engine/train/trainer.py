@@ -27,6 +27,7 @@ from ..errors import UserError
 from ..config import ModelConfig
 from ..models import DiffusionLM, get_family, save_model
 from ..models.loader import parse_device
+from ..outputs import write_atomic
 from ..tasks import check_mix, train_examples
 from ..tokenizer import save_tokenizer
 from .canvases import CanvasRows
@@ -319,10 +320,9 @@ class Trainer:
 
     # -- persistence ---------------------------------------------------------------------
     def save_state(self) -> None:
-        tmp = self.work / "state.pt.tmp"
-        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                    "step": self.step, "config": asdict(self.cfg)}, tmp)
-        os.replace(tmp, self.work / "state.pt")
+        state = {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                 "step": self.step, "config": asdict(self.cfg)}
+        write_atomic(self.work / "state.pt", lambda f: torch.save(state, f))
         self.saved_step = self.step
 
     def load_state(self, training: bool = True) -> None:
