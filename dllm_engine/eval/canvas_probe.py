@@ -99,22 +99,21 @@ class CanvasRow:
         return out
 
 
+def first_masked(frame: list[int | None]) -> int:
+    """The frame's first masked slot (its length when none is)."""
+    return next((i for i, tok in enumerate(frame) if tok is MASK), len(frame))
+
+
 def ahead_steps(frames: list[list[int | None]], records: list[StepRecord], prompt_len: int) -> list[bool]:
     """Per step: whether a slot it committed has a masked slot on its left once it is done."""
-    out = []
-    for frame, record in zip(frames, records):
-        first_masked = next((i for i, tok in enumerate(frame) if tok is MASK), len(frame))
-        out.append(any(c.position - prompt_len > first_masked for c in record.committed))
-    return out
+    return [any(c.position - prompt_len > frontier for c in record.committed)
+            for frontier, record in zip(map(first_masked, frames), records)]
 
 
 def gapless_reads(frames: list[list[int | None]]) -> list[bool]:
     """Per step: whether the canvas it read (the frame before it) had no committed slot right of a
     masked one."""
-    def gapless(frame: list[int | None]) -> bool:
-        first_masked = next((i for i, tok in enumerate(frame) if tok is MASK), len(frame))
-        return all(tok is MASK for tok in frame[first_masked:])
-    return [True] + [gapless(f) for f in frames[:-1]]
+    return [True] + [all(tok is MASK for tok in f[first_masked(f):]) for f in frames[:-1]]
 
 
 def below_threshold(records: list[StepRecord], threshold: float) -> list[bool]:
