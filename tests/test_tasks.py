@@ -322,8 +322,12 @@ def test_train_stream_mix_oversamples() -> None:
 def test_train_stream_mix_errors() -> None:
     with pytest.raises(ValueError, match="mix names tasks not in the stream: lookup"):
         train_examples(0, ["sort"], mix={"lookup": 2})
-    with pytest.raises(ValueError, match="mix weights must be integers >= 1"):
-        train_examples(0, mix={"sort": 0})
+    with pytest.raises(ValueError, match="mix weights must be integers >= 0"):
+        train_examples(0, mix={"sort": -1})
+    with pytest.raises(ValueError, match="mix leaves every task out of the stream"):
+        train_examples(0, ["sort", "spell"], mix={"sort": 0, "spell": 0})
+    stream = list(itertools.islice(train_examples(0, ["sort", "spell"], mix={"sort": 0}), 20))
+    assert {e.task for e in stream} == {"spell"}
 
 
 def _write_split_file(root: Path, task: str, lines: list[str]) -> None:

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from dllm_engine.tasks import TASK_NAMES
+from dllm_engine.tasks import TASK_FAMILIES, TASK_NAMES
 
 from dllm_engine import LLM
 from dllm_engine.train import TrainConfig, Trainer
@@ -212,14 +212,23 @@ def test_task_mix_reaches_the_batches(tmp_path):
     assert 4 * whole <= sum("lookup :" in p for p in prompts) <= 4 * whole + min(4, rest)
 
 
+def test_task_mix_weight_zero_leaves_tasks_out(tmp_path):
+    phrased = TASK_FAMILIES["phrased"]
+    t = trainer(tmp_path, batch_size=16, task_mix={name: 0 for name in phrased})
+    tasks = {e.task for step in range(4) for e in t.examples(step)}
+    assert phrased and not tasks & set(phrased)
+    assert tasks == set(TASK_NAMES) - set(phrased)
+
+
 def test_cli_task_mix(tmp_path, capsys):
     from dllm_engine.cli import main
     from dllm_engine.cli.train import task_mix
     assert task_mix("lookup=3,spell=2") == {"lookup": 3, "spell": 2}
+    assert task_mix("lookup=3,calc=0") == {"lookup": 3, "calc": 0}
     base = ["train", "--family", "llada", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]
     with pytest.raises(SystemExit):
-        main([*base, "--task-mix", "lookup=0"])
-    assert "expected TASK=N with N >= 1, got 'lookup=0'" in capsys.readouterr().err
+        main([*base, "--task-mix", "lookup=-1"])
+    assert "expected TASK=N with N >= 0, got 'lookup=-1'" in capsys.readouterr().err
     assert main([*base, "--task-mix", "addition=2"]) == 2
     assert "mix names tasks not in the stream: addition" in capsys.readouterr().err
 

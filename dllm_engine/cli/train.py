@@ -46,7 +46,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                         "tokens (the rest: the answer plus 0-32 EOS; sdar's block diffusion uses none)")
     p.add_argument("--task-mix", type=task_mix, default=None, metavar="TASK=N,...",
                    help="oversample tasks: N examples of TASK per round of one of each other task "
-                        "(e.g. lookup=3,spell=2)")
+                        "(e.g. lookup=3,spell=2; N=0 leaves TASK out)")
     p.add_argument("--canvas-rows", default=None, nargs="+", metavar="FILE",
                    help="add the loss of rows from a model's own decoded canvases, as `dllm "
                         "canvas-rows` writes them (sdar: written by a block decoder with --block-size); "
@@ -71,12 +71,13 @@ def add_canvas_rows(sub: argparse._SubParsersAction) -> None:
 
 
 def task_mix(text: str) -> dict[str, int]:
-    """``lookup=3,spell=2`` -> {"lookup": 3, "spell": 2} (argparse type for --task-mix)."""
+    """``lookup=3,spell=2,calc=0`` -> {"lookup": 3, "spell": 2, "calc": 0} (argparse type for
+    --task-mix; 0 leaves a task out)."""
     mix = {}
     for item in filter(None, text.split(",")):
         name, sep, weight = item.partition("=")
-        if not sep or not weight.strip().isdigit() or int(weight) < 1:
-            raise argparse.ArgumentTypeError(f"expected TASK=N with N >= 1, got {item!r}")
+        if not sep or not weight.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected TASK=N with N >= 0, got {item!r}")
         mix[name.strip()] = int(weight)
     return mix
 

@@ -108,7 +108,8 @@ def train_examples(seed: int, tasks: list[str] | None = None,
 
     Tasks come in shuffled rounds, each task ``mix[task]`` times per round (default once), so
     every batch is close to its intended mix instead of merely on average. ``mix`` oversamples the
-    tasks a model finds hard; leaving it out (or all ones) gives the uniform stream.
+    tasks a model finds hard (a weight of 0 leaves a task out); leaving it out (or all ones) gives
+    the uniform stream.
     """
     names = resolve_tasks(tasks)  # validated here, not lazily at the first next()
     mix = check_mix(mix, names)
@@ -117,15 +118,17 @@ def train_examples(seed: int, tasks: list[str] | None = None,
 
 
 def check_mix(mix: dict[str, int] | None, tasks: list[str] | None = None) -> dict[str, int]:
-    """``mix`` (None = uniform) if every name is one of ``tasks`` (default all) and every weight
-    an integer >= 1; a clear ValueError otherwise."""
+    """``mix`` (None = uniform) if every name is one of ``tasks`` (default all), every weight an
+    integer >= 0 (0 leaves the task out) and some task is left in; a clear ValueError otherwise."""
     mix = mix or {}
     unknown = sorted(set(mix) - set(resolve_tasks(tasks)))
     if unknown:
         raise UserError(f"mix names tasks not in the stream: {', '.join(unknown)}")
-    bad = {t: w for t, w in mix.items() if not isinstance(w, int) or w < 1}
+    bad = {t: w for t, w in mix.items() if not isinstance(w, int) or isinstance(w, bool) or w < 0}
     if bad:
-        raise UserError(f"mix weights must be integers >= 1, got {bad}")
+        raise UserError(f"mix weights must be integers >= 0, got {bad}")
+    if all(mix.get(t, 1) == 0 for t in resolve_tasks(tasks)):
+        raise UserError("mix leaves every task out of the stream")
     return mix
 
 
