@@ -441,3 +441,48 @@ def test_a_second_signal_stops_at_once_and_threads_train_without_handlers(tmp_pa
     t.train_step = lambda step: (os.kill(os.getpid(), signal.SIGTERM), real_step(step))[1]
     assert t.train() == tmp_path / "run-out" and t.step == 4
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def test_new_rows_first_trains_only_the_new_words(tmp_path):
+    """--new-rows-first: the steps before it move only the rows of the words init_from lacks."""
+    from safetensors.torch import load_file, save_file
+    out = trainer(tmp_path, steps=1, name="base").train()
+    weights = load_file(out / "model.safetensors")
+    small = {n: w[:-5] if w.dim() == 2 and w.shape[0] == trainer_vocab(out) else w
+             for n, w in weights.items()}
+    assert any(w.shape != weights[n].shape for n, w in small.items())
+    save_file(small, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    for key in ("vocab_size", "embedding_size"):
+        if key in cfg:
+            cfg[key] -= 5
+    (out / "config.json").write_text(json.dumps(cfg))
+
+    t = trainer(tmp_path, steps=3, name="grow", init_from=str(out), new_rows_first=2)
+    assert t.grown and set(t.grown.values()) == {len(t.tokenizer) - 5}
+    loaded = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    for step in range(2):
+        t.train_step(step)
+    for n, p in t.model.named_parameters():
+        rows = t.grown.get(n)
+        if rows is None:
+            assert torch.equal(p, loaded[n]), n
+        else:
+            assert torch.equal(p[:rows], loaded[n][:rows]), n
+            assert not torch.equal(p[rows:], loaded[n][rows:]), n
+    t.train_step(2)
+    assert not torch.equal(t.model.lm_head.weight[:-5], loaded["lm_head.weight"][:-5])
+    body = [n for n in loaded if n not in t.grown]
+    assert any(not torch.equal(dict(t.model.named_parameters())[n], loaded[n]) for n in body)
+
+
+def trainer_vocab(out) -> int:
+    return json.loads((out / "config.json").read_text())["vocab_size"]
+
+
+def test_new_rows_first_needs_new_words(tmp_path):
+    with pytest.raises(ValueError, match="new_rows_first must be >= 0 and needs init_from"):
+        TrainConfig(family="llada", out="x", work="y", new_rows_first=3)
+    out = trainer(tmp_path, steps=1, name="base").train()
+    with pytest.raises(ValueError, match="has this run's whole vocabulary"):
+        trainer(tmp_path, steps=2, name="same", init_from=str(out), new_rows_first=1)

@@ -51,6 +51,10 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                    help="add the loss of rows from a model's own decoded canvases, as `dllm "
                         "canvas-rows` writes them (sdar: written by a block decoder with --block-size); "
                         "several files (rounds' rows) are joined into one set")
+    p.add_argument("--new-rows-first", type=int, default=0, metavar="STEPS",
+                   help="with --init-from a checkpoint whose vocabulary this run grows: train only the new "
+                        "words' embedding and head rows for the first STEPS steps (the loaded model stays "
+                        "as it was), then everything")
     p.add_argument("--canvas-batch", type=int, default=8, help="canvas rows per step")
     p.add_argument("--canvas-weight", type=float, default=1.0, help="weight of the canvas rows' loss")
 
@@ -95,7 +99,8 @@ def run_train(args: argparse.Namespace) -> None:
                       init_from=args.init_from, ar_weight=args.ar_weight, task_mix=args.task_mix,
                       suffix_mask=args.suffix_mask, block_aux=args.block_aux,
                       long_tails=args.long_tails, device=args.device, canvas_rows=args.canvas_rows,
-                      canvas_batch=args.canvas_batch, canvas_weight=args.canvas_weight)
+                      canvas_batch=args.canvas_batch, canvas_weight=args.canvas_weight,
+                      new_rows_first=args.new_rows_first)
     trainer = Trainer(cfg)
     try:
         out = trainer.export_saved() if args.export_only else trainer.train()

@@ -92,6 +92,7 @@ class TrainConfig:
     canvas_rows: list[str] | None = None  # files of rows from a model's own canvases (canvases.py), joined
     canvas_batch: int = 8  # of them per step
     canvas_weight: float = 1.0  # weight of their masked-diffusion loss
+    new_rows_first: int = 0  # with init_from a smaller vocabulary: steps that train only the new words' rows
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_SPECIALS:
@@ -112,6 +113,9 @@ class TrainConfig:
         if self.canvas_batch < 1 or self.canvas_weight < 0:
             raise UserError(f"canvas_batch must be >= 1 and canvas_weight >= 0, got {self.canvas_batch} "
                             f"and {self.canvas_weight}")
+        if self.new_rows_first < 0 or (self.new_rows_first and not self.init_from):
+            raise UserError(f"new_rows_first must be >= 0 and needs init_from (a checkpoint whose vocabulary "
+                            f"the run grows), got {self.new_rows_first}")
         if isinstance(self.canvas_rows, str):  # one file, as older runs saved it
             self.canvas_rows = [self.canvas_rows]
         check_mix(self.task_mix)  # a bad mix fails here, not at the first step
@@ -183,6 +187,7 @@ class Trainer:
         self.canvases = self.load_canvas_rows() if cfg.canvas_rows else None  # refused before weights load
         self.family = get_family(model_type)
         self.init_weights()
+        self.grown: dict[str, int] = {}  # parameter -> rows it had in init_from (the rest are new words)
         if cfg.init_from:
             self.load_weights(cfg.init_from)
         self.device = parse_device(cfg.device)
@@ -221,7 +226,13 @@ class Trainer:
         if source.config.model_type != self.model.config.model_type:
             raise UserError(f"--init-from {path} is a {source.config.model_type} checkpoint, "
                             f"not {self.model.config.model_type}")
-        self.model.load_state_dict(grow_vocab(source.state_dict(), self.model.state_dict()))
+        old, fresh = source.state_dict(), self.model.state_dict()
+        self.model.load_state_dict(grow_vocab(old, fresh))
+        self.grown = {name: old[name].shape[0] for name in fresh
+                      if name in old and old[name].dim() == 2 and old[name].shape[0] < fresh[name].shape[0]}
+        if self.cfg.new_rows_first and not self.grown:
+            raise UserError(f"--new-rows-first: {path} has this run's whole vocabulary; there are no new "
+                            f"words to train first")
 
     def lr_at(self, step: int) -> float:
         c = self.cfg
@@ -482,6 +493,28 @@ class Trainer:
             total = total + self.cfg.canvas_weight * self.diffusion_loss(self.canvas_batch(step))
         self.opt.zero_grad(set_to_none=True)
         total.backward()
+        rows_only = step < self.cfg.new_rows_first
+        if rows_only:
+            kept = self.keep_new_rows_grads()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
+        if rows_only:  # AdamW's weight decay would still shrink the loaded rows
+            with torch.no_grad():
+                for p, rows in kept:
+                    p[: rows.shape[0]] = rows
         return diffusion.item(), causal.item()
+
+    def keep_new_rows_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A ``new_rows_first`` step: drop every gradient but the new words' embedding and head
+        rows (the optimizer skips a parameter without one), so the loaded model stays as it was
+        while the words it never saw get rows. Returns (parameter, its loaded rows) to restore."""
+        kept = []
+        for name, p in self.model.named_parameters():
+            rows = self.grown.get(name)
+            if rows is None:
+                p.grad = None
+            else:
+                if p.grad is not None:
+                    p.grad[:rows] = 0
+                kept.append((p, p.detach()[:rows].clone()))
+        return kept
