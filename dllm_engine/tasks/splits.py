@@ -120,14 +120,14 @@ def train_examples(seed: int, tasks: list[str] | None = None,
 def check_mix(mix: dict[str, int] | None, tasks: list[str] | None = None) -> dict[str, int]:
     """``mix`` (None = uniform) if every name is one of ``tasks`` (default all), every weight an
     integer >= 0 (0 leaves the task out) and some task is left in; a clear ValueError otherwise."""
-    mix = mix or {}
-    unknown = sorted(set(mix) - set(resolve_tasks(tasks)))
+    mix, names = mix or {}, resolve_tasks(tasks)
+    unknown = sorted(set(mix) - set(names))
     if unknown:
         raise UserError(f"mix names tasks not in the stream: {', '.join(unknown)}")
     bad = {t: w for t, w in mix.items() if not isinstance(w, int) or isinstance(w, bool) or w < 0}
     if bad:
         raise UserError(f"mix weights must be integers >= 0, got {bad}")
-    if all(mix.get(t, 1) == 0 for t in resolve_tasks(tasks)):
+    if all(mix.get(t, 1) == 0 for t in names):
         raise UserError("mix leaves every task out of the stream")
     return mix
 

@@ -127,11 +127,17 @@ def grow_vocab(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor])
     head rows of the source's ids are copied, the new ids keep ``target``'s fresh initialisation
     (the tokenizer appends new words, so the old ids keep their meaning)."""
     out = dict(source)
-    for name, fresh in target.items():
-        old = source.get(name)
-        if old is not None and old.dim() == 2 and old.shape[1] == fresh.shape[1] and old.shape[0] < fresh.shape[0]:
-            out[name] = torch.cat([old, fresh[old.shape[0]:]])
+    for name, rows in grown_rows(source, target).items():
+        out[name] = torch.cat([source[name], target[name][rows:]])
     return out
+
+
+def grown_rows(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The parameters whose rows are vocabulary ids that ``target`` extends (embedding and head),
+    each with the number of rows it has in ``source``."""
+    return {name: source[name].shape[0] for name, fresh in target.items()
+            if name in source and source[name].dim() == 2 and source[name].shape[1] == fresh.shape[1]
+            and source[name].shape[0] < fresh.shape[0]}
 
 
 def keep_other_files(old: Path, new: Path) -> None:
@@ -228,8 +234,7 @@ class Trainer:
                             f"not {self.model.config.model_type}")
         old, fresh = source.state_dict(), self.model.state_dict()
         self.model.load_state_dict(grow_vocab(old, fresh))
-        self.grown = {name: old[name].shape[0] for name in fresh
-                      if name in old and old[name].dim() == 2 and old[name].shape[0] < fresh[name].shape[0]}
+        self.grown = grown_rows(old, fresh)
         if self.cfg.new_rows_first and not self.grown:
             raise UserError(f"--new-rows-first: {path} has this run's whole vocabulary; there are no new "
                             f"words to train first")
