@@ -8,7 +8,7 @@ from dllm_engine.tasks import TASK_FAMILIES, TASK_NAMES
 
 from dllm_engine import LLM
 from dllm_engine.train import TrainConfig, Trainer
-from dllm_engine.train.trainer import grow_vocab
+from dllm_engine.train.trainer import grow_weights
 from dllm_engine.train.data import (LONG_TAILS, MAX_CANVAS, MIN_T, SUFFIX_WINDOW, block_causal_mask,
                                     block_diffusion_mask, noise, pack_rows)
 
@@ -233,17 +233,62 @@ def test_cli_task_mix(tmp_path, capsys):
     assert "mix names tasks not in the stream: addition" in capsys.readouterr().err
 
 
-def test_grow_vocab_keeps_old_rows_and_fresh_new_ones():
-    """--init-from a checkpoint with a smaller vocabulary (the tokenizer appends words)."""
+def test_grow_weights_copies_the_source_and_starts_new_outputs_at_zero():
+    """--init-from a smaller checkpoint: more words, wider MLPs, more layers."""
     old = {"embed_tokens.weight": torch.ones(3, 4), "lm_head.weight": torch.ones(3, 4),
+           "layers.0.mlp.up_proj.weight": torch.ones(6, 4), "layers.0.mlp.down_proj.weight": torch.ones(4, 6),
            "norm.weight": torch.ones(4)}
-    fresh = {"embed_tokens.weight": torch.zeros(5, 4), "lm_head.weight": torch.zeros(5, 4),
-             "norm.weight": torch.zeros(4)}
-    out = grow_vocab(old, fresh)
-    for name in ("embed_tokens.weight", "lm_head.weight"):
-        assert out[name].shape == (5, 4)
-        assert (out[name][:3] == 1).all() and (out[name][3:] == 0).all()
+    fresh = {"embed_tokens.weight": torch.full((5, 4), 7.0), "lm_head.weight": torch.full((5, 4), 7.0),
+             "layers.0.mlp.up_proj.weight": torch.full((8, 4), 7.0),
+             "layers.0.mlp.down_proj.weight": torch.full((4, 8), 7.0),
+             "layers.1.mlp.up_proj.weight": torch.full((8, 4), 7.0),
+             "layers.1.mlp.down_proj.weight": torch.full((4, 8), 7.0),
+             "layers.1.self_attn.o_proj.weight": torch.full((4, 4), 7.0), "norm.weight": torch.zeros(4)}
+    out = grow_weights(old, fresh)
+    assert set(out) == set(fresh) and all(out[n].shape == fresh[n].shape for n in fresh)
+    for name in ("embed_tokens.weight", "lm_head.weight", "layers.0.mlp.up_proj.weight"):  # new rows: fresh
+        assert (out[name][:len(old[name])] == 1).all() and (out[name][len(old[name]):] == 7).all()
+    down = out["layers.0.mlp.down_proj.weight"]  # new units add nothing yet
+    assert (down[:, :6] == 1).all() and (down[:, 6:] == 0).all()
+    assert (out["layers.1.mlp.up_proj.weight"] == 7).all()  # a new layer: fresh, but writes nothing
+    assert (out["layers.1.mlp.down_proj.weight"] == 0).all()
+    assert (out["layers.1.self_attn.o_proj.weight"] == 0).all()
     assert out["norm.weight"] is old["norm.weight"]
+    with pytest.raises(ValueError, match=r"up_proj.weight is \(9, 4\) in the checkpoint and \(8, 4\) here: "
+                                         r"a model grown from a checkpoint only adds words, MLP units or layers"):
+        grow_weights({**old, "layers.0.mlp.up_proj.weight": torch.ones(9, 4)}, fresh)
+    with pytest.raises(ValueError, match=r"weights this model lacks \(layers.1.mlp.down_proj.weight, "):
+        grow_weights(fresh, old)
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_a_grown_model_starts_as_the_checkpoint_it_grew_from(tmp_path, family):
+    """--init-from with more layers and MLP units (the CLI's flags): the same logits at step 0,
+    and the new parts learn."""
+    from dllm_engine.cli import main
+    out = trainer(tmp_path, family, steps=2, name="base").train()
+    source = LLM(out).model.eval()
+    cmd = ["train", "--family", family, "--out", str(tmp_path / "big-out"), "--work", str(tmp_path / "big"),
+           "--init-from", str(out), "--steps", "1", "--batch-size", "4", "--block-size", "8",
+           "--hidden-size", "32", "--num-heads", "2", "--num-kv-heads", "2", "--num-layers", "3",
+           "--intermediate-size", "96"]
+    assert main(cmd) == 0
+    cfg = json.loads((tmp_path / "big-out" / "config.json").read_text())
+    assert cfg.get("n_layers", cfg.get("num_hidden_layers")) == 3
+    assert cfg.get("mlp_hidden_size", cfg.get("intermediate_size")) == 96
+    grown = trainer(tmp_path, family, steps=1, name="grown", init_from=str(out), num_layers=3,
+                    intermediate_size=96)
+    ids = torch.randint(0, source.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(grown.model.eval()(ids), source(ids))
+    grown.model.train()
+    grown.train_step(0)
+    assert grown.model.layers[0].mlp.down_proj.weight[:, 64:].abs().sum() > 0
+    assert grown.model.layers[2].self_attn.o_proj.weight.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"keeps its widths and heads; hidden_size 32 \(checkpoint\) vs 48"):
+        trainer(tmp_path, family, steps=1, name="wide", init_from=str(out), hidden_size=48)
+    with pytest.raises(ValueError, match="a model grown from it needs at least its layers"):
+        trainer(tmp_path, family, steps=1, name="short", init_from=str(out), num_layers=1)
 
 
 # -- robustness: signals, resume with other settings, export into a stale folder -----------------

@@ -19,7 +19,15 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-layers", type=int, default=12,
+                   help="with --init-from: more layers than the checkpoint's are appended, each starting as "
+                        "the identity")
+    p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=4)
+    p.add_argument("--intermediate-size", type=int, default=384,
+                   help="MLP width; with --init-from a wider one keeps the checkpoint's units and adds "
+                        "new ones whose output starts at zero")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=256, help="written to generation_config.json")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -94,7 +102,9 @@ def run_train(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     cfg = TrainConfig(family=args.family, out=args.out, work=args.work, steps=args.steps,
                       batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                      num_kv_heads=args.num_kv_heads, block_size=args.block_size,
+                      hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
+                      num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
+                      block_size=args.block_size,
                       max_new_tokens=args.max_new_tokens, save_every=args.save_every,
                       init_from=args.init_from, ar_weight=args.ar_weight, task_mix=args.task_mix,
                       suffix_mask=args.suffix_mask, block_aux=args.block_aux,

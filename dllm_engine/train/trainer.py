@@ -122,22 +122,45 @@ class TrainConfig:
         parse_device(self.device)  # an unusable device fails here, with the devices to use
 
 
-def grow_vocab(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``source`` weights for a model whose vocabulary extends the source's: the embedding and
-    head rows of the source's ids are copied, the new ids keep ``target``'s fresh initialisation
-    (the tokenizer appends new words, so the old ids keep their meaning)."""
-    out = dict(source)
-    for name, rows in grown_rows(source, target).items():
-        out[name] = torch.cat([source[name], target[name][rows:]])
+VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")  # parameters whose rows are token ids
+RESIDUAL_WRITES = ("o_proj.weight", "down_proj.weight")  # what a layer adds to the residual stream
+SAME_WHEN_GROWN = ("hidden_size", "num_heads", "num_kv_heads", "head_dim")  # a grown model keeps these
+
+
+def grow_weights(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``source``'s weights in a model that extends it: a larger vocabulary (the tokenizer appends
+    words, so the old ids keep their meaning), wider MLPs, more layers (appended after the source's).
+    What the source has is copied; the rest keeps ``target``'s fresh initialisation, except what
+    writes to the residual stream (new MLP units' ``down_proj`` columns, a new layer's ``o_proj``
+    and ``down_proj``), which starts at zero: the grown model computes what the source computed
+    (new words aside) and its new parts learn from there."""
+    lacking = sorted(set(source) - set(target))
+    if lacking:
+        raise UserError(f"the checkpoint has weights this model lacks ({', '.join(lacking[:3])}"
+                        f"{', ...' if len(lacking) > 3 else ''}): a model grown from it needs at least its layers")
+    out = {}
+    for name, fresh in target.items():
+        if name not in source:  # a new layer: the identity until it learns
+            out[name] = torch.zeros_like(fresh) if name.endswith(RESIDUAL_WRITES) else fresh
+            continue
+        old = source[name]
+        if old.shape == fresh.shape:
+            out[name] = old
+            continue
+        if old.dim() != fresh.dim() or any(o > f for o, f in zip(old.shape, fresh.shape)):
+            raise UserError(f"{name} is {tuple(old.shape)} in the checkpoint and {tuple(fresh.shape)} here: "
+                            f"a model grown from a checkpoint only adds words, MLP units or layers")
+        grown = torch.zeros_like(fresh) if name.endswith("down_proj.weight") else fresh.clone()
+        grown[tuple(slice(0, n) for n in old.shape)] = old
+        out[name] = grown
     return out
 
 
 def grown_rows(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict[str, int]:
     """The parameters whose rows are vocabulary ids that ``target`` extends (embedding and head),
     each with the number of rows it has in ``source``."""
-    return {name: source[name].shape[0] for name, fresh in target.items()
-            if name in source and source[name].dim() == 2 and source[name].shape[1] == fresh.shape[1]
-            and source[name].shape[0] < fresh.shape[0]}
+    return {name: source[name].shape[0] for name in VOCAB_ROWS
+            if name in source and name in target and source[name].shape[0] < target[name].shape[0]}
 
 
 def keep_other_files(old: Path, new: Path) -> None:
@@ -232,8 +255,13 @@ class Trainer:
         if source.config.model_type != self.model.config.model_type:
             raise UserError(f"--init-from {path} is a {source.config.model_type} checkpoint, "
                             f"not {self.model.config.model_type}")
+        differ = [f"{k} {getattr(source.config, k)} (checkpoint) vs {getattr(self.model.config, k)} (here)"
+                  for k in SAME_WHEN_GROWN if getattr(source.config, k) != getattr(self.model.config, k)]
+        if differ:
+            raise UserError(f"--init-from {path}: a model grown from a checkpoint keeps its widths and "
+                            f"heads; {'; '.join(differ)}")
         old, fresh = source.state_dict(), self.model.state_dict()
-        self.model.load_state_dict(grow_vocab(old, fresh))
+        self.model.load_state_dict(grow_weights(old, fresh))
         self.grown = grown_rows(old, fresh)
         if self.cfg.new_rows_first and not self.grown:
             raise UserError(f"--new-rows-first: {path} has this run's whole vocabulary; there are no new "
