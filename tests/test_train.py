@@ -527,3 +527,60 @@ def test_new_rows_first_needs_new_words(tmp_path):
     out = trainer(tmp_path, steps=1, name="base").train()
     with pytest.raises(ValueError, match="has this run's whole vocabulary"):
         trainer(tmp_path, steps=2, name="same", init_from=str(out), new_rows_first=1)
+
+
+def test_distill_keeps_what_the_teacher_knew_on_the_rows_it_can_read(tmp_path):
+    """--distill-from: the KL to the teacher's predictions is 0 for the teacher itself, grows as
+    the model moves, and leaves out the rows holding a word the teacher lacks."""
+    from dllm_engine.cli import main
+    out = trainer(tmp_path, steps=2, name="base").train()
+    same = trainer(tmp_path, steps=3, name="same", init_from=str(out), distill_from=str(out))
+    b = same.batch(0)
+    assert abs(same.distill_loss(b, same.masked_logits(b)).item()) < 1e-6
+    same.train_step(0)
+    assert same.distill_loss(b, same.masked_logits(b)).item() > 1e-4
+
+    from safetensors.torch import load_file, save_file
+    small = tmp_path / "small"  # the teacher knows 5 words fewer
+    small.mkdir()
+    vocab = len(same.tokenizer)
+    save_file({n: w[:-5] if w.dim() == 2 and w.shape[0] == vocab else w
+               for n, w in load_file(out / "model.safetensors").items()}, small / "model.safetensors",
+              metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    for key in ("vocab_size", "embedding_size"):
+        cfg[key] -= 5
+    (small / "config.json").write_text(json.dumps(cfg))
+    t = trainer(tmp_path, steps=3, name="grow", init_from=str(small), distill_from=str(small))
+    b = t.batch(0)
+    row = int(b.is_masked.sum(1).argmax())
+    b.input_ids[row, 0] = vocab - 1  # a word the teacher lacks, in this row's prompt
+    logits = t.masked_logits(b).detach().requires_grad_(True)
+    t.distill_loss(b, logits).backward()
+    slot_rows = torch.arange(len(b.is_masked))[:, None].expand_as(b.is_masked)[b.is_masked]
+    assert (logits.grad[slot_rows == row] == 0).all()
+    assert logits.grad[slot_rows != row].abs().sum() > 0
+    assert logits.grad[slot_rows != row][:, vocab - 5:].sum() > 0  # mass on the teacher's unknown words costs
+
+    with pytest.raises(ValueError, match="distill_weight must be >= 0"):
+        TrainConfig(family="llada", out="x", work="y", distill_weight=-1)
+    with pytest.raises(ValueError, match="is a llada checkpoint, not sdar"):
+        trainer(tmp_path, "sdar", steps=1, name="other", distill_from=str(out))
+    big = tmp_path / "big"  # a teacher with 5 words more than the model
+    big.mkdir()
+    save_file({n: torch.cat([w, w[:5]]) if w.dim() == 2 and w.shape[0] == vocab else w
+               for n, w in load_file(out / "model.safetensors").items()}, big / "model.safetensors",
+              metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    for key in ("vocab_size", "embedding_size"):
+        cfg[key] += 5
+    (big / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"has {vocab + 5} words, more than this model's {vocab}"):
+        trainer(tmp_path, steps=1, name="big", distill_from=str(big))
+    cmd = ["train", "--family", "llada", "--out", str(tmp_path / "cli-out"), "--work", str(tmp_path / "cli"),
+           "--init-from", str(out), "--distill-from", str(out), "--distill-weight", "0.5", "--steps", "1",
+           "--batch-size", "4", "--hidden-size", "32", "--num-heads", "2", "--num-kv-heads", "2",
+           "--num-layers", "2", "--intermediate-size", "64"]
+    assert main(cmd) == 0
+    saved = torch.load(tmp_path / "cli" / "state.pt", weights_only=False)["config"]
+    assert saved["distill_from"] == str(out) and saved["distill_weight"] == 0.5

@@ -63,6 +63,11 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                    help="with --init-from a checkpoint whose vocabulary this run grows: train only the new "
                         "words' embedding and head rows for the first STEPS steps (the loaded model stays "
                         "as it was), then everything")
+    p.add_argument("--distill-from", default=None, metavar="CKPT",
+                   help="add the KL from this checkpoint's predictions to the model's at the masked slots "
+                        "of the rows it can read (every word in its vocabulary), e.g. the --init-from "
+                        "checkpoint: what it could do is kept as it did it")
+    p.add_argument("--distill-weight", type=float, default=1.0, help="weight of the --distill-from term")
     p.add_argument("--canvas-batch", type=int, default=8, help="canvas rows per step")
     p.add_argument("--canvas-weight", type=float, default=1.0, help="weight of the canvas rows' loss")
 
@@ -110,7 +115,8 @@ def run_train(args: argparse.Namespace) -> None:
                       suffix_mask=args.suffix_mask, block_aux=args.block_aux,
                       long_tails=args.long_tails, device=args.device, canvas_rows=args.canvas_rows,
                       canvas_batch=args.canvas_batch, canvas_weight=args.canvas_weight,
-                      new_rows_first=args.new_rows_first)
+                      new_rows_first=args.new_rows_first, distill_from=args.distill_from,
+                      distill_weight=args.distill_weight)
     trainer = Trainer(cfg)
     try:
         out = trainer.export_saved() if args.export_only else trainer.train()

@@ -93,6 +93,8 @@ class TrainConfig:
     canvas_batch: int = 8  # of them per step
     canvas_weight: float = 1.0  # weight of their masked-diffusion loss
     new_rows_first: int = 0  # with init_from a smaller vocabulary: steps that train only the new words' rows
+    distill_from: str | None = None  # a checkpoint whose predictions the model keeps on the rows it can read
+    distill_weight: float = 1.0  # weight of that KL term
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_SPECIALS:
@@ -116,6 +118,8 @@ class TrainConfig:
         if self.new_rows_first < 0 or (self.new_rows_first and not self.init_from):
             raise UserError(f"new_rows_first must be >= 0 and needs init_from (a checkpoint whose vocabulary "
                             f"the run grows), got {self.new_rows_first}")
+        if self.distill_weight < 0:
+            raise UserError(f"distill_weight must be >= 0, got {self.distill_weight}")
         if isinstance(self.canvas_rows, str):  # one file, as older runs saved it
             self.canvas_rows = [self.canvas_rows]
         check_mix(self.task_mix)  # a bad mix fails here, not at the first step
@@ -221,6 +225,7 @@ class Trainer:
             self.load_weights(cfg.init_from)
         self.device = parse_device(cfg.device)
         self.model.to(self.device)
+        self.teacher = self.load_teacher(cfg.distill_from) if cfg.distill_from else None
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=0.01)
         self.step = 0
@@ -266,6 +271,17 @@ class Trainer:
         if self.cfg.new_rows_first and not self.grown:
             raise UserError(f"--new-rows-first: {path} has this run's whole vocabulary; there are no new "
                             f"words to train first")
+
+    def load_teacher(self, path: str) -> DiffusionLM:
+        from ..models import load_model
+        teacher = load_model(path)
+        if teacher.config.model_type != self.model.config.model_type:
+            raise UserError(f"--distill-from {path} is a {teacher.config.model_type} checkpoint, "
+                            f"not {self.model.config.model_type}")
+        if teacher.config.vocab_size > self.model.config.vocab_size:
+            raise UserError(f"--distill-from {path} has {teacher.config.vocab_size} words, more than this "
+                            f"model's {self.model.config.vocab_size}")
+        return teacher.to(self.device).eval().requires_grad_(False)
 
     def lr_at(self, step: int) -> float:
         c = self.cfg
@@ -332,21 +348,46 @@ class Trainer:
             self._pool = (pool_seed, pool)
         return self._pool[1]
 
-    def loss(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, b: Batch, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(diffusion loss, auxiliary causal loss); the step minimises diffusion + ar_weight * causal."""
-        diffusion = self.diffusion_loss(b)
+        diffusion = self.diffusion_loss(b, logits)
         if self.cfg.ar_weight == 0:
             return diffusion, torch.zeros((), device=diffusion.device)
         return diffusion, self.causal_loss(b.targets[:, : b.content_length])
 
-    def diffusion_loss(self, b: Batch) -> torch.Tensor:
+    def masked_logits(self, b: Batch) -> torch.Tensor:
+        """The model's logits at ``b``'s masked slots, row by row."""
         ctx = self.model.plain_context(b.input_ids, b.attention_mask, b.position_ids)
         hidden = self.model.forward_context(b.input_ids, ctx)[:, : b.targets.shape[1]]
-        logits = self.model.logits(hidden[b.is_masked])
+        return self.model.logits(hidden[b.is_masked])
+
+    def diffusion_loss(self, b: Batch, logits: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.masked_logits(b) if logits is None else logits
         ce = F.cross_entropy(logits, b.targets[b.is_masked], reduction="none")
         weight = b.weight[:, None].expand_as(b.targets)[b.is_masked]
         # LLaDA SFT normalises by the response length; every row is the same length here
         return (ce * weight).sum() / max(1, int(b.is_masked.numel()))
+
+    def distill_loss(self, b: Batch, logits: torch.Tensor) -> torch.Tensor:
+        """KL(teacher || model) at the masked slots (``logits``: the model's there) of the rows
+        whose every id the teacher knows (``distill_from``, e.g. the checkpoint a grown vocabulary
+        started from), weighted and normalised as the diffusion loss is: the model keeps the
+        teacher's whole distribution on what the teacher could already do, not only its gold
+        words. The model's mass on words the teacher lacks counts against it there."""
+        vocab = self.teacher.config.vocab_size
+        rows = (b.input_ids < vocab).all(1)
+        if not rows.any():
+            return torch.zeros((), device=logits.device)
+        ids, is_masked = b.input_ids[rows], b.is_masked[rows]
+        with torch.no_grad():
+            ctx = self.teacher.plain_context(ids, b.attention_mask, b.position_ids)
+            hidden = self.teacher.forward_context(ids, ctx)[:, : b.targets.shape[1]]
+            teacher = F.log_softmax(self.teacher.logits(hidden[is_masked]).float(), -1)
+        slot_rows = rows[:, None].expand_as(b.is_masked)[b.is_masked]
+        model = F.log_softmax(logits[slot_rows].float(), -1)[:, :vocab]
+        kl = (teacher.exp() * (teacher - model)).sum(-1)
+        weight = b.weight[rows, None].expand_as(is_masked)[is_masked]
+        return (kl * weight).sum() / max(1, int(b.is_masked.numel()))
 
     def causal_loss(self, ids: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy of the clean rows under a causal mask (prompt, answer, first EOS).
@@ -393,7 +434,7 @@ class Trainer:
             v = cfg.get(key, defaults[key])
             if key == "canvas_rows" and isinstance(v, str):  # one file, as older runs saved it
                 return [v]
-            return os.path.normpath(v) if key == "init_from" and v else v
+            return os.path.normpath(v) if key in ("init_from", "distill_from") and v else v
         diffs = [f"{k} {value(saved, k)} (saved) vs {value(now, k)} (now)"
                  for k in keys if value(saved, k) != value(now, k)]
         if diffs:
@@ -518,8 +559,12 @@ class Trainer:
     def train_step(self, step: int) -> tuple[float, float]:
         for group in self.opt.param_groups:
             group["lr"] = self.lr_at(step)
-        diffusion, causal = self.loss(self.batch(step))
+        b = self.batch(step)
+        logits = self.masked_logits(b)
+        diffusion, causal = self.loss(b, logits)
         total = diffusion + self.cfg.ar_weight * causal
+        if self.teacher is not None:
+            total = total + self.cfg.distill_weight * self.distill_loss(b, logits)
         if self.cfg.block_aux:
             total = total + self.cfg.block_aux * self.diffusion_loss(self.block_batch(step))
         if self.canvases is not None:
