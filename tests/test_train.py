@@ -488,22 +488,28 @@ def test_a_second_signal_stops_at_once_and_threads_train_without_handlers(tmp_pa
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
 
 
-def test_new_rows_first_trains_only_the_new_words(tmp_path):
-    """--new-rows-first: the steps before it move only the rows of the words init_from lacks."""
+def resized_vocab(out, dest, change: int):
+    """A copy of checkpoint ``out`` in ``dest`` with ``change`` words fewer (< 0: the last ones
+    dropped) or more (> 0: the first ones repeated) in its embedding, head and config."""
     from safetensors.torch import load_file, save_file
-    out = trainer(tmp_path, steps=1, name="base").train()
-    weights = load_file(out / "model.safetensors")
-    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
-    small = {n: w[:-5] if w.dim() == 2 and w.shape[0] == vocab else w
-             for n, w in weights.items()}
-    assert any(w.shape != weights[n].shape for n, w in small.items())
-    save_file(small, out / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
+    vocab = cfg["vocab_size"]
+    weights = load_file(out / "model.safetensors")
+    resized = {n: (w[:change] if change < 0 else torch.cat([w, w[:change]]))
+               if w.dim() == 2 and w.shape[0] == vocab else w for n, w in weights.items()}
+    assert sum(w.shape != weights[n].shape for n, w in resized.items()) == 2  # embedding and head
+    dest.mkdir()
+    save_file(resized, dest / "model.safetensors", metadata={"format": "pt"})
     for key in ("vocab_size", "embedding_size"):
         if key in cfg:
-            cfg[key] -= 5
-    (out / "config.json").write_text(json.dumps(cfg))
+            cfg[key] += change
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
 
+
+def test_new_rows_first_trains_only_the_new_words(tmp_path):
+    """--new-rows-first: the steps before it move only the rows of the words init_from lacks."""
+    out = resized_vocab(trainer(tmp_path, steps=1, name="base").train(), tmp_path / "small", -5)
     t = trainer(tmp_path, steps=3, name="grow", init_from=str(out), new_rows_first=2)
     assert t.grown and set(t.grown.values()) == {len(t.tokenizer) - 5}
     loaded = {n: p.detach().clone() for n, p in t.model.named_parameters()}
@@ -540,17 +546,8 @@ def test_distill_keeps_what_the_teacher_knew_on_the_rows_it_can_read(tmp_path):
     same.train_step(0)
     assert same.distill_loss(b, same.masked_logits(b)).item() > 1e-4
 
-    from safetensors.torch import load_file, save_file
-    small = tmp_path / "small"  # the teacher knows 5 words fewer
-    small.mkdir()
     vocab = len(same.tokenizer)
-    save_file({n: w[:-5] if w.dim() == 2 and w.shape[0] == vocab else w
-               for n, w in load_file(out / "model.safetensors").items()}, small / "model.safetensors",
-              metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    for key in ("vocab_size", "embedding_size"):
-        cfg[key] -= 5
-    (small / "config.json").write_text(json.dumps(cfg))
+    small = resized_vocab(out, tmp_path / "small", -5)  # the teacher knows 5 words fewer
     t = trainer(tmp_path, steps=3, name="grow", init_from=str(small), distill_from=str(small))
     b = t.batch(0)
     row = int(b.is_masked.sum(1).argmax())
@@ -566,15 +563,7 @@ def test_distill_keeps_what_the_teacher_knew_on_the_rows_it_can_read(tmp_path):
         TrainConfig(family="llada", out="x", work="y", distill_weight=-1)
     with pytest.raises(ValueError, match="is a llada checkpoint, not sdar"):
         trainer(tmp_path, "sdar", steps=1, name="other", distill_from=str(out))
-    big = tmp_path / "big"  # a teacher with 5 words more than the model
-    big.mkdir()
-    save_file({n: torch.cat([w, w[:5]]) if w.dim() == 2 and w.shape[0] == vocab else w
-               for n, w in load_file(out / "model.safetensors").items()}, big / "model.safetensors",
-              metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    for key in ("vocab_size", "embedding_size"):
-        cfg[key] += 5
-    (big / "config.json").write_text(json.dumps(cfg))
+    big = resized_vocab(out, tmp_path / "big", 5)  # a teacher with 5 words more than the model
     with pytest.raises(ValueError, match=f"has {vocab + 5} words, more than this model's {vocab}"):
         trainer(tmp_path, steps=1, name="big", distill_from=str(big))
     cmd = ["train", "--family", "llada", "--out", str(tmp_path / "cli-out"), "--work", str(tmp_path / "cli"),

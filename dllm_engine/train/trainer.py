@@ -254,12 +254,17 @@ class Trainer:
                 std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
                 torch.nn.init.normal_(p, 0.0, std)
 
-    def load_weights(self, path: str) -> None:
+    def load_checkpoint(self, path: str, flag: str) -> DiffusionLM:
+        """The checkpoint ``flag`` names, refused unless it is of this run's family."""
         from ..models import load_model
-        source = load_model(path)
-        if source.config.model_type != self.model.config.model_type:
-            raise UserError(f"--init-from {path} is a {source.config.model_type} checkpoint, "
+        model = load_model(path)
+        if model.config.model_type != self.model.config.model_type:
+            raise UserError(f"{flag} {path} is a {model.config.model_type} checkpoint, "
                             f"not {self.model.config.model_type}")
+        return model
+
+    def load_weights(self, path: str) -> None:
+        source = self.load_checkpoint(path, "--init-from")
         differ = [f"{k} {getattr(source.config, k)} (checkpoint) vs {getattr(self.model.config, k)} (here)"
                   for k in SAME_WHEN_GROWN if getattr(source.config, k) != getattr(self.model.config, k)]
         if differ:
@@ -273,11 +278,7 @@ class Trainer:
                             f"words to train first")
 
     def load_teacher(self, path: str) -> DiffusionLM:
-        from ..models import load_model
-        teacher = load_model(path)
-        if teacher.config.model_type != self.model.config.model_type:
-            raise UserError(f"--distill-from {path} is a {teacher.config.model_type} checkpoint, "
-                            f"not {self.model.config.model_type}")
+        teacher = self.load_checkpoint(path, "--distill-from")
         if teacher.config.vocab_size > self.model.config.vocab_size:
             raise UserError(f"--distill-from {path} has {teacher.config.vocab_size} words, more than this "
                             f"model's {self.model.config.vocab_size}")
@@ -355,11 +356,15 @@ class Trainer:
             return diffusion, torch.zeros((), device=diffusion.device)
         return diffusion, self.causal_loss(b.targets[:, : b.content_length])
 
-    def masked_logits(self, b: Batch) -> torch.Tensor:
-        """The model's logits at ``b``'s masked slots, row by row."""
-        ctx = self.model.plain_context(b.input_ids, b.attention_mask, b.position_ids)
-        hidden = self.model.forward_context(b.input_ids, ctx)[:, : b.targets.shape[1]]
-        return self.model.logits(hidden[b.is_masked])
+    def masked_logits(self, b: Batch, model: DiffusionLM | None = None,
+                      rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``model``'s (default: the one training) logits at the masked slots of ``b``'s ``rows``
+        (default all), row by row."""
+        model = self.model if model is None else model
+        ids, is_masked = (b.input_ids, b.is_masked) if rows is None else (b.input_ids[rows], b.is_masked[rows])
+        ctx = model.plain_context(ids, b.attention_mask, b.position_ids)
+        hidden = model.forward_context(ids, ctx)[:, : b.targets.shape[1]]
+        return model.logits(hidden[is_masked])
 
     def diffusion_loss(self, b: Batch, logits: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.masked_logits(b) if logits is None else logits
@@ -378,15 +383,12 @@ class Trainer:
         rows = (b.input_ids < vocab).all(1)
         if not rows.any():
             return torch.zeros((), device=logits.device)
-        ids, is_masked = b.input_ids[rows], b.is_masked[rows]
         with torch.no_grad():
-            ctx = self.teacher.plain_context(ids, b.attention_mask, b.position_ids)
-            hidden = self.teacher.forward_context(ids, ctx)[:, : b.targets.shape[1]]
-            teacher = F.log_softmax(self.teacher.logits(hidden[is_masked]).float(), -1)
+            teacher = F.log_softmax(self.masked_logits(b, self.teacher, rows).float(), -1)
         slot_rows = rows[:, None].expand_as(b.is_masked)[b.is_masked]
         model = F.log_softmax(logits[slot_rows].float(), -1)[:, :vocab]
         kl = (teacher.exp() * (teacher - model)).sum(-1)
-        weight = b.weight[rows, None].expand_as(is_masked)[is_masked]
+        weight = b.weight[:, None].expand_as(b.is_masked)[b.is_masked][slot_rows]
         return (kl * weight).sum() / max(1, int(b.is_masked.numel()))
 
     def causal_loss(self, ids: torch.Tensor) -> torch.Tensor:
