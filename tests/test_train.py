@@ -1,5 +1,6 @@
 """Training: the objectives' batches, a smoke run, exact resume, and a loadable export."""
 import json
+import re
 
 import pytest
 import torch
@@ -233,6 +234,29 @@ def test_cli_task_mix(tmp_path, capsys):
     assert "mix names tasks not in the stream: addition" in capsys.readouterr().err
 
 
+def test_cli_takes_trainconfigs_defaults_and_shows_them(capsys):
+    """dllm train sets only the options it is given; the rest, and --help's defaults, are TrainConfig's."""
+    from dllm_engine.cli import build_parser
+    from dllm_engine.cli.train import train_config
+    base = ["train", "--family", "sdar", "--out", "o", "--work", "w"]
+    assert train_config(build_parser().parse_args(base)) == TrainConfig(family="sdar", out="o", work="w")
+    given = train_config(build_parser().parse_args([*base, "--steps", "7", "--lr", "0.01", "--task-mix", "calc=2",
+                                                    "--canvas-rows", "a.pt", "b.pt"]))
+    assert given == TrainConfig(family="sdar", out="o", work="w", steps=7, lr=0.01, task_mix={"calc": 2},
+                                canvas_rows=["a.pt", "b.pt"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    defaults = TrainConfig(family="sdar", out="o", work="w")
+    for flag, name in (("--steps STEPS", "steps"), ("--lr LR", "lr"), ("--long-tails SHARE", "long_tails"),
+                       ("--num-kv-heads NUM_KV_HEADS", "num_kv_heads"), ("--distill-weight DISTILL_WEIGHT",
+                                                                         "distill_weight")):
+        text, _, rest = shown.split(f" {flag} ", 1)[1].partition("(default: ")
+        assert not re.search(r" --[a-z-]+ [A-Z]", text), flag  # no other option's entry before it
+        assert rest.startswith(f"{getattr(defaults, name)})"), flag
+    assert "(default: None)" not in shown and "(default: ==SUPPRESS==)" not in shown
+
+
 def test_grow_weights_copies_the_source_and_starts_new_outputs_at_zero():
     """--init-from a smaller checkpoint: more words, wider MLPs, more layers."""
     old = {"embed_tokens.weight": torch.ones(3, 4), "lm_head.weight": torch.ones(3, 4),
@@ -345,12 +369,13 @@ def test_sigint_finishes_the_step_saves_and_resumes_exactly(tmp_path, guarded_si
 
 
 def test_cli_sigterm_exits_143_saves_and_resumes(tmp_path, capsys, monkeypatch, guarded_signals):
-    import functools
+    import dataclasses
     import os
     import signal
-    import dllm_engine.train as train
+    import dllm_engine.cli.train as cli_train
     from dllm_engine.cli import main
-    monkeypatch.setattr(train, "TrainConfig", functools.partial(TrainConfig, **TINY_MODEL))
+    real_config = cli_train.train_config
+    monkeypatch.setattr(cli_train, "train_config", lambda args: dataclasses.replace(real_config(args), **TINY_MODEL))
     real_step = Trainer.train_step
 
     def term_in_step_1(self, step):
