@@ -50,14 +50,14 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                         "new ones whose output starts at zero")
     p.add_argument("--block-size", type=int, help="sdar: the trained block; llada: --block-aux's block")
     p.add_argument("--max-new-tokens", type=int, help="written to generation_config.json")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")  # not a TrainConfig field: its default is here
     p.add_argument("--device",
                    help="cpu, cuda or cuda:N (free to change when resuming; batches are drawn on the CPU)")
     p.add_argument("--init-from", help="start from this checkpoint's weights")
     p.add_argument("--save-every", type=int, metavar="N",
                    help="save the resumable state to --work every N steps (and on Ctrl-C / SIGTERM, "
                         "after the current step); rerunning the same command resumes")
-    p.add_argument("--export-only", action="store_true",
+    p.add_argument("--export-only", action="store_true", default=False,
                    help="write --work's last saved state to --out as a checkpoint and exit "
                         "(check a run that is still training)")
     p.add_argument("--ar-weight", type=float,
@@ -130,11 +130,11 @@ def run_train(args: argparse.Namespace) -> None:
     import torch
     from ..train import Trainer
     from ..train.trainer import Interrupted
-    if getattr(args, "threads", None):
+    if args.threads:
         torch.set_num_threads(args.threads)
     trainer = Trainer(train_config(args))
     try:
-        out = trainer.export_saved() if getattr(args, "export_only", False) else trainer.train()
+        out = trainer.export_saved() if args.export_only else trainer.train()
     except Interrupted as e:  # the state is saved: one line, no traceback, the shell's exit code
         print(e, file=sys.stderr)
         raise SystemExit(e.exit_code) from None
