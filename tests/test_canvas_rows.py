@@ -214,9 +214,11 @@ def test_the_trainer_adds_the_canvas_rows_loss(tmp_path):
                                  canvas_rows=[str(tmp_path / "rows.pt"), str(tmp_path / "round2.pt")],
                                  canvas_batch=2, **TINY))
     assert sorted(rounds.canvas_batch(0).targets[:, len(prompt)].tolist()) == [20, 24]  # a row of each file
-    plain.train_step(0)
-    with_rows.train_step(0)  # same weights and examples, one more loss term: a different update
+    without, terms = plain.train_step(0), with_rows.train_step(0)  # one more loss term: a different update
     assert any(not torch.equal(p, q) for p, q in zip(plain.model.parameters(), with_rows.model.parameters()))
+    assert set(without) == {"loss", "ar_loss", "total"} and set(terms) == set(without) | {"canvas_loss"}
+    assert terms["loss"] == without["loss"] and terms["canvas_loss"] > 0  # the same examples, and the rows
+    assert terms["total"] == pytest.approx(terms["loss"] + terms["ar_loss"] + terms["canvas_loss"], rel=1e-5)
     rows.meta["mask_id"] = 99
     rows.save(tmp_path / "other.pt")
     with pytest.raises(UserError, match="another tokenizer"):

@@ -88,7 +88,8 @@ def test_block_aux_adds_the_block_diffusion_loss_on_the_same_examples(tmp_path):
     assert torch.equal(b.input_ids[:, b.targets.shape[1]:], b.targets)  # the clean copy
     before = [p.detach().clone() for p in plain.model.parameters()]
     plain.train_step(0)
-    aux.train_step(0)  # same weights (same seed), one more loss term: a different update
+    terms = aux.train_step(0)  # same weights (same seed), one more loss term: a different update
+    assert set(terms) == {"loss", "ar_loss", "block_loss", "total"} and terms["block_loss"] > 0
     moved = [not torch.equal(p, q) for p, q in zip(plain.model.parameters(), aux.model.parameters())]
     assert any(moved) and not all(torch.equal(p, q) for p, q in zip(before, plain.model.parameters()))
     with pytest.raises(ValueError, match="block_aux must be"):
@@ -112,7 +113,7 @@ def test_loss_decreases_on_a_fixed_batch(tmp_path):
     t = trainer(tmp_path, lr=3e-3)
     batch = t.batch(0)
     t.batch = lambda step: batch
-    losses = [sum(t.train_step(s)) for s in range(25)]
+    losses = [t.train_step(s)["total"] for s in range(25)]
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
 
 
@@ -410,6 +411,8 @@ def test_cli_sigterm_exits_143_saves_and_resumes(tmp_path, capsys, monkeypatch, 
 def test_resume_refuses_other_model_or_training_settings(tmp_path):
     trainer(tmp_path, steps=2).train()
     log = (tmp_path / "run" / "loss.jsonl").read_text()
+    assert [sorted(json.loads(line)) for line in log.splitlines()] == \
+        [["ar_loss", "elapsed_s", "loss", "lr", "step", "total"]] * 2
     with pytest.raises(ValueError) as info:
         trainer(tmp_path, steps=2, hidden_size=48, block_size=16).train()
     msg = str(info.value)
@@ -568,7 +571,7 @@ def test_distill_keeps_what_the_teacher_knew_on_the_rows_it_can_read(tmp_path):
     same = trainer(tmp_path, steps=3, name="same", init_from=str(out), distill_from=str(out))
     b = same.batch(0)
     assert abs(same.distill_loss(b, same.masked_logits(b)).item()) < 1e-6
-    same.train_step(0)
+    assert abs(same.train_step(0)["distill_loss"]) < 1e-6  # the term the step reports, before it moved
     assert same.distill_loss(b, same.masked_logits(b)).item() > 1e-4
 
     vocab = len(same.tokenizer)

@@ -516,12 +516,12 @@ class Trainer:
             start = time.time()
             with bar, (self.work / "loss.jsonl").open("a") as log:  # closed on the way out, too
                 for step in bar:
-                    loss, ar_loss = self.train_step(step)
-                    log.write(json.dumps({"step": step, "loss": round(loss, 5), "ar_loss": round(ar_loss, 5),
+                    terms = self.train_step(step)
+                    log.write(json.dumps({"step": step, **{k: round(v, 5) for k, v in terms.items()},
                                           "lr": self.lr_at(step),
                                           "elapsed_s": round(time.time() - start, 1)}) + "\n")
                     log.flush()
-                    bar.set_postfix(loss=f"{loss:.4f}", ar_loss=f"{ar_loss:.4f}")
+                    bar.set_postfix({k: f"{v:.4f}" for k, v in terms.items()})
                     self.step = step + 1
                     if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps or self._stop:
                         self.save_state()
@@ -558,19 +558,24 @@ class Trainer:
             for s, old in previous.items():
                 signal.signal(s, signal.SIG_DFL if old is None else old)
 
-    def train_step(self, step: int) -> tuple[float, float]:
+    def train_step(self, step: int) -> dict[str, float]:
+        """One optimizer step. Returns each loss term it minimised, unweighted, by name: ``loss``
+        (the diffusion loss of the step's examples) and ``ar_loss`` always, ``distill_loss``,
+        ``block_loss`` and ``canvas_loss`` where the run has them, and ``total``, the weighted sum
+        the step descended."""
         for group in self.opt.param_groups:
             group["lr"] = self.lr_at(step)
         b = self.batch(step)
         logits = self.masked_logits(b)
         diffusion, causal = self.loss(b, logits)
-        total = diffusion + self.cfg.ar_weight * causal
+        terms = {"loss": (diffusion, 1.0), "ar_loss": (causal, self.cfg.ar_weight)}
         if self.teacher is not None:
-            total = total + self.cfg.distill_weight * self.distill_loss(b, logits)
+            terms["distill_loss"] = (self.distill_loss(b, logits), self.cfg.distill_weight)
         if self.cfg.block_aux:
-            total = total + self.cfg.block_aux * self.diffusion_loss(self.block_batch(step))
+            terms["block_loss"] = (self.diffusion_loss(self.block_batch(step)), self.cfg.block_aux)
         if self.canvases is not None:
-            total = total + self.cfg.canvas_weight * self.diffusion_loss(self.canvas_batch(step))
+            terms["canvas_loss"] = (self.diffusion_loss(self.canvas_batch(step)), self.cfg.canvas_weight)
+        total = sum(weight * term for term, weight in terms.values())
         self.opt.zero_grad(set_to_none=True)
         total.backward()
         rows_only = step < self.cfg.new_rows_first
@@ -582,7 +587,7 @@ class Trainer:
             with torch.no_grad():
                 for p, rows in kept:
                     p[: rows.shape[0]] = rows
-        return diffusion.item(), causal.item()
+        return {**{name: term.item() for name, (term, _) in terms.items()}, "total": total.item()}
 
     def keep_new_rows_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A ``new_rows_first`` step: drop every gradient but the new words' embedding and head
