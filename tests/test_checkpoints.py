@@ -48,8 +48,8 @@ def test_tiny_sdar_solves_held_out_worked_answers():
 def test_shipped_checkpoint_reads_phrased_prompts(name, method):
     """Both checkpoints were trained on the phrased family too: the tokenizer is the suite's whole
     vocabulary with the same ids, and each names the right final answer of some held-out `biggest`
-    prompts (tiny-llada 5, tiny-sdar 8 of the first 10), though it writes few whole traces right (the cards: tiny-llada
-    4.2%, tiny-sdar 10.4% of the phrased split)."""
+    prompts (tiny-llada 5, tiny-sdar 8 of the first 10), though it writes few whole traces right
+    (the cards: tiny-llada 4.2%, tiny-sdar 10.4% of the phrased split)."""
     from dllm_engine.tokenizer import build_tokenizer
     llm = LLM(CHECKPOINTS / name)
     assert llm.tokenizer.get_vocab() == build_tokenizer().get_vocab()
