@@ -111,7 +111,7 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec("adaptive-length", "dllm_engine.strategies.adaptive_length:AdaptiveLength",
                  tuple(DECODERS.values()), ("eos_threshold", "min_length")),
     StrategySpec("jump-share", "dllm_engine.strategies.jump_share:JumpShare", (PREFIX_CACHE, DUAL_CACHE),
-                 ("max_copies",), stage=2, owns_commit=True, needs_unshifted_logits=True,
+                 ("max_copies", "jump_share_switch", "jump_share_layout"), stage=2, owns_commit=True, needs_unshifted_logits=True,
                  no_logprobs="its drafts were predicted a step earlier"),
 )}
 

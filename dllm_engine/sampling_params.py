@@ -15,6 +15,8 @@ from .methods import (COMMIT_RULES, DECODERS, JOINT_THRESHOLD, JOINT_THRESHOLD_P
 REMASKING = ("low_confidence", "maskgit_plus", "random", "topk_margin", "entropy")
 UNMASKING = ("low_confidence_dynamic", "low_confidence_static")
 BLOCK_STARTS = ("prefix", "last-commits", "canvas")  # early-skip: what a block's first step computes
+JUMP_SHARE_SWITCHES = ("official", "current")  # jump-share: when a block moves from 4 to 8 copies
+JUMP_SHARE_LAYOUTS = ("official", "shared")  # jump-share: what a copy of the block recomputes
 MAX_SEED = 2**63  # torch.Generator.manual_seed takes a signed 64-bit integer
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 PROBABILITY_CONFIDENCES = ("low_confidence", "maskgit_plus")  # the softmax probability of the token
@@ -65,6 +67,8 @@ class SamplingParams:
     eos_threshold: float = 0.9
     min_length: int = 0
     max_copies: int = 8
+    jump_share_switch: str = "official"  # official: decided after a step, with its lag; current: masks now
+    jump_share_layout: str = "official"  # official: 4 copies hold the whole block; shared: masks only
     # a commit rule in place of the decoder's own (methods.COMMIT_RULES; decoding/credit.py,
     # hierarchical.py, joint_threshold.py). None = the decoder's. Setting ``preset`` or an
     # option of joint-threshold (``edit_threshold``, ``max_post_edit_steps``) selects it
@@ -226,6 +230,9 @@ class SamplingParams:
             raise ParamError("min_length", f"min_length must be >= 0, got {self.min_length}")
         if self.max_copies not in (1, 2, 4, 8):
             raise ParamError("max_copies", f"max_copies must be 1, 2, 4 or 8, got {self.max_copies}")
+        for name, allowed in (("jump_share_switch", JUMP_SHARE_SWITCHES), ("jump_share_layout", JUMP_SHARE_LAYOUTS)):
+            if getattr(self, name) not in allowed:
+                raise ParamError(name, f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
     def check_rule_options(self) -> None:
         """The commit rules' options: credit's weights, the hierarchical and edit thresholds, the

@@ -8,7 +8,7 @@ from dllm_engine.engine.sequence import Sequence, TokenIds
 from dllm_engine.methods import FULL_ATTENTION_METHODS
 from dllm_engine.resolve import resolve_params
 from dllm_engine.strategies.jump_share import (JumpShare, accepted_copy, copy_key_mask, draft_sets,
-                                               make_layout, num_copies, share_plan)
+                                               make_layout, num_copies, share_plan, switches_to_eight)
 from fixtures import write_checkpoint
 
 PROMPTS = [[42, 13, 14, 15, 16, 17, 18], [20, 21, 22], [30, 31, 32, 33, 34]]
@@ -30,6 +30,26 @@ def test_copy_sets_and_copy_count_rule():
     assert num_copies(8, 19, 32) == 8 and num_copies(8, 20, 32) == 4
     assert num_copies(8, 3, 32, first=True) == 4  # a block's first speculative step: 4 (official)
     assert num_copies(4, 3, 32) == 4 and num_copies(1, 3, 32) == 1 and num_copies(2, 30, 32) == 2
+
+
+@pytest.mark.parametrize("step,masks,drafts,want", [
+    (1, 3, 2, False),  # never after the block's first speculative step
+    (2, 20, 2, True), (2, 21, 2, False),  # 32 + 3·20 = 92 <= 92 (both drafts accepted)
+    (2, 19, 1, True), (2, 20, 1, False),  # 89 (one draft)
+    (3, 18, 0, True), (3, 19, 0, False),  # 86 (copy 0)
+])
+def test_the_official_switch_reads_the_step_that_ran_and_what_it_accepted(step, masks, drafts, want):
+    """After a 4-copy step t >= 2 of a block of 32: 8 copies once 32 + 3·(masks step t computed)
+    <= 92, 89 or 86 as the accepted copy held 2, 1 or 0 drafts."""
+    seq = make_seq(block=32, max_new=32, max_copies=8)
+    seq.step = step
+    masked = torch.arange(3, 3 + masks)
+    layout = make_layout(seq, masked, (masked[:2], torch.tensor([50, 51]), torch.tensor([0.9, 0.8])), 4)
+    best = {0: 0, 1: 1, 2: 3}[drafts]
+    assert switches_to_eight(seq, layout, best) is want
+    for other in (dict(max_copies=4), dict(jump_share_switch="current")):
+        seq.params = seq.params.replace(**other)
+        assert not switches_to_eight(seq, layout, best)
 
 
 def test_copy_key_mask_isolates_copies():
@@ -61,7 +81,7 @@ def test_share_plan_lays_out_shared_and_copied_tokens():
     seq.step = 1
     drafts = (torch.tensor([6, 4, 3, 5]), torch.tensor([61, 99, 63, 65]), torch.tensor([0.9, 0.8, 0.7, 0.6]))
     base = plan_step(seq, 0)
-    layout = make_layout(seq, base.logit_positions, drafts)
+    layout = make_layout(seq, base.logit_positions, drafts, 4)
     # position 4 is committed now, so the drafts are 6 then 3; copies: (), {6}, {3}, {6, 3}
     assert layout.masked.tolist() == [3, 5, 6]
     assert layout.draft_idx.tolist() == [2, 0] and layout.draft_tokens.tolist() == [61, 63]
@@ -79,7 +99,6 @@ def test_share_plan_lays_out_shared_and_copied_tokens():
 
 def hand_example(case: str):
     """Copies (), {d0}, {d1}, {d0, d1} over masked positions 0..3; d0 at 1 (token 7), d1 at 3 (8)."""
-    sets = draft_sets(2)
     draft_idx, draft_tokens = torch.tensor([1, 3]), torch.tensor([7, 8])
     x0 = torch.tensor([[5, 7, 6, 8],  # copy 0 predicts both drafts' tokens
                        [5, -1, 6, 8],
@@ -100,7 +119,7 @@ def hand_example(case: str):
     elif case == "wrong token":
         commit[0, 1] = True
         x0[0, 1] = 9
-    return sets, draft_idx, draft_tokens, x0, commit
+    return draft_idx, draft_tokens, x0, commit
 
 
 @pytest.mark.parametrize("case,want", [("nothing", 0), ("base commits d0", 1), ("d1 only", 2),
@@ -110,13 +129,46 @@ def test_acceptance_rule_on_hand_built_predictions(case, want):
     assert accepted_copy(*hand_example(case)) == want
 
 
+def four_drafts(verified: dict[int, list[int]], quirk: bool = False):
+    """8 copies over masked positions 0..5, drafts d1..d4 at 0..3 with tokens 10..13; copy c
+    commits draft j (0-based) with its token for each j in ``verified[c]``."""
+    draft_idx, draft_tokens = torch.tensor([0, 1, 2, 3]), torch.tensor([10, 11, 12, 13])
+    x0 = torch.full((8, 6), 99)
+    commit = torch.zeros(8, 6, dtype=torch.bool)
+    for copy, drafts in verified.items():
+        for j in drafts:
+            x0[copy, j], commit[copy, j] = 10 + j, True
+    if quirk:  # copy {d4} commits d3's slot with the token copy {d3} predicts at d1's
+        x0[6, 2], commit[6, 2], x0[4, 0] = 42, True, 42
+    return draft_idx, draft_tokens, x0, commit
+
+
+@pytest.mark.parametrize("verified,quirk,want", [
+    ({0: [0, 1, 2, 3]}, False, 7),  # copy 0 confirms all four
+    ({0: [0, 2]}, False, 1),  # d1 and d3 alone: {d1}, the earlier singleton
+    ({0: [0, 2], 1: [1]}, False, 5),  # {d1, d2} (d2 by copy {d1}) and {d3} (by copy 0) combine
+    ({0: [2], 4: [0, 1]}, False, 5),  # copy {d3} confirms d1 and d2
+    ({0: [0], 1: [1], 2: [2]}, False, 5),  # {d1, d2} accepted, copy {d2} confirms d3
+    ({0: [0, 3], 1: [1]}, False, 3),  # d4 needs {d1, d2, d3} first
+    ({0: [0, 1, 3], 1: [1], 3: [2]}, False, 7),  # a4 with {d1, d2, d3} (d3 by copy {d1, d2})
+    ({0: [0, 1, 3], 3: [2]}, False, 3),  # the same, but {d1, d2} by copy 0 alone: not a12
+    ({0: [3], 6: [0, 1, 2]}, False, 7),  # copy {d4} confirms the other three
+    ({0: [0, 1, 2], 1: [1], 5: [3]}, False, 7),  # copy {d1, d2, d3} confirms d4
+    ({0: [0, 1, 2], 5: [3]}, False, 5),  # the same, but a1 a2 a3 alone do not set a123
+    ({0: [0, 1, 3], 1: [1]}, True, 7),  # the official comparison across two positions
+    ({0: [0, 1, 3], 1: [1]}, False, 3),
+])
+def test_four_drafts_follow_the_official_acceptance(verified, quirk, want):
+    assert accepted_copy(*four_drafts(verified, quirk)) == want
+
+
 def test_accepted_copy_applies_its_drafts_and_its_own_commits(llms):
     seq = make_seq(max_copies=4)
     seq.step = 1
     js = JumpShare(llms["llada"].model)
     js.setup(seq)
     layout = make_layout(seq, seq.masked_positions(), (torch.tensor([4, 6]), torch.tensor([7, 8]),
-                                                       torch.tensor([0.9, 0.8])))
+                                                       torch.tensor([0.9, 0.8])), 4)
     seq.strategy_state["jump-share"]["layout"] = layout
     # 4 copies over masked 3..6: d0 = position 4 (token 7), d1 = position 6 (token 8)
     logits = torch.full((4 + 3 + 3 + 2, 96), -1.0)  # a 1.0 logit is ~0.07, a 9.0 logit ~0.996
@@ -245,7 +297,7 @@ def test_drafts_may_cover_every_masked_position(llms):
     seq.canvas[3], seq.canvas[5] = 20, 21
     seq.step = 2
     drafts = (torch.tensor([6, 4]), torch.tensor([61, 62]), torch.tensor([0.9, 0.8]))
-    layout = make_layout(seq, seq.masked_positions(), drafts)
+    layout = make_layout(seq, seq.masked_positions(), drafts, 4)
     assert layout.draft_idx.tolist() == [1, 0] and layout.counts() == [2, 1, 1, 0]
     js = JumpShare(llms["llada"].model)
     js.setup(seq)
@@ -291,7 +343,7 @@ def test_copy_predictions_of_all_copies_equal_the_per_copy_rule(options):
         seq.step = 2
         seq.canvas[committed] = torch.arange(20, 20 + len(committed))
         drafts = (torch.tensor([9, 5, 3, 10, 6, 8]), torch.tensor([50, 51, 52, 53, 54, 55]), torch.rand(6))
-        layout = make_layout(seq, seq.masked_positions(), drafts)
+        layout = make_layout(seq, seq.masked_positions(), drafts, 8)
         logits = torch.randn(sum(layout.counts()), 96) * 3
         alone = make_seq(block=8, max_new=8, max_copies=8, **options)  # the same generator state
         alone.canvas, alone.step = seq.canvas.clone(), seq.step
