@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 # per step); every other decoder commits by threshold DEFAULT_THRESHOLD (Fast-dLLM's parallel
 # decoding, SDAR's low_confidence_dynamic).
 # block_length: a block-causal model's trained block_size (config.json) instead, when it has one.
-DEFAULTS = {"max_new_tokens": 128, "block_length": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-            "seed": 0}
+# seed: none here; a request without one takes its engine's next (seeds.py)
+DEFAULTS = {"max_new_tokens": 128, "block_length": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
 DEFAULT_THRESHOLD = 0.9
 COMMIT_FIELDS = ("threshold", "factor", "steps")
 # generation_config.json keys that are SamplingParams defaults (HF's own names where they exist)
@@ -99,7 +99,7 @@ def resolve_params(params: SamplingParams, methods: tuple[str, ...],
     gen = generation_defaults(generation_config)
     defaults = {**DEFAULTS, "block_length": block_size or DEFAULTS["block_length"]}
     filled = {k: gen.get(k, defaults.get(k)) for k in ("max_new_tokens", "block_length", "temperature",
-                                                       "top_p", "top_k", "seed") if getattr(params, k) is None}
+                                                       "top_p", "top_k") if getattr(params, k) is None}
     p = params.replace(method=params.method or gen.get("method") or default_decoder(methods), **filled)
     p = p.replace(**resolve_preset(p))
     p = p.replace(**resolve_commit_rule(p, gen))

@@ -44,7 +44,8 @@ class SamplingParams:
     remasking: str = "low_confidence"
     unmasking: str | None = None  # block: low_confidence_dynamic (with threshold) | low_confidence_static
     cfg_scale: float = 0.0
-    seed: int | None = None  # None: 0 offline (reproducible); the server draws one per request
+    seed: int | None = None  # None: the next seed of the engine's stream (seeds.py, LLM(seed=...))
+    n: int = 1  # answers per prompt; answer j samples with seed + j
     stop_token_ids: list[int] = field(default_factory=list)
     # end a sequence after the finished block holding the first stop token. None = yes, for every
     # decoder: a committed block never changes, so the text is the same either way. False decodes
@@ -151,6 +152,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ParamError(name, f"{name} must be a positive integer, got {value!r}")
+        if self.n < 1:
+            raise ParamError("n", f"n must be an integer >= 1 (answers per prompt), got {self.n!r}")
         if self.seed is not None and not 0 <= self.seed < MAX_SEED:
             raise ParamError("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 
@@ -291,7 +294,7 @@ class SamplingParams:
         if self.temperature:  # top-p / top-k act on sampling only
             after = names.index("temperature") + 1
             names[after:after] = ["top_p", "top_k"]
-        names += ["cfg_scale"] * bool(self.cfg_scale) + ["logprobs"] * (self.logprobs is not None)
+        names += ["cfg_scale"] * bool(self.cfg_scale) + ["logprobs"] * (self.logprobs is not None) + ["n"] * (self.n > 1)
         names += [o for s in self.strategies for o in STRATEGIES[s].options]
         if self.rule is not None:
             names += ["commit_rule", "preset"] + [o for o in self.rule.options if o not in names]

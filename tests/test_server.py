@@ -24,6 +24,7 @@ import uvicorn
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.bench.serve import percentile
 from dllm_engine.cli import main
+from dllm_engine.seeds import SeedStream
 from dllm_engine.server import EngineLoop, create_app, shutdown_timeouts
 from dllm_engine.server.loop import Job, held_back
 from dllm_engine.server.protocol import ApiError
@@ -245,6 +246,9 @@ def test_models_and_health(client, live):
     models = client.models.list().data
     assert [m.id for m in models] == [NAME]
     assert models[0].model_extra["default_method"] == "dual-cache"
+    # what a request without a seed gets: no fixed seed among the defaults
+    assert "seed=" not in models[0].model_extra["defaults"]
+    assert models[0].model_extra["seed"] == SeedStream(0).describe()  # LLM(ckpt)'s stream
     assert client.models.retrieve(NAME).id == NAME  # GET /v1/models/{model}
     r = httpx.get(live[0] + "/v1/models/other")
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
@@ -438,16 +442,17 @@ def test_n_choices_are_n_sequences_with_consecutive_seeds(client, offline):
 
 
 def test_a_request_without_a_seed_samples_with_a_fresh_one(client, offline, monkeypatch):
-    """As OpenAI: unseeded requests are independent samples (the server draws each a seed);
-    a seeded one is reproducible, and offline generation defaults to seed 0."""
-    from dllm_engine.server import app as app_module
+    """As OpenAI: unseeded requests are independent samples (the server's LLM draws each a seed
+    from its stream, fresh without --seed); a seeded one is reproducible; ``resolve`` fixes no
+    seed (offline, the LLM's stream seeded 0 gives one to each request)."""
+    from dllm_engine import seeds
     drawn = iter([11, 12])
-    monkeypatch.setattr(app_module.secrets, "randbelow", lambda bound: next(drawn))
+    monkeypatch.setattr(seeds.SeedStream, "next", lambda self: next(drawn))
     texts = [client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=5.0)
              .choices[0].text for _ in range(2)]
     assert texts == [expected(offline, PROMPTS[1], temperature=5.0, seed=s).text for s in (11, 12)]
     assert texts[0] != texts[1]
-    assert offline.resolve(SamplingParams()).seed == 0
+    assert offline.resolve(SamplingParams()).seed is None
 
 
 def test_max_tokens_need_not_divide_by_the_block_length(client, offline):
@@ -762,11 +767,12 @@ def test_dllm_serve_and_dllm_bench_serve(ckpt, tmp_path):
     assert r.status_code == 503 and r.json()["error"]["message"] == "server shut down before the request finished"
 
 
-@pytest.mark.parametrize("argv,policy", [([], "seed: a request without one gets a fresh random seed"),
-                                         (["--seed", "5"], "seed: 5 for every request without one")])
+@pytest.mark.parametrize("argv,policy", [([], "seed: a request without a seed gets a fresh random one"),
+                                         (["--seed", "5"], "takes the next of a stream seeded with 5")])
 def test_dllm_serve_start_up_lines_state_the_seed_policy(ckpt, monkeypatch, capsys, argv, policy):
-    """Without --seed a request that sets none samples with a fresh seed (Server.make_request): the
-    start-up lines say so, and the default method's line shows no seed=0."""
+    """Without --seed a request that sets none samples with a fresh seed, with --seed N with the
+    next of a stream seeded N (Server.make_request): the start-up lines say so, and the default
+    method's line shows no seed."""
     import dllm_engine.server
     monkeypatch.setattr(dllm_engine.server, "run_server", lambda *args, **kw: None)
     with socket.socket() as s:
@@ -776,4 +782,4 @@ def test_dllm_serve_start_up_lines_state_the_seed_policy(ckpt, monkeypatch, caps
     out = capsys.readouterr().out
     assert policy in out
     method = next(line for line in out.splitlines() if line.startswith("default method: "))
-    assert ("seed=5" in method) == bool(argv) and "seed=0" not in method
+    assert "seed=" not in method

@@ -64,6 +64,8 @@ def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     kw.setdefault("compile", getattr(args, "compile", False))
     kw.setdefault("fixed_shapes", getattr(args, "fixed_shapes", False))
     kw.setdefault("compile_step", getattr(args, "compile_step", False))
+    if getattr(args, "seed", None) is not None:
+        kw.setdefault("seed", args.seed)
     return LLM(model or args.model, revision=args.revision, dtype=args.dtype, device=args.device,
                keep_freed_memory=args.keep_freed_memory,
                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), **kw)
@@ -91,7 +93,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None, help="0 = argmax (default)")
     p.add_argument("--remasking", default="low_confidence")
     p.add_argument("--seed", type=int, default=None,
-                   help="sampling seed (default 0; dllm serve: a fresh one per request that sets none)")
+                   help="seeds the stream of seeds requests take, so a sampled run repeats (default 0; "
+                   "dllm generate: a fresh one when sampling, printed; dllm serve: a fresh seed per "
+                   "request that sets none)")
     p.add_argument("--cfg-scale", type=float, default=0.0, help="classifier-free guidance (reference)")
     p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="end after the finished block holding the first stop token (default: yes, "
@@ -103,7 +107,7 @@ def sampling_params(args: argparse.Namespace) -> "SamplingParams":
     """The options the command line gave; ``LLM.resolve`` fills the rest (one resolution)."""
     fields = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length, steps=args.steps,
                   threshold=args.threshold, factor=args.factor, temperature=args.temperature,
-                  remasking=args.remasking, seed=args.seed, cfg_scale=args.cfg_scale,
+                  remasking=args.remasking, cfg_scale=args.cfg_scale,
                   stop_at_eos=args.stop_at_eos)
     from ..spec import parse_spec
     return parse_spec(args.method or "", **fields)  # a spec's own fields (method:field=value) win

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
 from .common import add_model_args, add_sampling_args, sampling_params, set_threads
 from ..errors import UserError
+from ..sampling_params import MAX_SEED
+from ..seeds import SeedStream
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +48,8 @@ def run_generate(args: argparse.Namespace) -> None:
     given = sampling_params(args)  # bad options fail before the model loads
     llm = common.load_llm(args)
     params = llm.resolve(given.replace(record_steps=True) if args.show_steps else given)
+    if params.temperature > 0 and args.seed is None:  # sampled: a fresh stream each run, said below
+        llm.seeds = SeedStream(secrets.randbelow(MAX_SEED))
     expected = None
     if args.prompt is None:
         from ..tasks import load_split
@@ -56,6 +61,8 @@ def run_generate(args: argparse.Namespace) -> None:
         out = llm.generate([args.prompt], params, use_tqdm=True)
     print(f"model: {args.model}")
     print(f"method: {params.describe()}")
+    if params.temperature > 0:
+        print(f"seed: {llm.seeds.seed} (--seed {llm.seeds.seed} samples the same answer again)")
     print(f"prompt: {args.prompt}")
     print(f"output: {out[0].text}")
     if expected is not None:

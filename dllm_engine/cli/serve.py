@@ -84,21 +84,20 @@ def run_serve(args: argparse.Namespace) -> None:
     check_listen(args.host, args.port)
     set_threads(args.threads)
     defaults = sampling_params(args)
-    llm = common.load_llm(args, model, max_num_seqs=args.max_num_seqs)
+    llm = common.load_llm(args, model, max_num_seqs=args.max_num_seqs, seed=args.seed)
     resolved = llm.resolve(defaults)  # a default the model cannot run: refuse to start
     print(f"serving {model} at http://{args.host}:{args.port}/v1")
-    print(f"default method: {resolved.replace(seed=defaults.seed).describe()}")
-    print(seed_policy(defaults.seed))
+    print(f"default method: {resolved.describe()}")
+    print(seed_policy(llm.seeds))
     run_server(llm, args.host, args.port, defaults, args.served_model_name, args.max_queue,
                args.shutdown_timeout, args.log_level, args.api_key)
 
 
-def seed_policy(seed: int | None) -> str:
+def seed_policy(seeds) -> str:
     """The start-up line on seeds, as the server applies them (``server.app.Server.make_request``)."""
-    if seed is None:
-        return ("seed: a request without one gets a fresh random seed (as OpenAI's API); send "
-                "\"seed\" to reproduce a sampled answer, or start with --seed N")
-    return f"seed: {seed} for every request without one (--seed); a request's own seed wins"
+    hint = ("; start with --seed N to make them a reproducible stream" if seeds.seed is None
+            else " (--seed): the same seeds in the same order every run")
+    return f"seed: {seeds.describe()}{hint}; send \"seed\" to reproduce a sampled answer"
 
 
 def run_serve_replicated(args: argparse.Namespace) -> None:
@@ -119,9 +118,10 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
         threads = max(1, (os.cpu_count() or 1) // scaling.most)
     replica = ReplicaOptions(model, args.dtype, args.device, args.max_num_seqs, args.max_queue,
                              threads, args.shutdown_timeout, args.keep_freed_memory, args.compile,
-                             args.fixed_shapes, args.compile_step, revision=args.revision)
+                             args.fixed_shapes, args.compile_step, revision=args.revision, seed=args.seed)
     defaults = sampling_params(args)
     # reads no weights (an id is fetched here once); refuses a bad default
-    LLM(model, dtype=args.dtype, device="meta", revision=args.revision).resolve(defaults)
-    print(seed_policy(defaults.seed))
+    front = LLM(model, dtype=args.dtype, device="meta", revision=args.revision, seed=args.seed)
+    front.resolve(defaults)
+    print(seed_policy(front.seeds))
     run_replicated(replica, scaling, defaults, args.served_model_name, args.host, args.port, args.ray_address)

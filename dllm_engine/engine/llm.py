@@ -19,7 +19,9 @@ from ..models.family import token_id
 from ..models.loader import parse_device, read_generation_config
 from ..resolve import check_prompt, resolve_params, trained_block_size
 from ..sampling_params import ParamError, SamplingParams
+from ..seeds import SeedStream
 from ..tokenizer import load_tokenizer
+from ..strategies.base import merge_diagnostics
 from .engine import Engine
 from . import host_memory
 from .sequence import Sequence, SequenceStats, TokenIds
@@ -43,7 +45,8 @@ PROGRESS_DELAY_S = 2.0
 
 
 class GenerateResult(list):
-    """The outputs, in prompt order, plus ``stats`` (the call's summed ``SequenceStats``),
+    """The outputs, in prompt order (with ``SamplingParams.n`` > 1, a list of the n answers of
+    each prompt), plus ``stats`` (the call's summed ``SequenceStats``),
     ``method`` (as resolved for this model) and ``diagnostics`` (records of diagnostic
     strategies such as ``focus-probe``, summed over the call's sequences)."""
     stats: SequenceStats
@@ -74,7 +77,7 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str = "auto", device: str = "cpu",
                  max_num_seqs: int = 256, keep_freed_memory: bool = False,
                  tensor_parallel_size: int = 1, compile: bool = False, fixed_shapes: bool = False,
-                 compile_step: bool = False, revision: str | None = None) -> None:
+                 compile_step: bool = False, revision: str | None = None, seed: int | None = 0) -> None:
         """``model``: a checkpoint folder, or a Hugging Face id (``org/name``) at ``revision``
         (a branch, tag or commit hash; default ``main``), fetched into huggingface_hub's cache
         unless it is there already (``hub.resolve_model``; docs/models/hub.md). ``name`` is the
@@ -83,6 +86,11 @@ class LLM:
         ``dtype``: ``"auto"`` (default) is the checkpoint's own: config.json's ``torch_dtype``,
         else the dtype its weights are stored in (bf16 for the released models, float32 for the
         embedded ones; ``models/loader.resolve_dtype``); or float32 / bfloat16 / float16.
+
+        ``seed``: seeds the stream of seeds that requests without their own take, in the order
+        they are submitted (``seeds.SeedStream``): the default 0 gives a script the same answers
+        every run, while copies of a prompt and repeated calls sample independently; None draws
+        them from the operating system. A request's own ``SamplingParams.seed`` wins.
 
         ``keep_freed_memory``: on CPU, tune this process's glibc allocator to reuse freed
         activations (faster, keeps the peak heap; process-wide: see ``engine/host_memory.py``).
@@ -101,6 +109,7 @@ class LLM:
         compiled, one graph per shape (``models/compiled.compile_step``; CUDA graphs on CUDA;
         not bit-exact; one process only)."""
         self.device = parse_device(device)
+        self.seeds = SeedStream(seed)
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise UserError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         check_compile(compile, tensor_parallel_size, compile_step)
@@ -245,6 +254,9 @@ class LLM:
         return p
 
     def make_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """One request's sequence; without a seed of its own it takes the stream's next."""
+        if params.seed is None:
+            params = params.replace(seed=self.seeds.next())
         p = self.resolve_for_prompt(params, len(prompt_ids))
         ids = self.token_ids
         if p.stop_token_ids:
@@ -252,8 +264,8 @@ class LLM:
         return Sequence(next(self.counter), prompt_ids, p, ids, self.device)
 
     # -- generation ------------------------------------------------------------------------
-    def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
-                 use_tqdm: bool = False) -> GenerateResult:
+    def generate(self, prompts: list[str] | list[list[int]] | str,
+                 params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False) -> GenerateResult:
         if not isinstance(prompts, (str, list, tuple)):
             raise UserError("prompts are a string, a list of token ids, or a list of those; got "
                             + type(prompts).__name__ + (" (pass .tolist())" if hasattr(prompts, "tolist") else ""))
@@ -261,7 +273,7 @@ class LLM:
             prompts = [prompts]
         return self.run([self.encode(p) for p in prompts], params, use_tqdm)
 
-    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None,
+    def chat(self, conversations: list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False) -> GenerateResult:
         if not isinstance(conversations, (list, tuple)) or not all(
                 isinstance(m, dict) or (isinstance(m, (list, tuple)) and all(isinstance(x, dict) for x in m))
@@ -273,26 +285,42 @@ class LLM:
         return self.run([self.check_ids(self.apply_chat_template(c)) for c in conversations],
                         params, use_tqdm)
 
-    def run(self, prompt_ids: list[list[int]], params: SamplingParams | None, use_tqdm: bool) -> GenerateResult:
+    def run(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams] | None,
+            use_tqdm: bool) -> GenerateResult:
         if not prompt_ids:
             raise UserError("no prompts given")
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise UserError(f"params must be a SamplingParams, got {type(params).__name__}"
-                            + (" (SamplingParams(**params))" if isinstance(params, dict) else ""))
-        seqs = [self.make_sequence(ids, params) for ids in prompt_ids]  # validate all first
+        per_prompt = self.params_per_prompt(params, len(prompt_ids))
+        groups = [[self.make_sequence(ids, p.replace(seed=seed))  # validate all first
+                   for seed in self.seeds.choice_seeds(p.seed, p.n)] for ids, p in zip(prompt_ids, per_prompt)]
+        seqs = [seq for group in groups for seq in group]
         start = time.perf_counter()
         try:
             self.drive(seqs, use_tqdm)
         except BaseException:
             self.engine.abort({s.seq_id for s in seqs})  # leave the engine empty and usable
             raise
-        result = GenerateResult(self.output(s) for s in seqs)
+        # a prompt asking for n > 1 answers gets the list of them
+        result = GenerateResult([self.output(g[0]) if p.n == 1 else [self.output(s) for s in g]
+                                 for g, p in zip(groups, per_prompt)])
         result.stats = SequenceStats.total([s.stats for s in seqs], time.perf_counter() - start)
         result.method = seqs[0].params.method
-        result.diagnostics = self.engine.pipeline(result.method).diagnostics(seqs)
+        methods = dict.fromkeys(s.params.method for s in seqs)  # a list of params may mix methods
+        result.diagnostics = merge_diagnostics([self.engine.pipeline(m).diagnostics(
+            [s for s in seqs if s.params.method == m]) for m in methods])
         return result
+
+    @staticmethod
+    def params_per_prompt(params: SamplingParams | list[SamplingParams] | None, count: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt: ``params`` for all (None: the defaults), or a list of
+        one per prompt."""
+        given = list(params) if isinstance(params, (list, tuple)) else [params] * count
+        if len(given) != count:
+            raise UserError(f"{len(given)} SamplingParams for {count} prompts: give one, or one per prompt")
+        for p in given:
+            if p is not None and not isinstance(p, SamplingParams):
+                raise UserError(f"params must be a SamplingParams, got {type(p).__name__}"
+                                + (" (SamplingParams(**params))" if isinstance(p, dict) else ""))
+        return [SamplingParams() if p is None else p for p in given]
 
     def drive(self, seqs: list[Sequence], use_tqdm: bool) -> None:
         """Add ``seqs`` to the engine and step until it is idle."""

@@ -172,6 +172,8 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
     it finishes (an interrupted run keeps the prompts it graded)."""
     if batch_size < 1:
         raise UserError(f"batch size must be >= 1, got {batch_size}")
+    if params.n != 1:
+        raise UserError(f"n={params.n}: an evaluation grades one answer per prompt; drop n")
     examples = examples if examples is not None else load_split(tasks, limit=limit)
     params = llm.resolve(params)
     report = EvalReport(method=params.method)

@@ -131,10 +131,11 @@ class DllmLM(LM):
         # max_gen_toks can still apply (make_sequence resolves each request)
         resolved = self.llm.resolve(spec)
         self.params = spec.replace(method=resolved.method)
-        self.defaults = resolved  # a request's default max_gen_toks, the base seed, block_length
+        self.defaults = resolved  # a request's default max_gen_toks, block_length
+        self.base_seed = 0 if spec.seed is None else spec.seed  # model_args' seed, else 0
         self.window = self.llm.model.config.max_position_embeddings
         self.likelihood = LikelihoodConfig(int(mc_num), int(mc_batch), float(mc_cfg_scale),
-                                           seed=resolved.seed)
+                                           seed=self.base_seed)
         self.check_greedy = bool(check_greedy)
         self.warned_unchecked_greedy = False
         self.stats_path = Path(stats_path) if stats_path else None
@@ -216,9 +217,9 @@ class DllmLM(LM):
             log.warning("dllm ignores generation kwargs %s", sorted(kwargs))
         params = self.params.replace(**changes)
         resolved = self.llm.resolve(params)
-        if resolved.temperature > 0:  # sampled: a seed of its own
-            params = params.replace(seed=(resolved.seed + index) % MAX_SEED)
-            resolved = resolved.replace(seed=params.seed)
+        sampled = resolved.temperature > 0  # sampled: a seed of its own
+        params = params.replace(seed=(self.base_seed + index * sampled) % MAX_SEED)
+        resolved = resolved.replace(seed=params.seed)
         seq = self.llm.make_sequence(self.prompt_ids(context, resolved), params)
         return Generation(seq, stops, max_tokens)
 

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm import LLM
 from ..errors import UserError
-from ..sampling_params import MAX_SEED, SamplingParams
+from ..sampling_params import SamplingParams
 from .engine_client import EngineClient, GenerateRequest, InProcessEngine
 from .loop import Event
 from .metrics import Metrics
@@ -65,8 +65,8 @@ class Server:
                            "use stop_token_ids", "stop")
         try:
             params = self.defaults.replace(**body.sampling_overrides())
-            if params.seed is None:  # as OpenAI: a request without a seed gets a fresh sample
-                params = params.replace(seed=secrets.randbelow(MAX_SEED))
+            if params.seed is None:  # the LLM's stream: fresh unless the server was started with --seed
+                params = params.replace(seed=self.llm.seeds.next())
             for ids in prompts:
                 self.llm.resolve_for_prompt(params, len(ids))
         except UserError as e:
@@ -203,7 +203,7 @@ class Server:
             "root": str(self.llm.path), "model_type": cfg.model_type,
             "max_model_len": cfg.max_position_embeddings,
             "methods": list(self.llm.model.family.methods), "default_method": self.resolved.method,
-            "defaults": self.resolved.describe()}]}
+            "defaults": self.resolved.describe(), "seed": self.llm.seeds.describe()}]}
 
 
 def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str | None = None,

@@ -15,7 +15,8 @@ from typing import Protocol
 
 from ..engine.llm import LLM
 from ..errors import UserError
-from ..sampling_params import MAX_SEED, SamplingParams
+from ..sampling_params import SamplingParams
+from ..seeds import choice_seeds
 from .loop import EngineLoop, Event, Job
 from .metrics import Metrics
 from .protocol import ApiError, value_error
@@ -38,8 +39,8 @@ class GenerateRequest:
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, options) per choice, prompt-major, so OpenAI's choice index is the place in
         this list; choice j of a prompt samples with seed + j."""
-        return [(ids, self.params.replace(seed=(self.params.seed + j) % MAX_SEED))
-                for ids in self.prompts for j in range(self.n)]
+        return [(ids, self.params.replace(seed=seed))
+                for ids in self.prompts for seed in choice_seeds(self.params.seed, self.n)]
 
 
 class EngineClient(Protocol):

@@ -40,7 +40,7 @@ class ApiError(Exception):
 
 # -- requests --------------------------------------------------------------------------------
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # SamplingParams name -> request field name
-OPENAI_FIELDS = ("max_new_tokens", "temperature", "seed", "top_p", "logprobs")  # declared below
+OPENAI_FIELDS = ("max_new_tokens", "temperature", "seed", "top_p", "logprobs", "n")  # declared below
 ENGINE_FIELDS = {name: hint for name, hint in typing.get_type_hints(SamplingParams).items()
                  if name not in OPENAI_FIELDS}
 MAX_N = 16  # choices per prompt

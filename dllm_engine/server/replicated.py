@@ -70,6 +70,7 @@ class ReplicaOptions:
     fixed_shapes: bool = False
     compile_step: bool = False
     revision: str | None = None  # of a Hugging Face id: each replica resolves it in its own cache
+    seed: int | None = None  # the front's stream of request seeds (--seed; None: fresh per request)
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -309,14 +310,15 @@ class Front:
     """The HTTP app (``create_app``) in a Ray Serve replica, on ``RayServeEngine``."""
 
     def __init__(self, engine: DeploymentHandle, board, model: str, dtype: str,
-                 defaults: SamplingParams, model_name: str | None, revision: str | None = None) -> None:
+                 defaults: SamplingParams, model_name: str | None, revision: str | None = None,
+                 seed: int | None = None) -> None:
         self.engine, self.board = engine, board
         self.model, self.dtype, self.defaults, self.model_name = model, dtype, defaults, model_name
-        self.revision = revision
+        self.revision, self.seed = revision, seed
 
     def __serve_build_asgi_app__(self):
-        # tokenizer and checks, no weights
-        llm = LLM(self.model, dtype=self.dtype, device="meta", revision=self.revision)
+        # tokenizer, checks and the seeds of requests without one; no weights
+        llm = LLM(self.model, dtype=self.dtype, device="meta", revision=self.revision, seed=self.seed)
         client = RayServeEngine(self.engine, self.board, serve.get_replica_context().app_name)
         return create_app(llm, self.defaults, self.model_name, engine=client)
 
@@ -328,7 +330,8 @@ def build_app(replica: ReplicaOptions, scaling: Scaling, defaults: SamplingParam
                               **scaling.deployment_options(replica)).bind(replica, board)
     front = serve.deployment(Front, name="front", num_replicas=1, max_ongoing_requests=FRONT_MAX_ONGOING,
                              ray_actor_options={"num_cpus": 0} | NORMAL_PRIORITY)
-    return front.bind(engine, board, replica.model, replica.dtype, defaults, model_name, replica.revision)
+    return front.bind(engine, board, replica.model, replica.dtype, defaults, model_name, replica.revision,
+                      replica.seed)
 
 
 def deploy(replica: ReplicaOptions, scaling: Scaling, defaults: SamplingParams,
