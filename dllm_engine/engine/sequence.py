@@ -118,7 +118,7 @@ class Sequence:
 
     def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, ids: TokenIds,
                  device: torch.device | str = "cpu") -> None:
-        unresolved = [f for f in ("method", "max_new_tokens", "block_length", "seed") if getattr(params, f) is None]
+        unresolved = [f for f in ("method", "max_new_tokens", "block_length") if getattr(params, f) is None]
         if unresolved:
             raise ValueError(f"a Sequence takes resolved SamplingParams ({', '.join(unresolved)} unset); "
                              "LLM.make_sequence resolves them")
@@ -137,7 +137,8 @@ class Sequence:
         self.prefilled = False
         self.finished = False
         self.step_error: Exception | None = None  # its own commit or advance raised (engine)
-        self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        # LLM.make_sequence gives every request a seed (seeds.py); one built by hand without: 0
+        self.generator = torch.Generator(device="cpu").manual_seed(params.seed or 0)
         self.stats = SequenceStats()
         self.start_time = 0.0
         self.strategy_state: dict = {}  # per-sequence state owned by strategies
