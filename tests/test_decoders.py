@@ -238,28 +238,32 @@ def test_top_k_and_top_p_keep_what_a_plain_sort_keeps():
             assert set(mask.nonzero()[:, 0].tolist()) == set(order[:n]), (top_k, top_p)
 
 
+def keys(n: int, seed: int = 0):
+    """Noise keys of n rows: one request, positions 0..n-1, its first forward."""
+    from dllm_engine.decoding.noise import Noise
+    return Noise(torch.full((n,), seed), torch.arange(n), torch.ones(n, dtype=torch.long))
+
+
 def test_sampling_draws_only_inside_top_k():
     from dllm_engine.decoding import sample_tokens
     logits = torch.tensor([[4.0, 3.9, 3.8, 0.0, -1.0]]).repeat(2000, 1)
-    g = torch.Generator().manual_seed(0)
-    drawn = set(sample_tokens(logits, 1.0, g, top_k=2).tolist())
+    drawn = set(sample_tokens(logits, 1.0, keys(2000), top_k=2).tolist())
     assert drawn == {0, 1}
-    assert set(sample_tokens(logits, 1.0, g).tolist()) >= {0, 1, 2, 3}  # without it, the tail is drawn too
+    assert set(sample_tokens(logits, 1.0, keys(2000)).tolist()) >= {0, 1, 2, 3}  # without it, the tail is drawn too
 
 
 @pytest.mark.parametrize("temperature", [1e3, 1e30, 1e300])
 def test_a_huge_temperature_never_draws_an_excluded_token(temperature):
-    """(-log U) ** T under- and overflows at a large T; the draw stays among the allowed
-    tokens (the mask and what top-k leaves out have logit -inf), never a NaN's index."""
+    """logits / T vanish at a large T; the draw stays among the allowed tokens (the mask and what
+    top-k leaves out have logit -inf), never a NaN's index."""
     from dllm_engine.decoding import sample_tokens
     logits = torch.randn(500, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     logits[:, 0] = -float("inf")  # the mask column
-    g = torch.Generator().manual_seed(0)
-    assert 0 not in set(sample_tokens(logits, temperature, g).tolist())
-    kept = set(sample_tokens(logits, temperature, g, top_k=2).tolist())
+    assert 0 not in set(sample_tokens(logits, temperature, keys(500)).tolist())
+    kept = set(sample_tokens(logits, temperature, keys(500, seed=1), top_k=2).tolist())
     assert kept and all(t != 0 for t in kept)
     top2 = logits.topk(2, dim=-1).indices
-    drawn = sample_tokens(logits, temperature, g, top_k=2)
+    drawn = sample_tokens(logits, temperature, keys(500, seed=2), top_k=2)
     assert bool((drawn[:, None] == top2).any(1).all())
 
 

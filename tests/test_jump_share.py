@@ -310,7 +310,8 @@ def test_drafts_may_cover_every_masked_position(llms):
 
 
 def plain_copy_predictions(seq, layout, logits):
-    """The per-copy rule, one copy at a time: sample, confidence, ``select`` on its own positions."""
+    """The per-copy rule, one copy at a time: sample (keyed by the copy's positions, its index
+    as the salt), confidence, ``select`` on its own positions."""
     from dllm_engine.decoding import confidence, sample_tokens
     from dllm_engine.decoding.decoders import select
     p = seq.params
@@ -323,31 +324,32 @@ def plain_copy_predictions(seq, layout, logits):
     for i, rows in enumerate(logits.split(layout.counts())):
         own = ~layout.drafted[i]
         if rows.shape[0]:
-            x0[i, own] = sample_tokens(rows, p.temperature, seq.generator, p.top_k, p.top_p)
-            conf[i, own] = confidence(rows, x0[i, own], p.remasking, seq.generator).float()
+            noise = seq.noise(layout.masked[own], salt=torch.full((rows.shape[0],), i))
+            x0[i, own] = sample_tokens(rows, p.temperature, noise, p.top_k, p.top_p)
+            conf[i, own] = confidence(rows, x0[i, own], p.remasking, noise).float()
             commit[i, own] = select(seq, conf[i, own])
     return x0, conf, commit
 
 
 @pytest.mark.parametrize("options", [dict(), dict(threshold=None), dict(threshold=None, factor=1.0),
                                      dict(temperature=0.7, remasking="random"),
+                                     dict(temperature=1.5, top_k=5, top_p=0.9),
                                      dict(remasking="topk_margin"), dict(remasking="entropy"),
                                      dict(threshold=0.05)])
 def test_copy_predictions_of_all_copies_equal_the_per_copy_rule(options):
-    """Copy predictions made in one pass over every copy's logits (greedy, row-wise rules) or in
-    order through the generator equal the per-copy rule, copy by copy (threshold, top-k and
-    factor rules; a copy that predicts nothing itself)."""
+    """Copy predictions made in one pass over every copy's logits equal the per-copy rule, copy
+    by copy (threshold, top-k and factor rules; sampled copies with their own keys; a copy that
+    predicts nothing itself)."""
     torch.manual_seed(0)
     for committed in ([4, 7], [3, 4, 5, 6, 7, 8]):  # 6 masks left; 2 masks, both drafted
         seq = make_seq(block=8, max_new=8, max_copies=8, **options)
         seq.step = 2
+        seq.stats.nfe = 3
         seq.canvas[committed] = torch.arange(20, 20 + len(committed))
         drafts = (torch.tensor([9, 5, 3, 10, 6, 8]), torch.tensor([50, 51, 52, 53, 54, 55]), torch.rand(6))
         layout = make_layout(seq, seq.masked_positions(), drafts, 8)
         logits = torch.randn(sum(layout.counts()), 96) * 3
-        alone = make_seq(block=8, max_new=8, max_copies=8, **options)  # the same generator state
-        alone.canvas, alone.step = seq.canvas.clone(), seq.step
-        want = plain_copy_predictions(alone, layout, logits)
+        want = plain_copy_predictions(seq, layout, logits)
         got = JumpShare.copy_predictions(seq, layout, logits.clone())
         for a, b in zip(got, want):
             assert torch.equal(a, b)

@@ -45,15 +45,16 @@ class CommitRule:
         raise NotImplementedError
 
 
-def predictions(seq: Sequence, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(logits with the mask excluded [N, V], sampled tokens [N], their confidence [N]) as the
-    decoder's own rule draws them (``sample_tokens``, ``confidence``); the caller's logits stay
-    as they were."""
+def predictions(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(logits with the mask excluded [N, V], sampled tokens [N], their confidence [N]) at canvas
+    ``positions`` as the decoder's own rule draws them (``sample_tokens``, ``confidence``, keyed
+    by ``seq.noise``); the caller's logits stay as they were."""
     p = seq.params
     logits = logits.clone()
     logits[:, seq.ids.mask_id] = -float("inf")  # a mask is never a prediction
-    x0 = sample_tokens(logits, p.temperature, seq.generator, p.top_k, p.top_p)
-    return logits, x0, confidence(logits, x0, p.remasking, seq.generator)
+    noise = seq.noise(positions)
+    x0 = sample_tokens(logits, p.temperature, noise, p.top_k, p.top_p)
+    return logits, x0, confidence(logits, x0, p.remasking, noise)
 
 
 @cache

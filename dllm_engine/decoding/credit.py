@@ -49,8 +49,9 @@ class CreditThreshold(CommitRule):
         rows = positions - seq.block[0]
         credit = updated_credit(previous_credit(seq, logits), rows, logits, p.credit_beta, p.credit_gamma)
         fused = logits.float() + p.credit_alpha * torch.log1p(credit[rows])
-        x0 = sample_tokens(fused, p.temperature, seq.generator, p.top_k, p.top_p)
-        conf = confidence(fused, x0, p.remasking, seq.generator)
+        noise = seq.noise(positions)
+        x0 = sample_tokens(fused, p.temperature, noise, p.top_k, p.top_p)
+        conf = confidence(fused, x0, p.remasking, noise)
         if pipeline is not None:
             conf = pipeline.confidence(seq, positions, x0, conf)
         chosen = credit_select(conf, p.threshold)

@@ -164,15 +164,18 @@ def cache_len(seq: Sequence) -> int:
     return seq.canvas_len * (2 if seq.params.cfg_scale > 0 else 1)
 
 
-def predict(seq: Sequence, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The commit rule's predictions over candidate logits [N, V]: (the logits with the mask
-    excluded, a new tensor (their rows are what a committed token records as its logprobs);
-    the token x0 [N] drawn under the sequence's sampling options, the argmax when greedy; its
-    confidence [N] under ``remasking``). ``select`` then picks which to commit."""
+def predict(seq: Sequence, positions: Tensor, logits: Tensor, salt: Tensor | None = None
+            ) -> tuple[Tensor, Tensor, Tensor]:
+    """The commit rule's predictions over candidate logits [N, V] at canvas ``positions`` [N]:
+    (the logits with the mask excluded, a new tensor (their rows are what a committed token
+    records as its logprobs); the token x0 [N] drawn under the sequence's sampling options, the
+    argmax when greedy; its confidence [N] under ``remasking``). Random draws are keyed by
+    ``seq.noise(positions, salt)``. ``select`` then picks which to commit."""
     p = seq.params
     logits = without_mask(logits, seq.ids.mask_id)
-    x0 = sample_tokens(logits, p.temperature, seq.generator, p.top_k, p.top_p)
-    return logits, x0, confidence(logits, x0, p.remasking, seq.generator)
+    noise = seq.noise(positions, salt) if p.temperature > 0 or p.remasking == "random" else None
+    x0 = sample_tokens(logits, p.temperature, noise, p.top_k, p.top_p)
+    return logits, x0, confidence(logits, x0, p.remasking, noise)
 
 
 def select(seq: Sequence, conf: Tensor) -> Tensor:

@@ -35,7 +35,7 @@ class Hierarchical(CommitRule):
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None) -> Tensor:
         p = seq.params
-        logits, x0, conf = predictions(seq, logits)
+        logits, x0, conf = predictions(seq, positions, logits)
         if pipeline is not None:
             conf = pipeline.confidence(seq, positions, x0, conf)
         chosen = hierarchical_select(positions, conf, p.threshold, p.low_threshold)

@@ -62,7 +62,7 @@ class JointThreshold(CommitRule):
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None) -> Tensor:
         p = seq.params
-        logits, x0, conf = predictions(seq, logits)
+        logits, x0, conf = predictions(seq, positions, logits)
         current = seq.canvas[positions]
         masked = current == seq.ids.mask_id
         unmasking = bool(masked.any())  # a post-edit step when False

@@ -11,6 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .noise import CONFIDENCE, TOKENS, Noise
+
+CHUNK_ELEMENTS = 1 << 22  # uniforms drawn at once without top_k: rows x vocabulary (32 MB of int64 keys)
+
 
 def num_transfer_tokens(num_masked: int, steps: int) -> list[int]:
     """Tokens to commit at each of ``steps`` steps: an even split, remainder to the first steps."""
@@ -18,20 +22,62 @@ def num_transfer_tokens(num_masked: int, steps: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(steps)]
 
 
-def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator | None,
+def sample_tokens(logits: Tensor, temperature: float, noise: Noise | None,
                   top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """x0 [N] from logits [N, V]: argmax at T = 0, else Gumbel-max in float64 (LLaDA's
-    exp(logits) / (-log U) ** T, i.e. a sample from softmax(logits / T)), restricted to the
-    ``top_k`` most likely tokens (0 = all) and to the nucleus of mass ``top_p``."""
+    """x0 [N] from logits [N, V]: argmax at T = 0, else Gumbel-max in float32, i.e. a sample from
+    softmax(logits / T) restricted to the ``top_k`` most likely tokens (0 = all) and to the
+    nucleus of mass ``top_p``. The uniforms are counter-based (``noise``: each row's keys; token
+    v draws column v), so a row's token depends on its keys and logits alone. With ``top_k``
+    only those k columns draw; else the rows draw in chunks of at most CHUNK_ELEMENTS uniforms."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits64 = keep_top(logits.double(), temperature, top_k, top_p)
-    u = torch.rand(logits64.shape, generator=generator, dtype=torch.float64, device=logits.device)
-    gumbel = (-torch.log(u.clamp_min(1e-300))) ** temperature
-    # at a large T the power under- or overflows (0 / 0, inf / inf): NaN, which argmax would
-    # take. A token with logit -inf (the mask, outside top-k / top-p) is never drawn
-    scores = (logits64.exp() / gumbel).nan_to_num(nan=0.0)
-    return scores.masked_fill(logits64 == -float("inf"), -1.0).argmax(-1)
+    if noise is None or len(noise) != logits.shape[0]:
+        raise ValueError("sampling needs one noise key per row of logits")
+    logits = logits.float()
+    if 0 < top_k < logits.shape[-1]:
+        values, ids = logits.topk(top_k, dim=-1)  # [N, k], most likely first
+        values = nucleus(values, temperature, top_p, ordered=True)
+        pick = (scaled(values, temperature) + gumbel(noise.uniform(TOKENS, ids))).argmax(-1)
+        return ids.gather(-1, pick[:, None])[:, 0]
+    values = nucleus(logits, temperature, top_p)
+    columns = torch.arange(values.shape[-1], device=values.device)
+    rows = max(1, CHUNK_ELEMENTS // max(values.shape[-1], 1))
+    drawn = [(scaled(part, temperature) + gumbel(noise.rows(slice(lo, lo + rows)).uniform(TOKENS, columns))).argmax(-1)
+             for lo, part in zip(range(0, values.shape[0], rows), values.split(rows))]
+    return torch.cat(drawn) if drawn else values.new_zeros(0, dtype=torch.long)
+
+
+def keep_top(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """logits [N, V] with -inf outside what ``sample_tokens`` may draw: the ``top_k`` most likely
+    tokens (0 = all) and, among them, the nucleus of mass ``top_p`` under softmax(logits / T)."""
+    if 0 < top_k < logits.shape[-1]:
+        values, ids = logits.topk(top_k, dim=-1)
+        return torch.full_like(logits, -float("inf")).scatter(-1, ids, nucleus(values, temperature, top_p, True))
+    return nucleus(logits, temperature, top_p)
+
+
+def scaled(logits: Tensor, temperature: float) -> Tensor:
+    """logits / T in float32, -inf kept -inf: at a huge T the division gives 0 (or -inf / inf,
+    NaN, which argmax would take), so an excluded token is never drawn."""
+    return torch.where(logits > -float("inf"), logits / temperature, -float("inf"))
+
+
+def gumbel(u: Tensor) -> Tensor:
+    """Gumbel(0, 1) noise from uniforms in (0, 1)."""
+    return -torch.log(-torch.log(u))
+
+
+def nucleus(logits: Tensor, temperature: float, top_p: float, ordered: bool = False) -> Tensor:
+    """``logits`` with -inf outside the smallest set whose probability under softmax(logits / T)
+    reaches ``top_p`` (the most likely token always stays); ``ordered``: each row is sorted,
+    most likely first, already."""
+    if top_p >= 1.0:
+        return logits
+    ranked, order = (logits, None) if ordered else logits.sort(dim=-1, descending=True)
+    probs = torch.softmax(scaled(ranked, temperature), dim=-1)
+    outside = probs.cumsum(-1) - probs >= top_p  # the mass before this token already reaches p
+    ranked = ranked.masked_fill(outside, -float("inf"))
+    return ranked if order is None else logits.scatter(-1, order, ranked)
 
 
 def without_mask(logits: Tensor, mask_id: int | Tensor, owned: bool = False) -> Tensor:
@@ -59,28 +105,16 @@ def greedy_predictions(logits: Tensor, mask_id: int | Tensor) -> tuple[Tensor, T
     return tokens, conf
 
 
-def keep_top(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
-    """logits [N, V] with -inf outside the top-k tokens and outside the smallest set whose
-    probability under softmax(logits / T) reaches top_p (the most likely token always stays)."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    if top_p < 1.0:
-        ranked, order = logits.sort(dim=-1, descending=True)
-        probs = torch.softmax(ranked / temperature, dim=-1)
-        outside = probs.cumsum(-1) - probs >= top_p  # the mass before this token already reaches p
-        logits = logits.scatter(-1, order, ranked.masked_fill(outside, -float("inf")))
-    return logits
-
-
-def confidence(logits: Tensor, x0: Tensor, rule: str, generator: torch.Generator | None) -> Tensor:
+def confidence(logits: Tensor, x0: Tensor, rule: str, noise: Noise | None) -> Tensor:
     """Confidence [N] of choosing x0 at each position (higher = commit sooner).
 
     ``low_confidence``/``maskgit_plus``: softmax probability of x0 (untempered, as LLaDA);
     ``topk_margin``: top-1 minus top-2 probability; ``entropy``: sum p log p (Dream);
-    ``random``: uniform draws (LLaDA's random remasking)."""
+    ``random``: uniform draws (LLaDA's random remasking; counter-based, ``noise``)."""
     if rule == "random":
-        return torch.rand(x0.shape, generator=generator, device=x0.device, dtype=torch.float64).float()
+        if noise is None or len(noise) != x0.shape[0]:
+            raise ValueError("random remasking needs one noise key per candidate")
+        return noise.uniform(CONFIDENCE, torch.zeros(1, dtype=torch.long, device=x0.device))[:, 0]
     probs = torch.softmax(logits.float(), dim=-1)
     if rule in ("low_confidence", "maskgit_plus"):
         return probs.gather(-1, x0[:, None])[:, 0]

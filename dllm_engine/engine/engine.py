@@ -181,7 +181,7 @@ class Engine:
             return positions
         if (rule := rule_for(seq)) is not None:  # a named commit rule (decoding/commit_rules.py)
             return rule.commit(seq, positions, logits, pipeline)
-        logits, x0, conf = predict(seq, logits)
+        logits, x0, conf = predict(seq, positions, logits)
         if pipeline is not None:
             conf = pipeline.confidence(seq, positions, x0, conf)
         chosen = select(seq, conf)
@@ -192,7 +192,7 @@ class Engine:
     def decide(pipeline: Pipeline, seq: Sequence, positions: Tensor, logits: Tensor
                ) -> tuple[Tensor, Tensor, Tensor]:
         """``commit``'s decision for one greedy sequence (``batched_rule``), nothing written."""
-        logits, x0, conf = predict(seq, logits)
+        logits, x0, conf = predict(seq, positions, logits)
         conf = pipeline.confidence(seq, positions, x0, conf)
         picked = select(seq, conf).nonzero()[:, 0]  # one host read, not one per bool index
         return positions[picked], x0[picked], logits[picked]

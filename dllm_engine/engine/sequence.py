@@ -1,4 +1,4 @@
-"""One request: its canvas, block cursor, random generator and stats."""
+"""One request: its canvas, block cursor, sampling keys and stats."""
 from __future__ import annotations
 
 from collections import Counter
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..decoding.noise import Noise
 from ..sampling_params import SamplingParams
 from .trace import StepTrace
 
@@ -138,7 +139,7 @@ class Sequence:
         self.finished = False
         self.step_error: Exception | None = None  # its own commit or advance raised (engine)
         # LLM.make_sequence gives every request a seed (seeds.py); one built by hand without: 0
-        self.generator = torch.Generator(device="cpu").manual_seed(params.seed or 0)
+        self.seed = params.seed or 0
         self.stats = SequenceStats()
         self.start_time = 0.0
         self.strategy_state: dict = {}  # per-sequence state owned by strategies
@@ -159,6 +160,15 @@ class Sequence:
     @property
     def block(self) -> tuple[int, int]:
         return self.blocks[self.block_idx]
+
+    def noise(self, positions: Tensor, salt: Tensor | None = None) -> Noise:
+        """The sampling keys of candidates at canvas ``positions`` in this forward (decoding/noise.py):
+        the request's seed, the position, the forwards so far; ``salt`` tells apart candidates
+        of one position in one forward (jump-share's copies)."""
+        n = positions.shape[0]
+        full = dict(size=(n,), dtype=torch.long, device=positions.device)
+        return Noise(torch.full(fill_value=self.seed, **full), positions.long(),
+                     torch.full(fill_value=self.stats.nfe, **full), salt)
 
     def masked_positions(self) -> Tensor:
         start, end = self.block

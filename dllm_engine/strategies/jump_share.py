@@ -170,17 +170,14 @@ class JumpShare(Strategy):
     def copy_predictions(seq: Sequence, layout: CopyLayout, logits: Tensor
                          ) -> tuple[Tensor, Tensor, Tensor]:
         """Per copy, over the n masked positions: sampled token, confidence and whether the
-        commit rule would commit it ([C, n] each; drafted positions get -1 / -inf / False)."""
-        p = seq.params
+        commit rule would commit it ([C, n] each; drafted positions get -1 / -inf / False). Every
+        copy in one pass; a sampled copy draws with its own keys (its index as the salt)."""
         c, n = layout.drafted.shape
         counts = layout.counts()
-        if p.temperature == 0 and p.remasking != "random":  # row-wise rules: every copy at once
-            _, tokens, own_conf = predict(seq, logits)
-        else:  # the generator draws copy after copy, as each copy's step alone would
-            drawn = [predict(seq, rows)[1:] for rows in logits.split(counts) if rows.shape[0]]
-            tokens, own_conf = (torch.cat(part) for part in zip(*drawn))
-        own_conf = own_conf.float()
         own = layout.own_index()
+        copy_of = torch.arange(c, device=logits.device).repeat_interleave(n)
+        _, tokens, own_conf = predict(seq, layout.masked.repeat(c)[own], logits, salt=copy_of[own])
+        own_conf = own_conf.float()
         x0 = torch.full((c * n,), -1, dtype=torch.long, device=logits.device).index_copy_(0, own, tokens)
         conf = torch.full((c * n,), -float("inf"), device=logits.device).index_copy_(0, own, own_conf)
         commit = torch.zeros(c * n, dtype=torch.bool, device=logits.device)
