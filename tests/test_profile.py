@@ -39,20 +39,24 @@ def test_sync_counter_counts_host_reads_and_data_sized_outputs():
     assert counted(lambda: x[x > 2]).total == 1  # boolean indexing sizes its output from data
     assert counted(lambda: (x > 2).nonzero()).total == 1
     assert counted(lambda: x[torch.tensor([0, 2])]).total == 0  # integer indexing does not
+    assert counted(lambda: (x * 2 + 1).sum(0)).ops == 3  # every aten op, synchronising or not
 
 
 def test_syncs_inside_the_layer_loop_are_counted_apart(llada):
     params = parse_spec("dual-cache:threshold=0.9", max_new_tokens=16, block_length=8)
     def read_back(module, args) -> None:
         args[0].sum().item()
+    baseline = count_syncs(llada, params, PROMPTS, 2)  # also the warm-up: one-time work (tables) done
+    baseline = count_syncs(llada, params, PROMPTS, 2)
     llada.model.layers[0].register_forward_pre_hook(read_back)
     try:
         count = count_syncs(llada, params, PROMPTS, 2)
     finally:
         llada.model.layers[0]._forward_pre_hooks.clear()
-    baseline = count_syncs(llada, params, PROMPTS, 2)
-    # same prompts, same steps: the hook's syncs (one per forward) all land in the layer loop
+    # same prompts, same steps: the hook's syncs (one per forward) all land in the layer loop, and
+    # its ops (sum, item: two per forward) too
     assert count.in_layers - baseline.in_layers == count.total - baseline.total > 0
+    assert count.layer_ops - baseline.layer_ops == count.ops - baseline.ops == 2 * (count.total - baseline.total)
 
 
 def test_floor_replay_leaves_outputs_and_cache_unchanged(llada):
@@ -81,6 +85,7 @@ def test_profile_one_reports_floor_overhead_and_syncs(llada):
     assert r.batch_size == 4 and r.steps > 0
     assert 0 < r.floor_ms and 0 < r.step_ms
     assert r.syncs_per_step > 0 and r.layer_syncs_per_step == 0
+    assert r.ops_per_step > 0 and r.layer_ops_per_step > 0
 
 
 def test_profile_command_prints_the_table(tmp_path, capsys):

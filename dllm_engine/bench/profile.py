@@ -64,19 +64,28 @@ def is_sync(func, args: tuple) -> bool:
 class SyncCount:
     total: int = 0
     in_layers: int = 0  # inside the layer loop
+    ops: int = 0  # every aten op (on a GPU, a kernel launch or a host-side op each)
+    layer_ops: int = 0  # of them, inside the layer loop
     inside: bool = field(default=False, repr=False)
 
     def add(self) -> None:
         self.total += 1
         self.in_layers += self.inside
 
+    def add_op(self) -> None:
+        self.ops += 1
+        self.layer_ops += self.inside
+
 
 class DispatchSyncs(TorchDispatchMode):
+    """Counts the aten ops that reach the dispatcher, and the host synchronisations among them."""
+
     def __init__(self, count: SyncCount) -> None:
         super().__init__()
         self.count = count
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count.add_op()
         if is_sync(func, args):
             self.count.add()
         return func(*args, **(kwargs or {}))
@@ -225,6 +234,8 @@ class ProfileRecord:
     layer_syncs_per_step: float  # inside the layer loop
     throughput: float  # output tokens / s in the timed pass
     forward_shapes: int = 0  # distinct forward signatures (ShapeLog) over the run
+    ops_per_step: float = 0.0  # aten ops outside the layer loop (the engine's own work)
+    layer_ops_per_step: float = 0.0  # aten ops inside the layer loop
 
 
 def run_batches(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
@@ -266,7 +277,9 @@ def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[
                          overhead=round(1 - floor / seconds, 4),
                          syncs_per_step=round(count.total / steps, 2),
                          layer_syncs_per_step=round(count.in_layers / steps, 2),
-                         throughput=round(tokens / seconds, 2), forward_shapes=len(shapes.signatures))
+                         throughput=round(tokens / seconds, 2), forward_shapes=len(shapes.signatures),
+                         ops_per_step=round((count.ops - count.layer_ops) / steps, 1),
+                         layer_ops_per_step=round(count.layer_ops / steps, 1))
 
 
 def floor_seconds(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
@@ -320,20 +333,21 @@ def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: li
 
 
 HEADER = (f"{'method':<44} {'batch':>5} {'steps':>6} {'step ms':>8} {'floor ms':>8} {'overhead':>8} "
-          f"{'syncs':>7} {'in layers':>9} {'tok/s':>8} {'shapes':>6}")
+          f"{'syncs':>7} {'in layers':>9} {'ops':>8} {'in layers':>9} {'tok/s':>8} {'shapes':>6}")
 
 
 def format_row(r: ProfileRecord) -> str:
     return (f"{r.method:<44} {r.batch_size:>5} {r.steps:>6} {r.step_ms:>8.2f} {r.floor_ms:>8.2f} "
-            f"{r.overhead:>8.1%} {r.syncs_per_step:>7.1f} {r.layer_syncs_per_step:>9.1f} {r.throughput:>8.1f} "
-            f"{r.forward_shapes:>6}")
+            f"{r.overhead:>8.1%} {r.syncs_per_step:>7.1f} {r.layer_syncs_per_step:>9.1f} {r.ops_per_step:>8.1f} "
+            f"{r.layer_ops_per_step:>9.1f} {r.throughput:>8.1f} {r.forward_shapes:>6}")
 
 
 def table(records: list[ProfileRecord]) -> str:
-    lines = ["| method | batch | steps | step ms | floor ms | overhead | host syncs / step | in the layer loop | tok/s | forward shapes |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | batch | steps | step ms | floor ms | overhead | host syncs / step | in the layer loop "
+             "| ops / step | in the layer loop | tok/s | forward shapes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         lines.append(f"| `{r.method}` | {r.batch_size} | {r.steps} | {r.step_ms:.2f} | {r.floor_ms:.2f} | "
                      f"{r.overhead:.1%} | {r.syncs_per_step:.1f} | {r.layer_syncs_per_step:.1f} | "
-                     f"{r.throughput:.1f} | {r.forward_shapes} |")
+                     f"{r.ops_per_step:.1f} | {r.layer_ops_per_step:.1f} | {r.throughput:.1f} | {r.forward_shapes} |")
     return "\n".join(lines)
