@@ -173,7 +173,7 @@ def predict(seq: Sequence, positions: Tensor, logits: Tensor, salt: Tensor | Non
     ``seq.noise(positions, salt)``. ``select`` then picks which to commit."""
     p = seq.params
     logits = without_mask(logits, seq.ids.mask_id)
-    noise = seq.noise(positions, salt) if p.temperature > 0 or p.remasking == "random" else None
+    noise = seq.noise(positions, salt)
     x0 = sample_tokens(logits, p.temperature, noise, p.top_k, p.top_p)
     return logits, x0, confidence(logits, x0, p.remasking, noise)
 

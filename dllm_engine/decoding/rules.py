@@ -33,13 +33,10 @@ def sample_tokens(logits: Tensor, temperature: float, noise: Noise | None,
         return logits.argmax(-1)
     if noise is None or len(noise) != logits.shape[0]:
         raise ValueError("sampling needs one noise key per row of logits")
-    logits = logits.float()
-    if 0 < top_k < logits.shape[-1]:
-        values, ids = logits.topk(top_k, dim=-1)  # [N, k], most likely first
-        values = nucleus(values, temperature, top_p, ordered=True)
+    values, ids = candidates(logits.float(), temperature, top_k, top_p)
+    if ids is not None:
         pick = (scaled(values, temperature) + gumbel(noise.uniform(TOKENS, ids))).argmax(-1)
         return ids.gather(-1, pick[:, None])[:, 0]
-    values = nucleus(logits, temperature, top_p)
     columns = torch.arange(values.shape[-1], device=values.device)
     rows = max(1, CHUNK_ELEMENTS // max(values.shape[-1], 1))
     drawn = [(scaled(part, temperature) + gumbel(noise.rows(slice(lo, lo + rows)).uniform(TOKENS, columns))).argmax(-1)
@@ -47,13 +44,20 @@ def sample_tokens(logits: Tensor, temperature: float, noise: Noise | None,
     return torch.cat(drawn) if drawn else values.new_zeros(0, dtype=torch.long)
 
 
-def keep_top(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
-    """logits [N, V] with -inf outside what ``sample_tokens`` may draw: the ``top_k`` most likely
-    tokens (0 = all) and, among them, the nucleus of mass ``top_p`` under softmax(logits / T)."""
+def candidates(logits: Tensor, temperature: float, top_k: int, top_p: float) -> tuple[Tensor, Tensor | None]:
+    """What ``sample_tokens`` may draw from logits [N, V]: the ``top_k`` most likely tokens (0 =
+    all) and, among them, the nucleus of mass ``top_p`` under softmax(logits / T), -inf outside.
+    With top_k: (their logits [N, k], most likely first; their ids [N, k]); else ([N, V], None)."""
     if 0 < top_k < logits.shape[-1]:
         values, ids = logits.topk(top_k, dim=-1)
-        return torch.full_like(logits, -float("inf")).scatter(-1, ids, nucleus(values, temperature, top_p, True))
-    return nucleus(logits, temperature, top_p)
+        return nucleus(values, temperature, top_p, ordered=True), ids
+    return nucleus(logits, temperature, top_p), None
+
+
+def keep_top(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """logits [N, V] with -inf outside what ``sample_tokens`` may draw (``candidates``)."""
+    values, ids = candidates(logits, temperature, top_k, top_p)
+    return values if ids is None else torch.full_like(logits, -float("inf")).scatter(-1, ids, values)
 
 
 def scaled(logits: Tensor, temperature: float) -> Tensor:

@@ -161,10 +161,13 @@ class Sequence:
     def block(self) -> tuple[int, int]:
         return self.blocks[self.block_idx]
 
-    def noise(self, positions: Tensor, salt: Tensor | None = None) -> Noise:
+    def noise(self, positions: Tensor, salt: Tensor | None = None) -> Noise | None:
         """The sampling keys of candidates at canvas ``positions`` in this forward (decoding/noise.py):
         the request's seed, the position, the forwards so far; ``salt`` tells apart candidates
-        of one position in one forward (jump-share's copies)."""
+        of one position in one forward (jump-share's copies). None when the request draws
+        nothing (greedy, and a remasking rule that is not ``random``)."""
+        if self.params.temperature == 0 and self.params.remasking != "random":
+            return None
         n = positions.shape[0]
         full = dict(size=(n,), dtype=torch.long, device=positions.device)
         return Noise(torch.full(fill_value=self.seed, **full), positions.long(),

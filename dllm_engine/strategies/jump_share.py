@@ -34,7 +34,7 @@ and stays there. ``jump_share_switch``: ``official`` (default) decides after eac
 from the masks step t computed (before its commits): block + 3·n_t <= 92, 89 or 86 (block 32;
 the same fractions of other block lengths) when the accepted copy held 2, 1 or 0 drafts, and
 never after the block's first speculative step. ``current`` decides before each step from the
-masks left now: block + 3·n <= 2.8·block, and may go back to 4. As in the official code, the
+masks left now: block + 3·n <= 2.8·block. As in the official code, the
 drafts may cover every masked position (a copy holding them all predicts nothing itself and is
 accepted on the others' confirmation). With ``max_copies = 1`` the step is the base decoder's
 step (same tokens).
@@ -97,12 +97,12 @@ class CopyLayout:
         own = ~self.drafted[first:]
         return torch.nonzero_static(own.flatten(), size=sum(self.counts()[first:]))[:, 0]
 
-    def over_copied(self, per_masked: Tensor, fill: bool | int) -> Tensor:
-        """[C, r]: ``per_masked`` [C, n] placed at the masked positions of ``copied``, ``fill``
+    def over_copied(self, per_masked: Tensor) -> Tensor:
+        """[C, r] bool: ``per_masked`` [C, n] placed at the masked positions of ``copied``, False
         at the others."""
         if self.region is None:
             return per_masked
-        out = per_masked.new_full((per_masked.shape[0], self.region.numel()), fill)
+        out = per_masked.new_zeros((per_masked.shape[0], self.region.numel()))
         out[:, torch.searchsorted(self.region, self.masked)] = per_masked
         return out
 
@@ -175,8 +175,8 @@ class JumpShare(Strategy):
         c, n = layout.drafted.shape
         counts = layout.counts()
         own = layout.own_index()
-        copy_of = torch.arange(c, device=logits.device).repeat_interleave(n)
-        _, tokens, own_conf = predict(seq, layout.masked.repeat(c)[own], logits, salt=copy_of[own])
+        # own indexes [C, n]: the copy of each row is own // n, its masked position own % n
+        _, tokens, own_conf = predict(seq, layout.masked[own % n], logits, salt=own // n)
         own_conf = own_conf.float()
         x0 = torch.full((c * n,), -1, dtype=torch.long, device=logits.device).index_copy_(0, own, tokens)
         conf = torch.full((c * n,), -float("inf"), device=logits.device).index_copy_(0, own, own_conf)
@@ -302,12 +302,12 @@ def share_plan(seq: Sequence, plan: StepPlan, layout: CopyLayout, shift: int) ->
     jump-share on a model with a logit shift)."""
     copied, extra = layout.copied, layout.num_copies - 1
     current = seq.canvas[copied]
-    drafted = layout.over_copied(layout.drafted, False)  # [C, r]
+    drafted = layout.over_copied(layout.drafted)  # [C, r]
     at = torch.searchsorted(copied, layout.masked[layout.draft_idx])
     filled = current.index_copy(0, at, layout.draft_tokens)  # every draft in place
     copy_tokens = torch.where(drafted[1:], filled, current)  # [C-1, r]
     copy_slots = seq.canvas_len + torch.arange(extra * copied.numel(), device=copied.device)  # [(C-1)·r]
-    own = layout.over_copied(~layout.drafted, False)[1:]  # [C-1, r]: masked and not drafted
+    own = layout.over_copied(~layout.drafted)[1:]  # [C-1, r]: masked and not drafted
     predict = torch.nonzero_static(own.flatten(), size=sum(layout.counts()[1:]))[:, 0]
     return plan.with_tokens(seq, shift, positions=copied.repeat(extra), slots=copy_slots,
                             token_ids=copy_tokens.flatten(),
