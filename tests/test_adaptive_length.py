@@ -27,7 +27,7 @@ def make_seq(prompt_len=3, max_new=16, block=4, **options) -> Sequence:
 
 def predictions_at(seq, hits: dict[int, tuple[int, float]]):
     """Every masked generation slot predicts token 50 at 0.99, except ``hits``: pos -> (tok, conf)."""
-    positions = (seq.canvas == IDS.mask_id).nonzero()[:, 0]
+    positions = torch.from_numpy(seq.undecided.nonzero()[0])
     tokens = torch.full_like(positions, 50)
     conf = torch.full(positions.shape, 0.99)
     for pos, (tok, c) in hits.items():
@@ -90,12 +90,12 @@ def test_never_cuts_below_min_length():
 
 def test_never_cuts_at_or_before_a_committed_non_eos_token():
     seq = make_seq()
-    seq.canvas[3:7] = torch.tensor([20, 21, 22, 3])  # block 0 committed (ends with EOS)
-    seq.canvas[12] = 23  # a committed non-EOS token in block 2
+    seq.fill(slice(3, 7), torch.tensor([20, 21, 22, 3]))  # block 0 committed (ends with EOS)
+    seq.fill(12, 23)  # a committed non-EOS token in block 2
     new_len = cut_length(seq, *predictions_at(seq, {8: (3, 0.99)}))
     assert new_len == 15 and new_len > 12
     # committed EOS tokens do not hold the cut back
-    seq.canvas[12] = 3
+    seq.fill(12, 3)
     assert cut_length(seq, *predictions_at(seq, {8: (3, 0.99)})) == 11
 
 
@@ -189,7 +189,7 @@ def test_a_confident_stop_prediction_cuts_the_canvas(llms, method):
     for seq, base in zip(seqs, full):
         gen_len = seq.canvas_len - seq.prompt_len
         assert seq.finished and gen_len % 8 == 0 and 4 < gen_len <= 32
-        assert int((seq.canvas == seq.ids.mask_id).sum()) == 0
+        assert not seq.undecided.any() and int((seq.canvas == seq.ids.mask_id).sum()) == 0
         # nothing committed was thrown away: every slot of the final canvas was decoded once
         assert seq.stats.decoded_tokens == gen_len
         if gen_len < 32:

@@ -380,7 +380,7 @@ def test_per_token_inputs_follow_the_predicted_position(llms, model_type, alpha)
     strategy = llm.engine.pipeline(ES).strategies[0]
     strategy.setup(seq)
     start, end = seq.block
-    seq.canvas[start:start + 2] = 7  # committed: the leftmost masked position is start + 2
+    seq.fill(slice(start, start + 2), 7)  # committed: the leftmost masked position is start + 2
     seq.step = 1
     st = early_skip.state(seq)
     st.conf[:] = torch.arange(seq.canvas_len) / 100
@@ -413,7 +413,7 @@ def test_row_values_of_a_group_equal_each_sequence_alone(llms, model_type):
                                                        skip_alpha=alpha))
         strategy.setup(seq)
         start, end = seq.block
-        seq.canvas[start: start + i] = 7  # the first i block positions committed
+        seq.fill(slice(start, start + i), 7)  # the first i block positions committed
         seq.step = 0 if i == 3 else 1  # the last one is at a block start: no skipping
         st = early_skip.state(seq)
         st.conf[:] = torch.rand(seq.canvas_len)
@@ -438,15 +438,15 @@ def test_delay_eos_follows_the_official_rule():
     params = SamplingParams(method=ES, max_new_tokens=16, block_length=8)
     p = resolve_params(params, ("dual-cache",))
     seq = Sequence(0, [10, 11, 12], p, ids)  # block [3, 11)
-    seq.canvas[5] = 20  # committed: left neighbour of 6
+    seq.fill(5, 20)  # committed: left neighbour of 6
     positions = torch.tensor([3, 4, 6, 7, 8])
     eos = torch.full((5,), 3)
     # 3: left is the prompt; 4: left (3) masked; 6: left (5) committed; 7: left (6) masked
     assert early_skip.delayed_eos(seq, positions, eos).tolist() == [False, True, False, True, True]
     assert not early_skip.delayed_eos(seq, positions, torch.full((5,), 9)).any()  # not an EOS
-    seq.canvas[9] = 3  # an EOS exists: nothing is delayed any more
+    seq.fill(9, 3)  # an EOS exists: nothing is delayed any more
     assert not early_skip.delayed_eos(seq, positions, eos).any()
-    seq.canvas[9] = 4
+    seq.fill(9, 4)
     seq.params = seq.params.replace(delay_eos=False)
     assert not early_skip.delayed_eos(seq, positions, eos).any()
 
@@ -458,8 +458,8 @@ def test_delay_eos_of_a_group_equals_each_sequence_alone():
     ids = TokenIds(mask_id=4, eos_id=3, stop_ids=frozenset({3}))
     p = resolve_params(SamplingParams(method=ES, max_new_tokens=16, block_length=8), ("dual-cache",))
     seqs = [Sequence(i, prompt, p, ids) for i, prompt in enumerate([[10, 11, 12], [10] * 6, [10, 11], [10] * 5])]
-    seqs[0].canvas[5] = 20
-    seqs[1].canvas[12] = 3  # an EOS committed
+    seqs[0].fill(5, 20)
+    seqs[1].fill(12, 3)  # an EOS committed
     seqs[2].params = seqs[2].params.replace(delay_eos=False)
     seqs[3].block_idx = 1  # the second block
     positions = [torch.tensor([3, 4, 6, 7, 8]), torch.tensor([6, 7, 8]), torch.tensor([2, 3, 4, 5]),

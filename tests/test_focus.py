@@ -451,7 +451,7 @@ class FirstSelection:
             elif state.kept is not None:
                 start, end = seq.block
                 self.first[id(seq)] = sorted(p for p in state.kept_positions().tolist()
-                                             if start <= p < end and seq.canvas[p] == seq.ids.mask_id)
+                                             if start <= p < end and seq.undecided[p])
         return super().after_forward(seq, positions, logits)
 
 
@@ -501,8 +501,8 @@ def test_block_rows_equal_the_per_sequence_rule_row_by_row():
     for start, size, lo in ((8, 8, 0), (16, 4, 16), (4, 8, 4), (8, 8, 9)):  # ragged blocks and plans
         canvas = torch.randint(0, 50, (start + size + 6,))
         canvas[start: start + size][torch.rand(size) < 0.6] = mask_id
-        seqs.append(SimpleNamespace(canvas=canvas, block=(start, start + size),
-                                    ids=SimpleNamespace(mask_id=mask_id)))
+        seqs.append(SimpleNamespace(canvas=canvas, block=(start, start + size), ids=SimpleNamespace(mask_id=mask_id),
+                                    tokens=lambda where, canvas=canvas: canvas[where]))
         positions = torch.arange(lo, start + size + 3)  # a prefix, the block, part of the suffix
         plans.append(StepPlan(positions, torch.full_like(positions, canvas.numel()), positions))
         processed = torch.rand(size) < 0.5

@@ -273,7 +273,7 @@ def test_a_step_past_the_schedule_commits_every_mask_left():
     p = resolve_params(params, ("dual-cache",))
     seq = Sequence(0, [5, 6, 7], p, TokenIds(mask_id=4, eos_id=3, stop_ids=frozenset({3})))
     assert seq.tokens_this_step() == 4  # 8 masks over 2 steps
-    seq.canvas[3:5] = 9
+    seq.fill(slice(3, 5), 9)
     seq.step = 1
     assert seq.tokens_this_step() == 6  # fell behind: what is left, not 1
     seq.step = 2

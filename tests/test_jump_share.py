@@ -77,7 +77,7 @@ def make_seq(block=4, max_new=8, **options):
 
 def test_share_plan_lays_out_shared_and_copied_tokens():
     seq = make_seq(max_copies=4)  # canvas 11, block [3, 7)
-    seq.canvas[4] = 20  # committed: shared by all copies
+    seq.fill(4, 20)  # committed: shared by all copies
     seq.step = 1
     drafts = (torch.tensor([6, 4, 3, 5]), torch.tensor([61, 99, 63, 65]), torch.tensor([0.9, 0.8, 0.7, 0.6]))
     base = plan_step(seq, 0)
@@ -294,7 +294,7 @@ def test_drafts_may_cover_every_masked_position(llms):
     """As in the official code: with two masks left and four copies, both are drafted; the copy
     holding both predicts nothing itself and is accepted when the others confirm its drafts."""
     seq = make_seq(max_copies=4)  # block [3, 7)
-    seq.canvas[3], seq.canvas[5] = 20, 21
+    seq.fill([3, 5], [20, 21])
     seq.step = 2
     drafts = (torch.tensor([6, 4]), torch.tensor([61, 62]), torch.tensor([0.9, 0.8]))
     layout = make_layout(seq, seq.masked_positions(), drafts, 4)
@@ -345,7 +345,7 @@ def test_copy_predictions_of_all_copies_equal_the_per_copy_rule(options):
         seq = make_seq(block=8, max_new=8, max_copies=8, **options)
         seq.step = 2
         seq.stats.nfe = 3
-        seq.canvas[committed] = torch.arange(20, 20 + len(committed))
+        seq.fill(committed, torch.arange(20, 20 + len(committed)))
         drafts = (torch.tensor([9, 5, 3, 10, 6, 8]), torch.tensor([50, 51, 52, 53, 54, 55]), torch.rand(6))
         layout = make_layout(seq, seq.masked_positions(), drafts, 8)
         logits = torch.randn(sum(layout.counts()), 96) * 3

@@ -189,9 +189,9 @@ def recorded(monkeypatch):
         original = rule.commit
 
         def commit(seq, positions, logits, pipeline, original=original):
-            before, lg = seq.canvas[positions].clone(), logits.clone()
+            before, lg = seq.tokens(positions), logits.clone()
             committed = original(seq, positions, logits, pipeline)
-            calls.append((seq.seq_id, seq.block_idx, positions.clone(), lg, before, seq.canvas[positions].clone()))
+            calls.append((seq.seq_id, seq.block_idx, positions.clone(), lg, before, seq.tokens(positions)))
             return committed
 
         monkeypatch.setattr(rule, "commit", commit)

@@ -36,6 +36,7 @@ def test_sync_counter_counts_host_reads_and_data_sized_outputs():
     assert counted(lambda: int(x.max())).total == 1
     assert counted(lambda: bool((x > 2).any())).total == 1
     assert counted(lambda: x.tolist()).total == 1
+    assert counted(lambda: x.numpy()).total == 1
     assert counted(lambda: x[x > 2]).total == 1  # boolean indexing sizes its output from data
     assert counted(lambda: (x > 2).nonzero()).total == 1
     assert counted(lambda: x[torch.tensor([0, 2])]).total == 0  # integer indexing does not

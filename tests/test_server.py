@@ -605,14 +605,14 @@ def test_a_sequence_that_raises_after_its_counters_moved_fails_its_request(live,
     the replay; the engine marks it, so its request fails (not a request left open for ever,
     its step failing again at every later one) and the others finish."""
     from dllm_engine.engine.sequence import Sequence
-    stop_tensor = Sequence.stop_tensor  # read when a block is complete, after `step += 1`
+    stop_array = Sequence.stop_array  # read when a block is complete, after `step += 1`
 
     def faulty(seq):
         if seq.params.seed == 666:
             raise RuntimeError("stop ids broken")
-        return stop_tensor(seq)
+        return stop_array(seq)
 
-    monkeypatch.setattr(Sequence, "stop_tensor", faulty)
+    monkeypatch.setattr(Sequence, "stop_array", faulty)
 
     async def scenario():
         async with httpx.AsyncClient(base_url=live[0], timeout=30) as c:

@@ -16,7 +16,7 @@ deterministic, so every pass makes the same steps:
 3. syncs: a ``TorchDispatchMode`` counts host synchronisations (ops whose result the host
    reads, or whose output shape depends on data: ``aten._local_scalar_dense`` / ``aten.item`` /
    ``aten.is_nonzero`` behind ``.item()``, ``int()``, ``bool()``, ``nonzero``, boolean indexing, ``equal``, ...), a
-   ``TorchFunctionMode`` adds ``.tolist()``; the ones inside the layer loop (between the
+   ``TorchFunctionMode`` adds ``.tolist()`` and ``.numpy()``; the ones inside the layer loop (between the
    embedding and the final norm) are counted apart. On a GPU each one stalls the stream and
    stops a CUDA graph from capturing the step. The same pass counts the **forward shapes**:
    the distinct signatures of a forward (per layer: rows, tokens, keys, masked or not) over the
@@ -92,14 +92,15 @@ class DispatchSyncs(TorchDispatchMode):
 
 
 class ListSyncs(TorchFunctionMode):
-    """``.tolist()`` copies to the host without an aten op the dispatch mode would see."""
+    """``.tolist()`` and ``.numpy()`` read a tensor on the host without an aten op the dispatch
+    mode would see (a CPU tensor's ``.numpy()`` is a view; on a GPU it follows a copy, a read)."""
 
     def __init__(self, count: SyncCount) -> None:
         super().__init__()
         self.count = count
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is Tensor.tolist:
+        if func is Tensor.tolist or func is Tensor.numpy:
             self.count.add()
         return func(*args, **(kwargs or {}))
 

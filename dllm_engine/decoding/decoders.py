@@ -41,7 +41,7 @@ class StepPlan:
         """Compute canvas positions [lo, hi) under the decoder's key limits (block-causal for
         ``block``: a token sees its own block and all before it; else the whole canvas) and
         predict ``logit_positions``."""
-        positions = torch.arange(lo, hi, device=seq.canvas.device)
+        positions = torch.arange(lo, hi, device=seq.device)
         if seq.params.decoder.block_causal:
             limit = block_causal_limit(positions, seq.params.block_length)
         else:
@@ -88,7 +88,7 @@ class StepPlan:
         if self.slots is None:
             self.slots = self.positions
         if self.token_ids is None:
-            self.token_ids = seq.canvas[self.positions]
+            self.token_ids = seq.tokens(self.positions)
         if self.logit_slots is None:
             self.logit_slots = self.logit_positions - shift
         return self
@@ -117,16 +117,17 @@ def with_unconditional_copy(seq: Sequence, plan: StepPlan, shift: int) -> StepPl
     """Classifier-free guidance (LLaDA): a second copy of the canvas with the prompt masked, in
     cache slots [L, 2L), each copy attending only to itself. Logits come back cond then uncond."""
     n = seq.canvas_len
-    uncond = seq.canvas.clone()
+    canvas = seq.tokens()
+    uncond = canvas.clone()
     uncond[: seq.prompt_len] = seq.ids.mask_id
-    own = torch.arange(2 * n, device=seq.canvas.device) // n  # 0 = conditional, 1 = unconditional
+    own = torch.arange(2 * n, device=seq.device) // n  # 0 = conditional, 1 = unconditional
     logit_positions, logit_slots = unconditional_logits(seq, plan.logit_positions, shift)
     return StepPlan(positions=torch.cat([plan.positions, plan.positions]),
-                    key_limit=torch.full((2 * n,), 2 * n, device=seq.canvas.device),
+                    key_limit=torch.full((2 * n,), 2 * n, device=seq.device),
                     logit_positions=logit_positions,
                     logit_slots=logit_slots,
-                    slots=torch.arange(2 * n, device=seq.canvas.device),
-                    token_ids=torch.cat([seq.canvas, uncond]),
+                    slots=torch.arange(2 * n, device=seq.device),
+                    token_ids=torch.cat([canvas, uncond]),
                     key_mask=own[:, None] == own[None, :])
 
 

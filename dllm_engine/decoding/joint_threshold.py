@@ -58,13 +58,13 @@ class JointThreshold(CommitRule):
     def logit_positions(self, seq: Sequence) -> Tensor:
         """Every generated position of the current block, masked or committed."""
         start, end = seq.block
-        return torch.arange(max(start, seq.prompt_len), end, device=seq.canvas.device)
+        return torch.arange(max(start, seq.prompt_len), end, device=seq.device)
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None) -> Tensor:
         p = seq.params
         logits, x0, conf = predictions(seq, positions, logits)
-        current = seq.canvas[positions]
-        masked = current == seq.ids.mask_id
+        current = seq.tokens(positions)
+        masked = seq.tensor(seq.undecided)[positions]
         unmasking = bool(masked.any())  # a post-edit step when False
         chosen = torch.zeros_like(masked)
         if unmasking:

@@ -1,9 +1,15 @@
-"""One request: its canvas, block cursor, sampling keys and stats."""
+"""One request: its canvas, block cursor, sampling keys and stats.
+
+A sequence is host-side state: its canvas and the map of the slots still undecided are NumPy
+arrays, its cursor plain ints, so the step's bookkeeping (which slots a step computes and
+predicts, what a commit writes, when a block ends) costs no device op and no device read. The
+device sees a sequence only through the tensors a step builds from it (``engine/batch_step.py``)."""
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -130,8 +136,14 @@ class Sequence:
         self.blocks = block_layout(self.prompt_len, params.max_new_tokens, params.block_length,
                                    params.decoder.block_causal)
         end = self.blocks[-1][1]
-        self.canvas = torch.full((end,), ids.mask_id, dtype=torch.long, device=device)
-        self.canvas[: self.prompt_len] = torch.tensor(prompt_ids, dtype=torch.long)
+        self.device = torch.device(device)  # where the model runs: the tensors built from it go there
+        # what the model is fed at each slot (the mask token where undecided) ...
+        self.canvas = np.full(end, ids.mask_id, dtype=np.int64)
+        self.canvas[: self.prompt_len] = prompt_ids
+        # ... and which slots are still undecided: explicit, not ``canvas == mask_id``, so a family
+        # whose undecided slots hold other tokens (uniform noise) keeps the same bookkeeping
+        self.undecided = np.zeros(end, dtype=bool)
+        self.undecided[self.prompt_len:] = True
         self.block_idx = 0
         self.step = 0  # step inside the current block
         self.committed_len = 0  # block diffusion: cache K/V are final below this position
@@ -165,17 +177,40 @@ class Sequence:
         """The sampling keys of candidates at canvas ``positions`` in this forward (decoding/noise.py):
         the request's seed, the position, the forwards so far; ``salt`` tells apart candidates
         of one position in one forward (jump-share's copies). None when the request draws
-        nothing (greedy, and a remasking rule that is not ``random``)."""
-        if self.params.temperature == 0 and self.params.remasking != "random":
+        nothing (``draws``)."""
+        if not self.draws:
             return None
         n = positions.shape[0]
         full = dict(size=(n,), dtype=torch.long, device=positions.device)
         return Noise(torch.full(fill_value=self.seed, **full), positions.long(),
                      torch.full(fill_value=self.stats.nfe, **full), salt)
 
-    def masked_positions(self) -> Tensor:
+    @property
+    def draws(self) -> bool:
+        """Whether the request's commit rule draws random numbers (sampling, random remasking)."""
+        return self.params.temperature != 0 or self.params.remasking == "random"
+
+    def masked_index(self) -> np.ndarray:
+        """The current block's undecided canvas positions (host)."""
         start, end = self.block
-        return (self.canvas[start:end] == self.ids.mask_id).nonzero()[:, 0] + start
+        return np.flatnonzero(self.undecided[start:end]) + start
+
+    def masked_positions(self) -> Tensor:
+        """``masked_index`` as a tensor on the model's device."""
+        return self.tensor(self.masked_index())
+
+    def tensor(self, host: np.ndarray) -> Tensor:
+        """A host array as a tensor on the model's device (a copy: the canvas may change later)."""
+        return torch.from_numpy(np.array(host)).to(self.device)
+
+    def tokens(self, positions: Tensor | slice | None = None) -> Tensor:
+        """The canvas (at ``positions``, a tensor or a slice; all of it: None) as a tensor on the
+        model's device."""
+        if positions is None:
+            positions = slice(None)
+        if isinstance(positions, Tensor):
+            positions = positions.cpu().numpy()
+        return self.tensor(self.canvas[positions])
 
     def tokens_this_step(self) -> int:
         """Fixed-step rules: the block's masks left, split evenly over its steps left (remainder
@@ -186,51 +221,67 @@ class Sequence:
         return base + (1 if rem else 0)
 
     def num_masked(self) -> int:
-        """Masks left in the current block."""
+        """Undecided slots left in the current block."""
         start, end = self.block
-        return int((self.canvas[start:end] == self.ids.mask_id).sum())
+        return int(np.count_nonzero(self.undecided[start:end]))
 
     # -- progress ----------------------------------------------------------------------------
-    def commit(self, positions: Tensor, tokens: Tensor, logits: Tensor | None = None,
-               confidence: Tensor | None = None) -> None:
-        """Write ``tokens`` into masked slots; ``logits`` [N, V] (the rows they were drawn from)
+    def commit(self, positions: Tensor | np.ndarray, tokens: Tensor | np.ndarray, logits: Tensor | None = None,
+               confidence: Tensor | np.ndarray | None = None) -> None:
+        """Write ``tokens`` into undecided slots; ``logits`` [N, V] (the rows they were drawn from)
         record their logprobs when the request asked for them. A trace (``record_steps``) takes
-        each token's probability from ``logits``, or ``confidence`` [N] when given."""
+        each token's probability from ``logits``, or ``confidence`` [N] when given. Tensors are
+        read to the host here (the batched step passes host arrays, read once for its group)."""
+        pos, tok = host(positions), host(tokens)
         # invariant: each slot is committed once, never to the mask, so decoded_tokens <= canvas
-        if bool((self.canvas[positions] != self.ids.mask_id).any() | (tokens == self.ids.mask_id).any()):
+        if not self.undecided[pos].all() or (tok == self.ids.mask_id).any() or len(np.unique(pos)) < len(pos):
             raise RuntimeError(f"sequence {self.seq_id}: a commit would overwrite a committed slot or "
-                               f"write the mask token (positions {positions.tolist()})")
-        self.canvas[positions] = tokens
-        self.stats.decoded_tokens += int(positions.numel())
-        # masked slots left of each committed token (the token itself is no longer masked)
-        gaps = (self.canvas[self.prompt_len:] == self.ids.mask_id).cumsum(0)[positions - self.prompt_len]
-        self.stats.ahead_tokens += int((gaps > 0).sum())
+                               f"write the mask token (positions {pos.tolist()})")
+        self.canvas[pos] = tok
+        self.undecided[pos] = False
+        self.stats.decoded_tokens += len(pos)
+        # undecided slots left of each committed token (the token itself is decided now)
+        gaps = np.cumsum(self.undecided[self.prompt_len:])[pos - self.prompt_len]
+        self.stats.ahead_tokens += int(np.count_nonzero(gaps))
         self.stats.ahead_gaps += int(gaps.sum())
         if self.params.logprobs is not None and logits is not None:
             self.record_logprobs(positions, tokens, logits)
         if self.trace is not None:
-            self.trace.commit(positions, tokens, logits, confidence)
+            self.trace.commit(pos, tok, logits, None if confidence is None else host(confidence))
+
+    def fill(self, positions: slice | list[int] | np.ndarray, tokens) -> None:
+        """Decide ``positions`` as ``tokens`` outside a step (no stats, no checks): a canvas set
+        up by hand (tests, a state to probe)."""
+        tokens = np.asarray(tokens)
+        self.canvas[positions] = tokens
+        self.undecided[positions] = tokens == self.ids.mask_id  # the mask token: undecided again
 
     def edit(self, positions: Tensor, tokens: Tensor, logits: Tensor | None = None) -> None:
         """Rewrite committed tokens of the current block (joint-threshold's token-to-token edits):
         counted in ``stats.edits``, not in ``decoded_tokens``; their logprobs are recorded anew."""
         start, end = self.block
-        if bool(((positions < max(start, self.prompt_len)) | (positions >= end)).any()
-                | (self.canvas[positions] == self.ids.mask_id).any() | (tokens == self.ids.mask_id).any()):
+        pos, tok = host(positions), host(tokens)
+        if (((pos < max(start, self.prompt_len)) | (pos >= end)).any() or self.undecided[pos].any()
+                or (tok == self.ids.mask_id).any()):
             raise RuntimeError(f"sequence {self.seq_id}: an edit must rewrite a committed generated token of "
-                               f"the current block with a token (positions {positions.tolist()})")
-        self.canvas[positions] = tokens
-        self.stats.edits += int(positions.numel())
+                               f"the current block with a token (positions {pos.tolist()})")
+        self.canvas[pos] = tok
+        self.stats.edits += len(pos)
         if self.params.logprobs is not None and logits is not None:
             self.record_logprobs(positions, tokens, logits)
 
     def record_logprobs(self, positions: Tensor, tokens: Tensor, logits: Tensor) -> None:
         """Logprobs under the model's own distribution (before temperature / top-k / top-p)."""
         logp = torch.log_softmax(logits.float(), dim=-1)
-        chosen = logp.gather(-1, tokens[:, None])[:, 0].tolist()
+        tokens = torch.as_tensor(host(tokens), device=logp.device)
+        chosen = logp.gather(-1, tokens[:, None])[:, 0]
         top = logp.topk(self.params.logprobs, dim=-1)
+        self.add_logprobs(host(positions), chosen.tolist(), top.indices.tolist(), top.values.tolist())
+
+    def add_logprobs(self, positions: np.ndarray, chosen: list[float], top_ids: list[list[int]],
+                     top_logprobs: list[list[float]]) -> None:
         for i, pos in enumerate(positions.tolist()):
-            self.logprobs[pos] = (chosen[i], top.indices[i].tolist(), top.values[i].tolist())
+            self.logprobs[pos] = (chosen[i], top_ids[i], top_logprobs[i])
 
     def output_logprobs(self, num_tokens: int) -> list[tuple[float, list[int], list[float]]]:
         """The recorded logprobs of the first ``num_tokens`` generated tokens."""
@@ -241,29 +292,33 @@ class Sequence:
         self.stats.step_commits[self.stats.decoded_tokens - self.decoded_before_step] += 1
         self.decoded_before_step = self.stats.decoded_tokens
         self.step += 1
-        if self.block_open or bool((self.canvas[slice(*self.block)] == self.ids.mask_id).any()):
-            return
         start, end = self.block
+        if self.block_open or self.undecided[start:end].any():
+            return
         generated = self.canvas[max(start, self.prompt_len):end]
-        has_stop = bool(torch.isin(generated, self.stop_tensor()).any())
+        has_stop = bool(np.isin(generated, self.stop_array()).any())
         if (has_stop and self.params.stop_at_eos) or self.block_idx == len(self.blocks) - 1:
             self.finish()
             return
         self.block_idx += 1
         self.step = 0
 
+    def stop_array(self) -> np.ndarray:
+        return np.array(sorted(self.ids.stop_ids), dtype=np.int64)
+
     def stop_tensor(self) -> Tensor:
-        return torch.tensor(sorted(self.ids.stop_ids), dtype=torch.long, device=self.canvas.device)
+        return self.tensor(self.stop_array())
 
     def finish(self) -> None:
         """Fill what is left of the canvas with EOS, as the reference sampler's output has it."""
-        rest = self.canvas[self.prompt_len:]
-        rest[rest == self.ids.mask_id] = self.ids.eos_id
+        self.canvas[self.undecided] = self.ids.eos_id
+        self.undecided[:] = False
         self.finished = True
 
     def truncate(self, new_len: int) -> None:
         """Cut the canvas (adaptive length): blocks past ``new_len`` disappear."""
         self.canvas = self.canvas[:new_len]
+        self.undecided = self.undecided[:new_len]
         self.blocks = [b for b in self.blocks if b[1] <= new_len]
 
     def output_ids(self) -> list[int]:
@@ -274,3 +329,8 @@ class Sequence:
             if tok in self.ids.stop_ids:
                 return gen[:i]
         return gen
+
+
+def host(x: Tensor | np.ndarray) -> np.ndarray:
+    """``x`` as a host array (a tensor is read from its device: one host read)."""
+    return x.detach().cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)

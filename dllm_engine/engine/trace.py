@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -68,13 +69,14 @@ class StepTrace:
         self.pending: list[Commit] = []
         self.processed_before = 0.0
 
-    def commit(self, positions: Tensor, tokens: Tensor, logits: Tensor | None,
-               confidence: Tensor | None) -> None:
-        """Slots committed by the current step; ``confidence`` [N] wins over ``logits`` [N, V]."""
+    def commit(self, positions: np.ndarray, tokens: np.ndarray, logits: Tensor | None,
+               confidence: np.ndarray | None) -> None:
+        """Slots committed by the current step (host arrays); ``confidence`` [N] wins over the
+        probabilities of ``tokens`` in ``logits`` [N, V]."""
         if confidence is None and logits is not None:
             probs = torch.softmax(logits.float(), dim=-1)
-            confidence = probs.gather(-1, tokens[:, None].to(probs.device))[:, 0]
-        confs = confidence.tolist() if confidence is not None else [None] * positions.numel()
+            confidence = probs.gather(-1, torch.as_tensor(tokens, device=probs.device)[:, None])[:, 0]
+        confs = confidence.tolist() if confidence is not None else [None] * len(positions)
         for pos, tok, conf in zip(positions.tolist(), tokens.tolist(), confs):
             self.pending.append(Commit(pos, tok, conf))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -53,7 +54,7 @@ class AdaptiveLength(Strategy):
         """Masked generation slots computed by this forward, not yet in the plan's logit set."""
         pos = torch.unique(plan.positions)  # a CFG plan lists the canvas twice
         pos = pos[pos >= seq.prompt_len]
-        pos = pos[seq.canvas[pos] == seq.ids.mask_id]
+        pos = pos[seq.tensor(seq.undecided)[pos]]
         return pos[~torch.isin(pos, plan.logit_positions)]
 
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -136,8 +137,8 @@ def cut_at(seq: Sequence, first: int) -> int | None:
 def last_kept_end(seq: Sequence) -> int:
     """End of the block after the last committed non-stop generation token (0 when none)."""
     gen = seq.canvas[seq.prompt_len:]
-    kept = (gen != seq.ids.mask_id) & ~torch.isin(gen, seq.stop_tensor())
-    if not bool(kept.any()):
+    kept = np.flatnonzero(~seq.undecided[seq.prompt_len:] & ~np.isin(gen, seq.stop_array()))
+    if not kept.size:
         return 0
-    last = seq.prompt_len + int(kept.nonzero().max())
+    last = seq.prompt_len + int(kept[-1])
     return next(e for s, e in seq.blocks if s <= last < e)

@@ -228,7 +228,7 @@ class EarlySkip(Strategy):
         self.dtype = next(model.parameters()).dtype
 
     def setup(self, seq: Sequence) -> None:
-        dev = seq.canvas.device
+        dev = seq.device
         seq.strategy_state[KEY] = SkipState(conf=torch.zeros(seq.canvas_len, device=dev),
                                             last_committed=torch.zeros(0, dtype=torch.long, device=dev))
 
@@ -295,7 +295,7 @@ class EarlySkip(Strategy):
         for i in layers:
             if i not in st.hidden:
                 st.hidden[i] = torch.zeros(width, self.hidden_size, dtype=self.dtype,
-                                           device=seq.canvas.device)
+                                           device=seq.device)
 
     def row_values(self, seqs: list[Sequence], plans: list[StepPlan]) -> dict[str, Tensor]:
         """candidate / conf / bonus [B, T] of every planned token of the group, in batched ops
@@ -312,7 +312,7 @@ class EarlySkip(Strategy):
         confs = pad([st.conf for st in states], batch_first=True)  # [B, canvas]
         has_conf = valid & (target < num_conf)
         conf = confs.gather(1, torch.where(has_conf, target, 0)).masked_fill(~has_conf, 0.0)
-        blocks = pad([s.canvas[slice(*s.block)] for s in seqs], batch_first=True, padding_value=-1)
+        blocks = pad([s.tokens(slice(*s.block)) for s in seqs], batch_first=True, padding_value=-1)
         is_masked = blocks == mask_id  # [B, L]
         leftmost = start + is_masked.to(torch.int8).argmax(1, keepdim=True)  # first masked position
         bonus = LEFTMOST_BONUS * (valid & (target == leftmost) & is_masked.any(1, keepdim=True))
@@ -392,7 +392,7 @@ def delayed_eos_rows(seqs: list[Sequence], positions: list[Tensor], tokens: list
     pos = pad(positions, batch_first=True)  # [B, N]
     dev = pos.device
 
-    canvas = pad([s.canvas for s in seqs], batch_first=True, padding_value=-1)  # [B, L]
+    canvas = pad([s.tokens() for s in seqs], batch_first=True, padding_value=-1)  # [B, L]
     mask_id, eos_id, start, end, prompt_len, on = per_row(
         [(s.ids.mask_id, s.ids.eos_id, *s.block, s.prompt_len, s.params.delay_eos) for s in seqs], dev)
     left = pos - 1

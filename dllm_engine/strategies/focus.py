@@ -163,7 +163,7 @@ def block_state(seq: Sequence) -> FocusState:
     state = seq.strategy_state.get(STATE_KEY)
     if state is None or state.block_idx != seq.block_idx:
         start, end = seq.block
-        none = torch.zeros(end - start, dtype=torch.bool, device=seq.canvas.device)
+        none = torch.zeros(end - start, dtype=torch.bool, device=seq.device)
         state = FocusState(seq.block_idx, start, none, none.clone())
         seq.strategy_state[STATE_KEY] = state
     return state
@@ -194,7 +194,7 @@ def block_rows(seqs: list[Sequence], plans: list[StepPlan], states: list[FocusSt
     pad = torch.nn.utils.rnn.pad_sequence
     positions = pad([p.positions for p in plans], batch_first=True, padding_value=-1)  # [B, T]
     dev = positions.device
-    blocks = pad([s.canvas[slice(*s.block)] for s in seqs], batch_first=True, padding_value=-1)
+    blocks = pad([s.tokens(slice(*s.block)) for s in seqs], batch_first=True, padding_value=-1)
     blocks = F.pad(blocks, (0, 1), value=-1)  # [B, L + 1]; padding and sink count as committed
     processed = F.pad(pad([st.processed for st in states], batch_first=True), (0, 1))  # [B, L + 1]
     start, size, mask_id = per_row([(st.start, st.processed.numel(), s.ids.mask_id)

@@ -301,7 +301,7 @@ def share_plan(seq: Sequence, plan: StepPlan, layout: CopyLayout, shift: int) ->
     copy 0's masked positions, then each copy's (``shift`` is 0: ``check_method`` refuses
     jump-share on a model with a logit shift)."""
     copied, extra = layout.copied, layout.num_copies - 1
-    current = seq.canvas[copied]
+    current = seq.tokens(copied)
     drafted = layout.over_copied(layout.drafted)  # [C, r]
     at = torch.searchsorted(copied, layout.masked[layout.draft_idx])
     filled = current.index_copy(0, at, layout.draft_tokens)  # every draft in place
