@@ -179,19 +179,35 @@ def test_commit_rules_on_hand_computed_examples():
     assert num_transfer_tokens(10, 4) == [3, 3, 2, 2]
 
 def test_batched_selection_equals_each_rule_alone():
-    """``select_rows`` (the engine's one-pass commit) picks, per row, exactly what the rule picks
-    for that sequence alone: ties to the lower index, thresholds hit exactly, k past the row."""
-    from dllm_engine.decoding.decoders import select_rows
+    """``GroupRules.select`` (every commit path's selection) picks, per row, exactly what the
+    rule picks for that sequence alone: ties to the lower index, thresholds hit exactly, k past
+    the row, fixed-k, threshold with a minimum k and the factor rule in one group."""
+    from dllm_engine.decoding.decide import GroupRules
+    from dllm_engine.engine.sequence import Sequence, TokenIds
+    from dllm_engine.resolve import resolve_params
+    ids = TokenIds(mask_id=4, eos_id=3, stop_ids=frozenset({3}))
     torch.manual_seed(0)
-    counts = [5, 1, 8, 3, 8, 4, 6]
+    options = [("dual-cache", dict(threshold=0.9)), ("dual-cache", dict(threshold=0.5)),
+               ("dual-cache", dict(steps=3)), ("block", dict(threshold=0.95)), ("dual-cache", dict(factor=1.0)),
+               ("reference", dict(steps=8)), ("block", dict(threshold=0.75)), ("dual-cache", dict(factor=0.3))]
+    seqs = [Sequence(i, [10, 11, 12], resolve_params(SamplingParams(method=m, max_new_tokens=8, block_length=8, **o),
+                                                     (m,)), ids) for i, (m, o) in enumerate(options)]
+    counts = [5, 1, 8, 3, 8, 4, 6, 7]
     conf = torch.randint(0, 5, (sum(counts),)).float() / 4  # many ties
     conf[:3] = torch.tensor([0.9, 0.9, 0.5])  # exactly at a float32 threshold
-    rules = [(0.9, 1), (0.5, 1), (math.inf, 3), (0.95, 2), (0.3, 8), (math.inf, 0), (0.75, 10)]
-    chosen = select_rows(conf, counts, rules)
-    assert chosen.shape == (len(counts), max(counts))
-    for b, (c, (threshold, k)) in enumerate(zip(conf.split(counts), rules)):
-        want = topk_select(c, k) if threshold == math.inf else threshold_select(c, threshold, min_k=k)
-        assert torch.equal(chosen[b, : counts[b]], want) and not chosen[b, counts[b]:].any()
+    conf[sum(counts[:4]): sum(counts[:5])] = torch.tensor([0.9, 0.5, 0.89, 0.2, 0.1, 0.76, 0.3, 0.1])
+    chosen = GroupRules(seqs, counts, [0] * len(seqs), conf.device).select(conf)
+    assert chosen.shape == conf.shape and chosen.dtype == torch.bool
+    for seq, c, got in zip(seqs, conf.split(counts), chosen.split(counts)):
+        p = seq.params
+        if p.factor is not None and p.threshold is None:
+            want = factor_select(c, p.factor)
+        elif p.threshold is None:
+            want = topk_select(c, seq.tokens_this_step())
+        else:
+            want = threshold_select(c, p.threshold, min_k=1)
+        assert torch.equal(got, want), (p.method, c, got, want)
+    assert chosen[sum(counts[:4]): sum(counts[:5])].sum() == 3  # factor 1: the top 3 (0.9, 0.89, 0.76)
 
 
 
@@ -307,6 +323,5 @@ def test_the_commit_rule_leaves_the_callers_logits_as_they_were(llms, temperatur
         ready = [(s, s.masked_positions(), lg) for s, lg in zip(seqs, logits)]
         engine.decide_rows(pipeline, ready)
         for seq, positions, lg in ready:
-            engine.decide(pipeline, seq, positions, lg)
             pipeline.commit(seq, positions, lg, engine.commit)
         assert all(torch.equal(a, b) for a, b in zip(logits, before))

@@ -313,7 +313,6 @@ def plain_copy_predictions(seq, layout, logits):
     """The per-copy rule, one copy at a time: sample (keyed by the copy's positions, its index
     as the salt), confidence, ``select`` on its own positions."""
     from dllm_engine.decoding import confidence, sample_tokens
-    from dllm_engine.decoding.decoders import select
     p = seq.params
     c, n = layout.drafted.shape
     x0 = torch.full((c, n), -1, dtype=torch.long)
@@ -327,8 +326,20 @@ def plain_copy_predictions(seq, layout, logits):
             noise = seq.noise(layout.masked[own], salt=torch.full((rows.shape[0],), i))
             x0[i, own] = sample_tokens(rows, p.temperature, noise, p.top_k, p.top_p)
             conf[i, own] = confidence(rows, x0[i, own], p.remasking, noise).float()
-            commit[i, own] = select(seq, conf[i, own])
+            commit[i, own] = plain_select(seq, conf[i, own])
     return x0, conf, commit
+
+
+def plain_select(seq, conf):
+    """The decoder's rule on one sequence's candidates, as the single-row definitions state it."""
+    import math
+    from dllm_engine.decoding import factor_select, threshold_select, topk_select
+    from dllm_engine.decoding.decoders import threshold_rule
+    rule = threshold_rule(seq)
+    if rule is None:
+        return factor_select(conf, seq.params.factor)
+    threshold, k = rule
+    return topk_select(conf, k) if threshold == math.inf else threshold_select(conf, threshold, min_k=k)
 
 
 @pytest.mark.parametrize("options", [dict(), dict(threshold=None), dict(threshold=None, factor=1.0),

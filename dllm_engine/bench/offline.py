@@ -142,6 +142,8 @@ VARIANTS = {
     "compiled": (lambda llm: compile_model(llm.model), lambda llm: uncompile_model(llm.model), False),
     "fixed shapes": (set_step_shapes(True), set_step_shapes(False), False),
     "compiled step": (set_step_shapes(True, True), set_step_shapes(False), True),
+    "per-sequence step": (lambda llm: setattr(llm.engine, "batch_step", False),
+                          lambda llm: setattr(llm.engine, "batch_step", True), False),
 }
 
 

@@ -66,6 +66,7 @@ class SyncCount:
     in_layers: int = 0  # inside the layer loop
     ops: int = 0  # every aten op (on a GPU, a kernel launch or a host-side op each)
     layer_ops: int = 0  # of them, inside the layer loop
+    steps: int = 0  # engine steps counted
     inside: bool = field(default=False, repr=False)
 
     def add(self) -> None:
@@ -304,7 +305,7 @@ def count_syncs(llm: LLM, params: SamplingParams, prompts: list[list[int]], batc
     flag = LayerLoopFlag(llm.model, count)
     try:
         with ListSyncs(count), DispatchSyncs(count):
-            run_batches(llm, params, prompts, batch_size)
+            count.steps = run_batches(llm, params, prompts, batch_size)[0]
     finally:
         flag.remove()
     return count

@@ -24,6 +24,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="timed rounds of every spec, in turn, per batch size; each row keeps its "
                         "fastest pass and the table the range of the rounds' speed-ups (a shared machine)")
+    p.add_argument("--per-sequence-step", action="store_true",
+                   help="each spec also runs with the per-sequence step (the path strategies take) in place "
+                        "of the batch-shaped one, as a row 'SPEC [per-sequence step]'")
     add_model_args(p)
 
 
@@ -59,7 +62,8 @@ def run_bench(args: argparse.Namespace) -> None:
     print(f"writing to {args.out}")
     # --compile, --fixed-shapes, --compile-step: each spec runs as usual, then under each
     llm = common.load_llm(args, folder, compile=False, fixed_shapes=False, compile_step=False)
-    variants = [name for name, on in (("fixed shapes", args.fixed_shapes), ("compiled step", args.compile_step)) if on]
+    variants = [name for name, on in (("fixed shapes", args.fixed_shapes), ("compiled step", args.compile_step),
+                                      ("per-sequence step", args.per_sequence_step)) if on]
     check_prompts(llm, {spec: llm.resolve(p) for spec, p in resolved.items()}, examples)  # before the header
     for spec, params in resolved.items():
         print(f"method: {spec} = {params.describe()}")

@@ -13,8 +13,7 @@ from ..engine.sequence import Sequence
 from ..models.context import block_causal_limit
 from ..sampling_params import SamplingParams
 from .commit_rules import rule_for
-from .rules import (confidence, factor_select, rank_in_row, sample_tokens, threshold_select, topk_select,
-                    without_mask)
+from .rules import confidence, sample_tokens, without_mask
 
 
 @dataclass
@@ -171,23 +170,12 @@ def predict(seq: Sequence, positions: Tensor, logits: Tensor, salt: Tensor | Non
     (the logits with the mask excluded, a new tensor (their rows are what a committed token
     records as its logprobs); the token x0 [N] drawn under the sequence's sampling options, the
     argmax when greedy; its confidence [N] under ``remasking``). Random draws are keyed by
-    ``seq.noise(positions, salt)``. ``select`` then picks which to commit."""
+    ``seq.noise(positions, salt)``. ``decide.GroupRules`` then picks which to commit."""
     p = seq.params
     logits = without_mask(logits, seq.ids.mask_id)
     noise = seq.noise(positions, salt)
     x0 = sample_tokens(logits, p.temperature, noise, p.top_k, p.top_p)
     return logits, x0, confidence(logits, x0, p.remasking, noise)
-
-
-def select(seq: Sequence, conf: Tensor) -> Tensor:
-    """bool [N] over the candidate positions: which to commit this step (``threshold_rule``)."""
-    rule = threshold_rule(seq)
-    if rule is None:
-        return factor_select(conf, seq.params.factor)
-    threshold, k = rule
-    if threshold == math.inf:
-        return topk_select(conf, k)
-    return threshold_select(conf, threshold, min_k=k)
 
 
 def uses_factor(p: SamplingParams) -> bool:
@@ -208,22 +196,3 @@ def threshold_rule(seq: Sequence) -> tuple[float, int] | None:
     if uses_factor(p):
         return None
     return math.inf, seq.tokens_this_step()
-
-
-def select_rows(conf: Tensor, counts: list[int], rules: list[tuple[float, int]]) -> Tensor:
-    """bool [B, M]: ``select`` for B sequences at once. ``conf`` holds their candidates'
-    confidences one after another (``counts`` each, all > 0; M = the largest); ``rules`` their
-    ``threshold_rule``. Row b's first counts[b] entries are exactly what ``threshold_select`` /
-    ``topk_select`` give that sequence alone (ties to the lower index, thresholds compared in
-    conf's dtype); the rest is False."""
-    dev = conf.device
-    rows = torch.nn.utils.rnn.pad_sequence(conf.split(counts), batch_first=True,
-                                           padding_value=-math.inf)  # [B, M]
-    n = torch.tensor(counts, device=dev)
-    valid = torch.arange(rows.shape[1], device=dev)[None] < n[:, None]
-    threshold = torch.tensor([r[0] for r in rules], dtype=conf.dtype, device=dev)
-    k = torch.tensor([r[1] for r in rules], device=dev)
-    passed = (rows >= threshold[:, None]) & valid
-    top = (rank_in_row(rows, valid) < k[:, None]) & valid
-    enough = passed.sum(1) >= torch.minimum(k, n)
-    return torch.where(enough[:, None], passed, top)

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ..engine.sequence import Sequence
 from .commit_rules import CommitRule, predictions
-from .decoders import select
+from .decide import GroupRules
 
 if TYPE_CHECKING:
     from ..strategies.base import Pipeline
@@ -71,7 +71,7 @@ class JointThreshold(CommitRule):
             m_conf = conf[masked]
             if pipeline is not None:
                 m_conf = pipeline.confidence(seq, positions[masked], x0[masked], m_conf)
-            chosen[masked] = select(seq, m_conf)
+            chosen[masked] = GroupRules([seq], [m_conf.numel()], [seq.stats.nfe], m_conf.device).select(m_conf)
         edit = ~masked & (x0 != current) & (conf > p.edit_threshold)
         seq.commit(positions[chosen], x0[chosen], logits[chosen])
         seq.edit(positions[edit], x0[edit], logits[edit])

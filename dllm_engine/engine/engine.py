@@ -7,21 +7,22 @@ order (``KVCache.arrange``), so a group's forward reads its pool without a copy 
 request widens only the rows of its class."""
 from __future__ import annotations
 
-import itertools
 from functools import partial
 import time
 from collections import deque
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..errors import UserError
-from ..decoding import confidence, greedy_tokens
 from ..decoding.commit_rules import rule_for
-from ..decoding.decoders import (after_forward, after_step, cache_len, plan_step, predict, select,
-                                 select_rows, threshold_rule, uses_factor)
+from ..decoding.decide import GroupRules, to_device
+from ..decoding.decoders import after_forward, after_step, cache_len, plan_step
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
+from . import batch_step
+from .batch_step import batchable
 from .kv_cache import KVCache
 from .runner import Runner
 from .sequence import Sequence
@@ -32,15 +33,6 @@ GroupKey = tuple[str, int]  # (method, length class)
 def length_class(positions: int) -> int:
     """The power of two at or above ``positions``: sequences of one class share a pool."""
     return 1 << max(positions - 1, 0).bit_length()
-
-
-def batched_rule(seq: Sequence) -> bool:
-    """Whether ``Engine.decide_rows`` gives ``seq`` its own rule: greedy, confidence = the
-    probability of the argmax, a threshold or top-k rule (not factor, not a named commit rule),
-    one mask id."""
-    p = seq.params
-    return (p.temperature == 0 and p.remasking in ("low_confidence", "maskgit_plus") and not uses_factor(p)
-            and p.commit_rule is None)
 
 
 class Engine:
@@ -61,6 +53,9 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.pipelines: dict[str, Pipeline] = {}
+        # groups that run a base decoder as it is take the batch-shaped step; False: every group
+        # takes the per-sequence one (``dllm bench --per-sequence-step`` compares them)
+        self.batch_step = True
 
     @property
     def running(self) -> list[Sequence]:
@@ -139,14 +134,19 @@ class Engine:
         sequence's turn applies everything the step changes on it. A turn that raises leaves
         the rows before it advanced and the rows after it exactly as they were before the step
         (the server replays those alone, to the tokens they would have got), and marks its own
-        sequence, whose state may have moved before it raised."""
+        sequence, whose state may have moved before it raised.
+
+        A group that runs its decoder as it is (no strategy, ``batch_step.batchable``) takes the
+        batch-shaped step, whose cost does not grow with the batch (``engine/batch_step.py``)."""
+        if self.batch_step and not pipeline.strategies and all(batchable(s) for s in seqs):
+            batch_step.step_group(self.runner, seqs, cache)
+            return
         plans = [pipeline.plan(s, plan_step(s, self.runner.shift)) for s in seqs]
         hooks = pipeline.layer_hooks(seqs, plans)
         outputs, work = self.runner.forward_rows(seqs, plans, cache, hooks)
         outputs = [after_forward(seq, *out) for seq, out in zip(seqs, outputs)]  # the decoder's view
         ready = [(seq, *out) for seq, out in zip(seqs, pipeline.after_forward_rows(seqs, outputs))]
-        mask_id = seqs[0].ids.mask_id
-        batched = pipeline.owner is None and all(batched_rule(s) and s.ids.mask_id == mask_id for s, *_ in ready)
+        batched = pipeline.owner is None and all(s.params.commit_rule is None for s in seqs)
         decided = self.decide_rows(pipeline, ready) if batched else [None] * len(ready)
         for (seq, positions, logits), w, decision in zip(ready, work, decided):
             try:
@@ -175,56 +175,41 @@ class Engine:
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None = None
                ) -> Tensor:
-        """Apply the base commit rule (confidences adjusted by ``pipeline``); returns the
-        committed positions."""
+        """Apply the base commit rule (confidences adjusted by ``pipeline``) at ``seq``'s turn;
+        returns the committed positions."""
         if not positions.numel():
             return positions
         if (rule := rule_for(seq)) is not None:  # a named commit rule (decoding/commit_rules.py)
             return rule.commit(seq, positions, logits, pipeline)
-        logits, x0, conf = predict(seq, positions, logits)
+        rules = GroupRules([seq], [positions.numel()], [seq.stats.nfe], positions.device)  # this forward is accounted
+        logits, x0, conf = rules.predict(logits, positions)
         if pipeline is not None:
             conf = pipeline.confidence(seq, positions, x0, conf)
-        chosen = select(seq, conf)
-        seq.commit(positions[chosen], x0[chosen], logits[chosen])
-        return positions[chosen]
-
-    @staticmethod
-    def decide(pipeline: Pipeline, seq: Sequence, positions: Tensor, logits: Tensor
-               ) -> tuple[Tensor, Tensor, Tensor]:
-        """``commit``'s decision for one greedy sequence (``batched_rule``), nothing written."""
-        logits, x0, conf = predict(seq, positions, logits)
-        conf = pipeline.confidence(seq, positions, x0, conf)
-        picked = select(seq, conf).nonzero()[:, 0]  # one host read, not one per bool index
-        return positions[picked], x0[picked], logits[picked]
+        picked = rules.select(conf).nonzero()[:, 0]  # one host read
+        seq.commit(positions[picked], x0[picked], logits[picked])
+        return positions[picked]
 
     def decide_rows(self, pipeline: Pipeline, ready: list[tuple[Sequence, Tensor, Tensor]]
                     ) -> list[tuple[Tensor, Tensor, Tensor]]:
-        """What ``commit`` would commit for each sequence of a group whose rules allow it
-        (``batched_rule``), decided in one pass: argmax, softmax confidence and selection over
-        every sequence's candidates at once (every op here is row-wise, so each sequence gets
-        the tokens it would get alone). Per sequence (positions, tokens, their logits rows);
-        nothing is written."""
+        """What ``commit`` would commit for each sequence of a group whose decoders' own rules
+        decide (no strategy owns the commit, no named rule), decided before the turns in one
+        pass (``GroupRules``; its keys are those of the forward each turn accounts), with one
+        host read. Per sequence (positions, tokens, their logits rows); nothing is written."""
         live = [(i, seq, pos, lg) for i, (seq, pos, lg) in enumerate(ready) if pos.numel()]
         decided = [(pos, pos.new_zeros(0), lg[:0]) for _, pos, lg in ready]  # no candidates: nothing
-        if len(live) == 1:  # one sequence: its own rule is fewer ops than the padded one
-            i, seq, pos, lg = live[0]
-            decided[i] = self.decide(pipeline, seq, pos, lg)
-            return decided
         if not live:
             return decided
+        seqs = [seq for _, seq, _, _ in live]
         counts = [pos.numel() for _, _, pos, _ in live]
-        # [sum N, V], a new tensor: the mask is excluded in place
-        logits, x0 = greedy_tokens(torch.cat([lg for *_, lg in live]), live[0][1].ids.mask_id, owned=True)
-        conf = confidence(logits, x0, "low_confidence", None)
         positions = torch.cat([pos for _, _, pos, _ in live])
+        rules = GroupRules(seqs, counts, [s.stats.nfe + 1 for s in seqs], positions.device)
+        logits, x0, conf = rules.predict(torch.cat([lg for *_, lg in live]), positions)
         if pipeline.adjusts_confidence:
-            conf = torch.cat(pipeline.confidence_rows([seq for _, seq, _, _ in live], [pos for _, _, pos, _ in live],
-                                                      list(x0.split(counts)), list(conf.split(counts))))
-        chosen = select_rows(conf, counts, [threshold_rule(seq) for _, seq, _, _ in live])  # [B, M]
-        per_row = chosen.sum(1).tolist()  # the step's one host read of the commit
-        where = torch.nonzero_static(chosen, size=sum(per_row))  # [K, 2] (row, column), row-major
-        offsets = torch.tensor([0, *itertools.accumulate(counts)][:-1], device=conf.device)
-        picked = offsets[where[:, 0]] + where[:, 1]  # into the concatenated candidates
+            conf = torch.cat(pipeline.confidence_rows(seqs, list(positions.split(counts)), list(x0.split(counts)),
+                                                      list(conf.split(counts))))
+        chosen = rules.select(conf).cpu().numpy()  # the step's one host read of the commit
+        picked = to_device(np.flatnonzero(chosen), positions.device)
+        per_row = [int(part.sum()) for part in np.split(chosen, np.cumsum(counts)[:-1])]
         for (i, *_), pos, tok, lg in zip(live, positions[picked].split(per_row),
                                          x0[picked].split(per_row), logits[picked].split(per_row)):
             decided[i] = (pos, tok, lg)

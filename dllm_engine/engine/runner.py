@@ -31,9 +31,12 @@ class StepInputs:
     num_keys: int  # S
     slots: Tensor  # [B, T] cache slot of each token
     lengths: list[int]  # live tokens per row
-    logit_slots: Tensor  # [B, N] cache slots whose logits the step wants
+    logit_slots: Tensor | None  # [B, N] cache slots whose logits the step wants (or ``logit_index``)
     slot_span: tuple[int, int] | None = None  # every row writes slots [lo, hi) in order, no padding
     fixed_shapes: bool = False  # B, T, S bucketed, mask always, no packing (``engine/shapes.py``)
+    # [K] flat index into the [B * T] outputs of the tokens whose logits the step wants, when the
+    # host knows them (``engine/batch_step.py``: no hook changes the token set)
+    logit_index: Tensor | None = None
 
 
 class Runner:
@@ -140,12 +143,15 @@ class Runner:
             ) -> tuple[Tensor, list[int], Tensor, list[float] | None]:
         """The forward and the LM head over the wanted live tokens: (flat index of each logits
         row into [B, N] of ``step.logit_slots``, rows per sequence, logits, the layer loop's
-        count of computed tokens per row: None without hooks, when no layer changes the set)."""
+        count of computed tokens per row: None without hooks, when no layer changes the set).
+        With ``step.logit_index`` the host knows the rows: (None, None, logits, processed)."""
         ctx = self.model.prepare_context(ctx)
         if step.fixed_shapes and self.step_forward is not None:  # fixed: no hooks (``forward``)
             hidden, processed = self.step_forward(step.token_ids, ctx), None
         else:
             hidden, ctx, processed = self.model.run_layers(step.token_ids, ctx)
+        if step.logit_index is not None:
+            return None, None, self.model.logits(hidden.reshape(-1, hidden.shape[-1])[step.logit_index]), processed
         return *self.logits(step.logit_slots, hidden, ctx), processed
 
     @staticmethod

@@ -53,7 +53,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..decoding.decoders import StepPlan, predict, select, select_rows, threshold_rule
+from ..decoding.decide import GroupRules
+from ..decoding.decoders import StepPlan, predict
 from ..decoding.rules import greedy_predictions
 from ..engine.sequence import Sequence
 from .base import CommitRule, Strategy
@@ -212,18 +213,12 @@ def commit_confidence(layout: CopyLayout, drafts: list[int], conf: Tensor) -> Te
 
 
 def select_copies(seq: Sequence, conf: Tensor, counts: list[int]) -> Tensor:
-    """bool [sum counts]: ``select`` of each copy's own candidates (``conf``: copy after copy,
-    ``counts`` each), in one pass when the rule is a threshold or top-k (``select_rows`` gives
-    each row what ``select`` gives it alone)."""
-    rule = threshold_rule(seq)
+    """bool [sum counts]: the decoder's rule applied to each copy's own candidates (``conf``:
+    copy after copy, ``counts`` each) as if each were the sequence alone, in one pass."""
     live = [k for k in counts if k]
     if not live:
         return torch.zeros(0, dtype=torch.bool, device=conf.device)
-    if rule is None:  # the factor rule: copy by copy
-        return torch.cat([select(seq, part) for part in conf.split(counts) if part.numel()])
-    chosen = select_rows(conf, live, [rule] * len(live))  # [C', M], padded
-    valid = torch.arange(chosen.shape[1], device=conf.device)[None] < torch.tensor(live, device=conf.device)[:, None]
-    return chosen.flatten()[torch.nonzero_static(valid.flatten(), size=sum(live))[:, 0]]
+    return GroupRules([seq] * len(live), live, [seq.stats.nfe] * len(live), conf.device).select(conf)
 
 
 # -- copy count and layout ---------------------------------------------------------------------

@@ -1,0 +1,197 @@
+"""The batch-shaped step of a forward group that runs a base decoder as it is (no strategy, no
+named commit rule, no classifier-free guidance): its cost in tensor ops and device reads does not
+grow with the batch.
+
+As nano-vllm's model runner does, the step's inputs are built on the host from the sequences'
+host state (``Sequence.canvas`` and ``undecided`` are NumPy arrays, the cursor plain ints): one
+array per input, padded to [B, T], sent to the device in one copy. The device runs the forward,
+the LM head over the candidates (their rows into the hidden state are known on the host: no read
+to find them) and the commit rule for every row at once (``GroupRules``). One read brings each
+candidate's token and whether it commits back to the host, where each sequence's turn writes its
+canvas, stats and cursor in NumPy. A trace (``record_steps``) or logprobs add one read, paid only
+by the groups whose requests ask for them.
+
+Layout per row: canvas positions [lo, hi) of the decoder's cache policy (``compute_range``), the
+slots the same positions, the key limit block-causal or the whole canvas, the candidates the
+block's undecided positions (read at slot ``position - shift``: Dream's shift). A fixed-shape
+step (``engine/shapes.py``) pads B, T and the key count to their buckets, always with a mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..decoding.decide import GroupRules, to_device
+from ..decoding.decoders import after_step, compute_range
+from .runner import Runner, StepInputs
+from .sequence import Sequence
+from .shapes import bucket
+
+# the fields of StepInputs built on the host as [B, T] int64, sent in one copy
+ROW_FIELDS = ("token_ids", "positions", "slots", "key_limit", "valid")
+
+
+def batchable(seq: Sequence) -> bool:
+    """Whether the batched step runs ``seq``'s step: its decoder's own commit rule (no named
+    rule), one canvas (no CFG). Strategies are the pipeline's to say (``Engine.step_group``)."""
+    return seq.params.commit_rule is None and seq.params.cfg_scale == 0
+
+
+@dataclass
+class HostStep:
+    """One step of a group as host arrays: what it computes and which candidates it predicts."""
+    inputs: dict[str, np.ndarray]  # ROW_FIELDS, each [R, T]
+    lengths: list[int]  # live tokens per row (R, padding rows 0)
+    num_keys: int
+    masked: bool  # some query sees fewer than num_keys keys
+    span: tuple[int, int] | None
+    candidates: list[np.ndarray]  # per sequence, the canvas positions it predicts
+    logit_index: np.ndarray  # [K] flat index into [R * T] of each candidate's hidden row
+
+
+def plan(seqs: list[Sequence], runner: Runner) -> HostStep:
+    """The group's step, planned on the host."""
+    shift, fixed = runner.shift, runner.fixed_shapes
+    ranges = [compute_range(s, shift) for s in seqs]
+    lengths = [hi - lo for lo, hi in ranges]
+    rows = runner.batch_rows(len(seqs)) if fixed else len(seqs)
+    width = bucket(max(lengths)) if fixed else max(lengths)
+    arrays = {name: np.zeros((rows, width), dtype=np.int64) for name in ROW_FIELDS}
+    arrays["key_limit"][:] = 1  # padding: sees key 0 only (never read: not valid)
+    candidates, flat = [], []
+    top, low = 1, None
+    for i, (seq, (lo, hi)) in enumerate(zip(seqs, ranges)):
+        n = hi - lo
+        positions = np.arange(lo, hi)
+        if seq.params.decoder.block_causal:
+            limit = (positions // seq.params.block_length + 1) * seq.params.block_length
+        else:
+            limit = np.full(n, seq.canvas_len)
+        for name, value in (("token_ids", seq.canvas[lo:hi]), ("positions", positions), ("slots", positions),
+                            ("key_limit", limit), ("valid", 1)):
+            arrays[name][i, :n] = value
+        top = max(top, int(limit.max()))
+        low = int(limit.min()) if low is None else min(low, int(limit.min()))
+        wanted = seq.masked_index()
+        at = wanted - shift - lo  # the column whose output predicts each candidate
+        if at.size and (at.min() < 0 or at.max() >= n):
+            raise RuntimeError(f"sequence {seq.seq_id}: a candidate's logits come from a token the step "
+                               f"does not compute (columns {at.tolist()} of {n})")
+        candidates.append(wanted)
+        flat.append(i * width + at)
+    num_keys = bucket(top) if fixed else top
+    whole = not fixed and min(lengths) == width and len({lo for lo, _ in ranges}) == 1
+    span = (ranges[0][0], ranges[0][0] + width) if whole else None
+    return HostStep(arrays, lengths + [0] * (rows - len(seqs)), num_keys, fixed or low < top, span,
+                    candidates, np.concatenate(flat))
+
+
+def inputs(host: HostStep, device: torch.device, fixed: bool) -> tuple[StepInputs, Tensor]:
+    """The step's tensors from its host arrays in one copy, and the candidates' canvas positions."""
+    rows, width = host.inputs["positions"].shape
+    grid = len(ROW_FIELDS) * rows * width
+    packed = np.concatenate([np.stack([host.inputs[name] for name in ROW_FIELDS]).reshape(-1), host.logit_index,
+                             *host.candidates])
+    sent = to_device(packed, device)
+    token_ids, positions, slots, limit, valid = sent[:grid].view(len(ROW_FIELDS), rows, width).unbind(0)
+    logit_index, candidates = sent[grid:].view(2, -1).unbind(0)
+    mask = None
+    if host.masked:
+        keys = torch.arange(host.num_keys, device=device)
+        mask = (keys[None, None, :] < limit[:, :, None])[:, None]  # [R, 1, T, S]
+    step = StepInputs(token_ids=token_ids, positions=positions, valid=valid.bool(), mask=mask,
+                      num_keys=host.num_keys, slots=slots, lengths=host.lengths, logit_slots=None,
+                      slot_span=host.span, fixed_shapes=fixed, logit_index=logit_index)
+    return step, candidates
+
+
+def step_group(runner: Runner, seqs: list[Sequence], cache) -> None:
+    """One batch-shaped step of a forward group (the replay contract of ``Engine.step_group``:
+    nothing changes a sequence before its turn; a turn that raises marks its sequence)."""
+    fixed = runner.fixed_shapes
+    host = plan(seqs, runner)
+    device = next(runner.model.parameters()).device
+    step, positions = inputs(host, device, fixed)
+    if len(host.lengths) > len(seqs):
+        cache = cache.widen(len(host.lengths))
+    _, _, logits, _ = runner.run(step, runner.context(step, cache, None))
+    counts = [c.size for c in host.candidates]
+    rules = GroupRules(seqs, counts, [s.stats.nfe + 1 for s in seqs], device)  # the keys of this forward
+    logits, x0, conf = rules.predict(logits, positions)
+    chosen = rules.select(conf)
+    decided = torch.stack([chosen.long(), x0]).cpu().numpy()  # the step's one read
+    chosen_host = decided[0].astype(bool)
+    probs = recorded_probs(seqs, counts, logits, x0)
+    logprobs = recorded_logprobs(seqs, counts, logits, x0, chosen_host)
+    work = [n * runner.num_layers for n in host.lengths]
+    for i, (seq, c, lo) in enumerate(zip(seqs, host.candidates, np.cumsum([0, *counts[:-1]]))):
+        try:
+            turn(runner, seq, work[i], c, decided[:, lo: lo + c.size], probs.get(i), logprobs.get(i))
+        except Exception as e:
+            seq.step_error = e
+            raise
+
+
+def candidate_rows(counts: list[int], rows: list[int]) -> np.ndarray:
+    """Indices into the K candidates of the candidates of ``rows``."""
+    starts = np.cumsum([0, *counts[:-1]])
+    return np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in rows])
+
+
+def split_rows(values: np.ndarray, sizes: list[int], rows: list[int]) -> dict[int, np.ndarray]:
+    """``values`` laid out row after row (``sizes`` each) as a dict by row."""
+    return dict(zip(rows, np.split(values, np.cumsum(sizes)[:-1])))
+
+
+def recorded_probs(seqs: list[Sequence], counts: list[int], logits: Tensor, x0: Tensor) -> dict[int, np.ndarray]:
+    """A trace's probabilities of its candidates' tokens (softmax of the mask-excluded logits),
+    by row, for the rows that record steps: one read, only when some do."""
+    rows = [i for i, s in enumerate(seqs) if s.trace is not None and counts[i]]
+    if not rows:
+        return {}
+    at = to_device(candidate_rows(counts, rows), logits.device)
+    probs = torch.softmax(logits[at], dim=-1).gather(-1, x0[at][:, None])[:, 0]
+    return split_rows(probs.cpu().numpy(), [counts[i] for i in rows], rows)
+
+
+def recorded_logprobs(seqs: list[Sequence], counts: list[int], logits: Tensor, x0: Tensor, chosen: np.ndarray
+                      ) -> dict[int, tuple[list, list, list]]:
+    """The committed tokens' logprobs and the top ``params.logprobs`` of their rows, for the rows
+    whose requests ask: (chosen logprobs, top ids, top logprobs), one read, only when some ask."""
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and counts[i]]
+    if not rows:
+        return {}
+    index = candidate_rows(counts, rows)
+    index = index[chosen[index]]
+    sizes = [int(chosen[candidate_rows(counts, [i])].sum()) for i in rows]
+    top_k = max(seqs[i].params.logprobs for i in rows)
+    at = to_device(index, logits.device)
+    logp = torch.log_softmax(logits[at], dim=-1)
+    top = logp.topk(top_k, dim=-1)
+    read = torch.cat([logp.gather(-1, x0[at][:, None]), top.values, top.indices.to(logp.dtype)], 1).cpu().numpy()
+    out = {}
+    for i, part in split_rows(read, sizes, rows).items():
+        k = seqs[i].params.logprobs
+        out[i] = (part[:, 0].tolist(), part[:, 1 + top_k: 1 + top_k + k].astype(np.int64).tolist(),
+                  part[:, 1: 1 + k].tolist())
+    return out
+
+
+def turn(runner: Runner, seq: Sequence, work: float, candidates: np.ndarray, decided: np.ndarray,
+         probs: np.ndarray | None, logprobs: tuple | None) -> None:
+    """Everything the step changes on ``seq``, in ``Engine.turn``'s order: its stats, the
+    decoder's record, the commit (``decided``: [2, n] commit flags and tokens of its
+    candidates), the trace, the cursor."""
+    runner.account(seq, work)
+    after_step(seq)
+    chosen = decided[0].astype(bool)
+    if candidates.size:
+        seq.commit(candidates[chosen], decided[1][chosen], confidence=None if probs is None else probs[chosen])
+        if logprobs is not None:
+            seq.add_logprobs(candidates[chosen], *logprobs)
+    if seq.trace is not None:
+        seq.trace.end_step(seq, {})
+    seq.advance()
