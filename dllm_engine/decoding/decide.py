@@ -72,10 +72,11 @@ class GroupRules:
         self.k_t, self.counts_t = rest[:b], rest[b: 2 * b]
         self.floats_t = rest[2 * b:].view(torch.float64).view(2, b)  # threshold, factor
 
-    def predict(self, logits: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(the candidates' logits with the mask excluded, a new tensor; the token x0 [K] each
-        draws; its confidence [K]) from logits [K, V] at canvas ``positions`` [K]."""
-        logits = without_mask(logits, self.masks_t if self.mask_id is None else self.mask_id)
+    def predict(self, logits: Tensor, positions: Tensor, owned: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """(the candidates' logits with the mask excluded; the token x0 [K] each draws; its
+        confidence [K]) from logits [K, V] at canvas ``positions`` [K]. The logits returned are a
+        new tensor unless ``owned`` (the caller built them for this: the mask is excluded in place)."""
+        logits = without_mask(logits, self.masks_t if self.mask_id is None else self.mask_id, owned)
         if len(self.signatures) == 1:
             (options, rows), = self.signatures.items()
             return (logits, *self.draw(logits, positions, options, None))

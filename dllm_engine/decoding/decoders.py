@@ -45,7 +45,7 @@ class StepPlan:
             limit = block_causal_limit(positions, seq.params.block_length)
         else:
             limit = torch.full_like(positions, seq.canvas_len)
-        return cls(positions, limit, logit_positions)
+        return cls(positions, limit, logit_positions, token_ids=seq.tokens(slice(lo, hi)))
 
     def restrict(self, keep: Tensor) -> "StepPlan":
         """The plan computing only its tokens ``keep`` [T] (bool, or their indices). The logits

@@ -120,7 +120,7 @@ def step_group(runner: Runner, seqs: list[Sequence], cache) -> None:
     _, _, logits, _ = runner.run(step, runner.context(step, cache, None))
     counts = [c.size for c in host.candidates]
     rules = GroupRules(seqs, counts, [s.stats.nfe + 1 for s in seqs], device)  # the keys of this forward
-    logits, x0, conf = rules.predict(logits, positions)
+    logits, x0, conf = rules.predict(logits, positions, owned=True)  # fresh from the LM head
     chosen = rules.select(conf)
     decided = torch.stack([chosen.long(), x0]).cpu().numpy()  # the step's one read
     chosen_host = decided[0].astype(bool)

@@ -28,6 +28,9 @@ from .runner import Runner
 from .sequence import Sequence
 
 GroupKey = tuple[str, int]  # (method, length class)
+# one sequence's commit as decide_rows chose it: (positions on the device, the same on the host,
+# their tokens on the host, their logits rows)
+Decision = tuple[Tensor, np.ndarray, np.ndarray, Tensor]
 
 
 def length_class(positions: int) -> int:
@@ -156,7 +159,7 @@ class Engine:
                 raise
 
     def turn(self, pipeline: Pipeline, seq: Sequence, work: float, positions: Tensor, logits: Tensor,
-             decision: tuple[Tensor, Tensor, Tensor] | None) -> None:
+             decision: Decision | None) -> None:
         """Everything one step changes on ``seq``, in order: its stats, the decoder's record,
         the commit (``decision``: what ``decide_rows`` chose; None: the commit rule runs now),
         the strategies' records (``after_commit``), the cursor."""
@@ -165,9 +168,9 @@ class Engine:
         if decision is None:
             committed = pipeline.commit(seq, positions, logits, partial(self.commit, pipeline=pipeline))
         else:
-            committed, tokens, rows = decision
+            committed, host_positions, tokens, rows = decision
             if positions.numel():
-                seq.commit(committed, tokens, rows)
+                seq.commit(host_positions, tokens, rows)
         pipeline.after_commit(seq, committed)
         if seq.trace is not None:  # record_steps: close the step's record (engine/trace.py)
             seq.trace.end_step(seq, pipeline.step_records(seq))
@@ -185,34 +188,41 @@ class Engine:
         logits, x0, conf = rules.predict(logits, positions)
         if pipeline is not None:
             conf = pipeline.confidence(seq, positions, x0, conf)
-        picked = rules.select(conf).nonzero()[:, 0]  # one host read
-        seq.commit(positions[picked], x0[picked], logits[picked])
+        chosen, tokens, host_positions = torch.stack([rules.select(conf).long(), x0, positions]).cpu().numpy()
+        where = np.flatnonzero(chosen)  # one host read: what commits, where, which tokens
+        picked = to_device(where, positions.device)
+        seq.commit(host_positions[where], tokens[where], logits[picked])
         return positions[picked]
 
-    def decide_rows(self, pipeline: Pipeline, ready: list[tuple[Sequence, Tensor, Tensor]]
-                    ) -> list[tuple[Tensor, Tensor, Tensor]]:
+    def decide_rows(self, pipeline: Pipeline, ready: list[tuple[Sequence, Tensor, Tensor]]) -> list[Decision]:
         """What ``commit`` would commit for each sequence of a group whose decoders' own rules
         decide (no strategy owns the commit, no named rule), decided before the turns in one
         pass (``GroupRules``; its keys are those of the forward each turn accounts), with one
-        host read. Per sequence (positions, tokens, their logits rows); nothing is written."""
+        host read that brings the positions and tokens too. Per sequence (committed positions on
+        the device, the same and their tokens on the host, their logits rows); nothing is written."""
         live = [(i, seq, pos, lg) for i, (seq, pos, lg) in enumerate(ready) if pos.numel()]
-        decided = [(pos, pos.new_zeros(0), lg[:0]) for _, pos, lg in ready]  # no candidates: nothing
+        none = np.zeros(0, dtype=np.int64)
+        decided = [(pos, none, none, lg[:0]) for _, pos, lg in ready]  # no candidates: nothing
         if not live:
             return decided
         seqs = [seq for _, seq, _, _ in live]
         counts = [pos.numel() for _, _, pos, _ in live]
         positions = torch.cat([pos for _, _, pos, _ in live])
         rules = GroupRules(seqs, counts, [s.stats.nfe + 1 for s in seqs], positions.device)
-        logits, x0, conf = rules.predict(torch.cat([lg for *_, lg in live]), positions)
+        logits, x0, conf = rules.predict(torch.cat([lg for *_, lg in live]), positions, owned=True)
         if pipeline.adjusts_confidence:
             conf = torch.cat(pipeline.confidence_rows(seqs, list(positions.split(counts)), list(x0.split(counts)),
                                                       list(conf.split(counts))))
-        chosen = rules.select(conf).cpu().numpy()  # the step's one host read of the commit
-        picked = to_device(np.flatnonzero(chosen), positions.device)
+        chosen, host_x0, host_positions = torch.stack([rules.select(conf).long(), x0, positions]).cpu().numpy()
+        chosen = chosen.astype(bool)  # the step's one host read of the commit
+        where = np.flatnonzero(chosen)
+        picked = to_device(where, positions.device)
         per_row = [int(part.sum()) for part in np.split(chosen, np.cumsum(counts)[:-1])]
-        for (i, *_), pos, tok, lg in zip(live, positions[picked].split(per_row),
-                                         x0[picked].split(per_row), logits[picked].split(per_row)):
-            decided[i] = (pos, tok, lg)
+        ends = np.cumsum(per_row)[:-1]
+        for (i, *_), pos, host_pos, tok, lg in zip(live, positions[picked].split(per_row),
+                                                   np.split(host_positions[where], ends), np.split(host_x0[where], ends),
+                                                   logits[picked].split(per_row)):
+            decided[i] = (pos, host_pos, tok, lg)
         return decided
 
     def release(self, keep: list[int]) -> None:

@@ -204,13 +204,11 @@ class Sequence:
         return torch.from_numpy(np.array(host)).to(self.device)
 
     def tokens(self, positions: Tensor | slice | None = None) -> Tensor:
-        """The canvas (at ``positions``, a tensor or a slice; all of it: None) as a tensor on the
-        model's device."""
-        if positions is None:
-            positions = slice(None)
+        """The canvas (at ``positions``, a slice, or a tensor on the model's device, gathered
+        there: no read of the positions; all of it: None) as a tensor on the model's device."""
         if isinstance(positions, Tensor):
-            positions = positions.cpu().numpy()
-        return self.tensor(self.canvas[positions])
+            return self.tensor(self.canvas)[positions]
+        return self.tensor(self.canvas[slice(None) if positions is None else positions])
 
     def tokens_this_step(self) -> int:
         """Fixed-step rules: the block's masks left, split evenly over its steps left (remainder
