@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..engine.sequence import Sequence
 from ..methods import COMMIT_RULES, CommitRuleSpec
-from .rules import confidence, sample_tokens
+from .rules import confidence, sample_tokens, without_mask
 
 if TYPE_CHECKING:
     from ..strategies.base import Pipeline
@@ -45,14 +45,17 @@ class CommitRule:
         raise NotImplementedError
 
 
-def predictions(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(logits with the mask excluded [N, V], sampled tokens [N], their confidence [N]) at canvas
-    ``positions`` as the decoder's own rule draws them (``sample_tokens``, ``confidence``, keyed
-    by ``seq.noise``); the caller's logits stay as they were."""
+def predict(seq: Sequence, positions: Tensor, logits: Tensor, salt: Tensor | None = None
+            ) -> tuple[Tensor, Tensor, Tensor]:
+    """A rule's predictions over candidate logits [N, V] at canvas ``positions`` [N], one
+    sequence's, as the decoder's own rule draws them: (the logits with the mask excluded, a new
+    tensor (their rows are what a committed token records as its logprobs); the token x0 [N]
+    drawn under the sequence's sampling options, the argmax when greedy; its confidence [N] under
+    ``remasking``). Random draws are keyed by ``seq.noise(positions, salt)`` (``salt``: jump-share's
+    copies). A whole group's candidates draw through ``decide.GroupRules`` instead."""
     p = seq.params
-    logits = logits.clone()
-    logits[:, seq.ids.mask_id] = -float("inf")  # a mask is never a prediction
-    noise = seq.noise(positions)
+    logits = without_mask(logits, seq.ids.mask_id)
+    noise = seq.noise(positions, salt)
     x0 = sample_tokens(logits, p.temperature, noise, p.top_k, p.top_p)
     return logits, x0, confidence(logits, x0, p.remasking, noise)
 

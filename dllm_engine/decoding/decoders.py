@@ -13,7 +13,6 @@ from ..engine.sequence import Sequence
 from ..models.context import block_causal_limit
 from ..sampling_params import SamplingParams
 from .commit_rules import rule_for
-from .rules import confidence, sample_tokens, without_mask
 
 
 @dataclass
@@ -162,20 +161,6 @@ def guided_logits(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Ten
 def cache_len(seq: Sequence) -> int:
     """Cache positions a sequence needs (CFG keeps a second, unconditional canvas)."""
     return seq.canvas_len * (2 if seq.params.cfg_scale > 0 else 1)
-
-
-def predict(seq: Sequence, positions: Tensor, logits: Tensor, salt: Tensor | None = None
-            ) -> tuple[Tensor, Tensor, Tensor]:
-    """The commit rule's predictions over candidate logits [N, V] at canvas ``positions`` [N]:
-    (the logits with the mask excluded, a new tensor (their rows are what a committed token
-    records as its logprobs); the token x0 [N] drawn under the sequence's sampling options, the
-    argmax when greedy; its confidence [N] under ``remasking``). Random draws are keyed by
-    ``seq.noise(positions, salt)``. ``decide.GroupRules`` then picks which to commit."""
-    p = seq.params
-    logits = without_mask(logits, seq.ids.mask_id)
-    noise = seq.noise(positions, salt)
-    x0 = sample_tokens(logits, p.temperature, noise, p.top_k, p.top_p)
-    return logits, x0, confidence(logits, x0, p.remasking, noise)
 
 
 def uses_factor(p: SamplingParams) -> bool:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..engine.sequence import Sequence
-from .commit_rules import CommitRule, predictions
+from .commit_rules import CommitRule, predict
 
 if TYPE_CHECKING:
     from ..strategies.base import Pipeline
@@ -35,7 +35,7 @@ class Hierarchical(CommitRule):
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None) -> Tensor:
         p = seq.params
-        logits, x0, conf = predictions(seq, positions, logits)
+        logits, x0, conf = predict(seq, positions, logits)
         if pipeline is not None:
             conf = pipeline.confidence(seq, positions, x0, conf)
         chosen = hierarchical_select(positions, conf, p.threshold, p.low_threshold)

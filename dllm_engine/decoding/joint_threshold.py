@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from ..engine.sequence import Sequence
-from .commit_rules import CommitRule, predictions
+from .commit_rules import CommitRule, predict
 from .decide import GroupRules
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class JointThreshold(CommitRule):
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None) -> Tensor:
         p = seq.params
-        logits, x0, conf = predictions(seq, positions, logits)
+        logits, x0, conf = predict(seq, positions, logits)
         current = seq.tokens(positions)
         masked = seq.tensor(seq.undecided)[positions]
         unmasking = bool(masked.any())  # a post-edit step when False

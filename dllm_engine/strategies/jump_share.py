@@ -54,7 +54,8 @@ import torch
 from torch import Tensor
 
 from ..decoding.decide import GroupRules
-from ..decoding.decoders import StepPlan, predict
+from ..decoding.commit_rules import predict
+from ..decoding.decoders import StepPlan
 from ..decoding.rules import greedy_predictions
 from ..engine.sequence import Sequence
 from .base import CommitRule, Strategy
