@@ -18,7 +18,7 @@ from torch import Tensor
 from ..errors import UserError
 from ..decoding.commit_rules import rule_for
 from ..decoding.decide import GroupRules, to_device
-from ..decoding.decoders import after_forward, after_step, cache_len, plan_step
+from ..decoding.decoders import after_forward, after_step, cache_len, plan_steps
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
 from . import batch_step
@@ -144,7 +144,7 @@ class Engine:
         if self.batch_step and not pipeline.strategies and all(batchable(s) for s in seqs):
             batch_step.step_group(self.runner, seqs, cache)
             return
-        plans = [pipeline.plan(s, plan_step(s, self.runner.shift)) for s in seqs]
+        plans = [pipeline.plan(s, p) for s, p in zip(seqs, plan_steps(seqs, self.runner.shift))]
         hooks = pipeline.layer_hooks(seqs, plans)
         outputs, work = self.runner.forward_rows(seqs, plans, cache, hooks)
         outputs = [after_forward(seq, *out) for seq, out in zip(seqs, outputs)]  # the decoder's view
