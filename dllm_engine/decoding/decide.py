@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..engine.sequence import Sequence
+from ..engine.sequence import Sequence, to_device
 from .decoders import threshold_rule
 from .noise import Noise
 from .rules import confidence, rank_in_row, sample_tokens, without_mask
@@ -33,22 +33,15 @@ def signature(seq: Sequence) -> tuple:
     return p.temperature, p.top_k, p.top_p, p.remasking
 
 
-def to_device(host: np.ndarray, device: torch.device) -> Tensor:
-    """A host array on ``device``: a view on the CPU, one copy on a GPU that does not wait for
-    the device (the array is staged at once; nothing writes it afterwards)."""
-    return torch.from_numpy(host).to(device, non_blocking=True)
-
-
 class GroupRules:
     """The commit rules of B sequences with ``counts`` candidates each (K in all, one after
     another), as host arrays sent to ``device`` in one copy; ``forwards``: each sequence's
     forward index for the sampling keys (``stats.nfe`` once this step's forward is accounted)."""
 
     def __init__(self, seqs: list[Sequence], counts: list[int], forwards: list[int], device: torch.device) -> None:
-        self.seqs, self.counts, self.device = seqs, counts, device
+        self.device = device
         self.num_rows, self.width = len(seqs), max(counts, default=0)
-        row = np.repeat(np.arange(len(seqs)), counts)  # [K] each candidate's row
-        self.row = row
+        self.row = row = np.repeat(np.arange(len(seqs)), counts)  # [K] each candidate's row
         starts = np.cumsum([0, *counts[:-1]])
         column = np.arange(len(row)) - np.repeat(starts, counts)  # [K] index within its row
         rules = [threshold_rule(s) for s in seqs]
@@ -78,7 +71,7 @@ class GroupRules:
         new tensor unless ``owned`` (the caller built them for this: the mask is excluded in place)."""
         logits = without_mask(logits, self.masks_t if self.mask_id is None else self.mask_id, owned)
         if len(self.signatures) == 1:
-            (options, rows), = self.signatures.items()
+            (options,) = self.signatures
             return (logits, *self.draw(logits, positions, options, None))
         x0 = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         conf = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
@@ -124,3 +117,14 @@ class GroupRules:
         top = (rank_in_row(padded, valid) < k[:, None]) & valid
         enough = passed.sum(1) >= torch.minimum(k, counts)
         return torch.where(enough[:, None], passed, top)[row, column]
+
+
+def read_commits(chosen: Tensor, x0: Tensor, positions: Tensor, counts: list[int]
+                 ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """A group's commit on the host in one read: (the indices into the K candidates of those
+    that commit; per row, their canvas positions; per row, their tokens), for rows of ``counts``
+    candidates each (``select``'s flags [K], the tokens ``x0`` [K], ``positions`` [K])."""
+    flags, tokens, where_at = torch.stack([chosen.long(), x0, positions.long()]).cpu().numpy()
+    where = np.flatnonzero(flags)
+    ends = np.searchsorted(where, np.cumsum(counts)[:-1])
+    return where, np.split(where_at[where], ends), np.split(tokens[where], ends)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..engine.sequence import Sequence
+from ..engine.sequence import Sequence, to_device
 from ..models.context import block_causal_limit
 from ..sampling_params import SamplingParams
 from .commit_rules import rule_for
@@ -112,6 +112,16 @@ def plan_step(seq: Sequence, shift: int) -> StepPlan:
     return with_unconditional_copy(seq, plan, shift) if seq.params.cfg_scale > 0 else plan
 
 
+def host_span(seq: Sequence, shift: int) -> tuple[np.ndarray, np.ndarray]:
+    """``StepPlan.span`` of this step's ``compute_range`` on the host: the canvas positions it
+    computes and each one's key limit."""
+    lo, hi = compute_range(seq, shift)
+    positions = np.arange(lo, hi)
+    if seq.params.decoder.block_causal:
+        return positions, block_causal_limit(positions, seq.params.block_length)
+    return positions, np.full(hi - lo, seq.canvas_len)
+
+
 def plan_steps(seqs: list[Sequence], shift: int) -> list[StepPlan]:
     """``plan_step`` of every sequence of a forward group, built on the host and sent to the
     device in one copy (each plan's tensors are views of it), not a few copies and ops per row.
@@ -120,16 +130,10 @@ def plan_steps(seqs: list[Sequence], shift: int) -> list[StepPlan]:
         return [plan_step(s, shift) for s in seqs]
     parts, sizes = [], []
     for seq in seqs:
-        lo, hi = compute_range(seq, shift)
-        positions = np.arange(lo, hi)
-        if seq.params.decoder.block_causal:
-            limit = (positions // seq.params.block_length + 1) * seq.params.block_length
-        else:
-            limit = np.full(hi - lo, seq.canvas_len)
-        parts += [positions, limit, seq.canvas[lo:hi], seq.masked_index()]
-        sizes += [hi - lo, hi - lo, hi - lo, len(parts[-1])]
-    sent = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(seqs[0].device, non_blocking=True)
-    views = sent.split(sizes)
+        positions, limit = host_span(seq, shift)
+        parts += [positions, limit, seq.canvas[positions], seq.masked_index()]
+        sizes += [len(positions)] * 3 + [len(parts[-1])]
+    views = to_device(np.concatenate(parts).astype(np.int64), seqs[0].device).split(sizes)
     return [StepPlan(positions, limit, wanted, token_ids=tokens)
             for positions, limit, tokens, wanted in zip(*[iter(views)] * 4)]
 

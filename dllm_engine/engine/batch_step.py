@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..decoding.decide import GroupRules, to_device
-from ..decoding.decoders import after_step, compute_range
+from ..decoding.decide import GroupRules, read_commits
+from ..decoding.decoders import after_step, host_span
 from .runner import Runner, StepInputs
-from .sequence import Sequence
+from .sequence import Sequence, to_device
 from .shapes import bucket
 
 # the fields of StepInputs built on the host as [B, T] int64, sent in one copy
@@ -55,36 +55,31 @@ class HostStep:
 def plan(seqs: list[Sequence], runner: Runner) -> HostStep:
     """The group's step, planned on the host."""
     shift, fixed = runner.shift, runner.fixed_shapes
-    ranges = [compute_range(s, shift) for s in seqs]
-    lengths = [hi - lo for lo, hi in ranges]
+    spans = [host_span(s, shift) for s in seqs]
+    lengths = [len(positions) for positions, _ in spans]
     rows = runner.batch_rows(len(seqs)) if fixed else len(seqs)
     width = bucket(max(lengths)) if fixed else max(lengths)
     arrays = {name: np.zeros((rows, width), dtype=np.int64) for name in ROW_FIELDS}
     arrays["key_limit"][:] = 1  # padding: sees key 0 only (never read: not valid)
     candidates, flat = [], []
-    top, low = 1, None
-    for i, (seq, (lo, hi)) in enumerate(zip(seqs, ranges)):
-        n = hi - lo
-        positions = np.arange(lo, hi)
-        if seq.params.decoder.block_causal:
-            limit = (positions // seq.params.block_length + 1) * seq.params.block_length
-        else:
-            limit = np.full(n, seq.canvas_len)
-        for name, value in (("token_ids", seq.canvas[lo:hi]), ("positions", positions), ("slots", positions),
+    for i, (seq, (positions, limit)) in enumerate(zip(seqs, spans)):
+        n = len(positions)
+        for name, value in (("token_ids", seq.canvas[positions]), ("positions", positions), ("slots", positions),
                             ("key_limit", limit), ("valid", 1)):
             arrays[name][i, :n] = value
-        top = max(top, int(limit.max()))
-        low = int(limit.min()) if low is None else min(low, int(limit.min()))
         wanted = seq.masked_index()
-        at = wanted - shift - lo  # the column whose output predicts each candidate
+        at = wanted - shift - positions[0]  # the column whose output predicts each candidate
         if at.size and (at.min() < 0 or at.max() >= n):
             raise RuntimeError(f"sequence {seq.seq_id}: a candidate's logits come from a token the step "
                                f"does not compute (columns {at.tolist()} of {n})")
         candidates.append(wanted)
         flat.append(i * width + at)
+    top = max(int(limit.max()) for _, limit in spans)
+    low = min(int(limit.min()) for _, limit in spans)
     num_keys = bucket(top) if fixed else top
-    whole = not fixed and min(lengths) == width and len({lo for lo, _ in ranges}) == 1
-    span = (ranges[0][0], ranges[0][0] + width) if whole else None
+    starts = {int(positions[0]) for positions, _ in spans}
+    whole = not fixed and min(lengths) == width and len(starts) == 1  # every row writes [lo, lo + width)
+    span = (min(starts), min(starts) + width) if whole else None
     return HostStep(arrays, lengths + [0] * (rows - len(seqs)), num_keys, fixed or low < top, span,
                     candidates, np.concatenate(flat))
 
@@ -121,15 +116,15 @@ def step_group(runner: Runner, seqs: list[Sequence], cache) -> None:
     counts = [c.size for c in host.candidates]
     rules = GroupRules(seqs, counts, [s.stats.nfe + 1 for s in seqs], device)  # the keys of this forward
     logits, x0, conf = rules.predict(logits, positions, owned=True)  # fresh from the LM head
-    chosen = rules.select(conf)
-    decided = torch.stack([chosen.long(), x0]).cpu().numpy()  # the step's one read
-    chosen_host = decided[0].astype(bool)
-    probs = recorded_probs(seqs, counts, logits, x0)
-    logprobs = recorded_logprobs(seqs, counts, logits, x0, chosen_host)
+    where, committed, tokens = read_commits(rules.select(conf), x0, positions, counts)  # the step's one read
+    chosen = np.zeros(len(x0), dtype=bool)
+    chosen[where] = True
+    probs = recorded_probs(seqs, counts, logits, x0, chosen)
+    logprobs = recorded_logprobs(seqs, counts, logits, x0, chosen)
     work = [n * runner.num_layers for n in host.lengths]
-    for i, (seq, c, lo) in enumerate(zip(seqs, host.candidates, np.cumsum([0, *counts[:-1]]))):
+    for i, seq in enumerate(seqs):
         try:
-            turn(runner, seq, work[i], c, decided[:, lo: lo + c.size], probs.get(i), logprobs.get(i))
+            turn(runner, seq, work[i], committed[i], tokens[i], probs.get(i), logprobs.get(i))
         except Exception as e:
             seq.step_error = e
             raise
@@ -141,20 +136,28 @@ def candidate_rows(counts: list[int], rows: list[int]) -> np.ndarray:
     return np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in rows])
 
 
+def committed_per_row(counts: list[int], rows: list[int], chosen: np.ndarray) -> list[int]:
+    """How many candidates of each of ``rows`` commit (``chosen`` [K])."""
+    return [int(chosen[candidate_rows(counts, [i])].sum()) for i in rows]
+
+
 def split_rows(values: np.ndarray, sizes: list[int], rows: list[int]) -> dict[int, np.ndarray]:
     """``values`` laid out row after row (``sizes`` each) as a dict by row."""
     return dict(zip(rows, np.split(values, np.cumsum(sizes)[:-1])))
 
 
-def recorded_probs(seqs: list[Sequence], counts: list[int], logits: Tensor, x0: Tensor) -> dict[int, np.ndarray]:
-    """A trace's probabilities of its candidates' tokens (softmax of the mask-excluded logits),
+def recorded_probs(seqs: list[Sequence], counts: list[int], logits: Tensor, x0: Tensor, chosen: np.ndarray
+                   ) -> dict[int, np.ndarray]:
+    """A trace's probabilities of its committed tokens (softmax of the mask-excluded logits),
     by row, for the rows that record steps: one read, only when some do."""
     rows = [i for i, s in enumerate(seqs) if s.trace is not None and counts[i]]
     if not rows:
         return {}
-    at = to_device(candidate_rows(counts, rows), logits.device)
+    index = candidate_rows(counts, rows)
+    index = index[chosen[index]]
+    at = to_device(index, logits.device)
     probs = torch.softmax(logits[at], dim=-1).gather(-1, x0[at][:, None])[:, 0]
-    return split_rows(probs.cpu().numpy(), [counts[i] for i in rows], rows)
+    return split_rows(probs.cpu().numpy(), committed_per_row(counts, rows, chosen), rows)
 
 
 def recorded_logprobs(seqs: list[Sequence], counts: list[int], logits: Tensor, x0: Tensor, chosen: np.ndarray
@@ -166,7 +169,7 @@ def recorded_logprobs(seqs: list[Sequence], counts: list[int], logits: Tensor, x
         return {}
     index = candidate_rows(counts, rows)
     index = index[chosen[index]]
-    sizes = [int(chosen[candidate_rows(counts, [i])].sum()) for i in rows]
+    sizes = committed_per_row(counts, rows, chosen)
     top_k = max(seqs[i].params.logprobs for i in rows)
     at = to_device(index, logits.device)
     logp = torch.log_softmax(logits[at], dim=-1)
@@ -180,18 +183,16 @@ def recorded_logprobs(seqs: list[Sequence], counts: list[int], logits: Tensor, x
     return out
 
 
-def turn(runner: Runner, seq: Sequence, work: float, candidates: np.ndarray, decided: np.ndarray,
+def turn(runner: Runner, seq: Sequence, work: float, positions: np.ndarray, tokens: np.ndarray,
          probs: np.ndarray | None, logprobs: tuple | None) -> None:
     """Everything the step changes on ``seq``, in ``Engine.turn``'s order: its stats, the
-    decoder's record, the commit (``decided``: [2, n] commit flags and tokens of its
-    candidates), the trace, the cursor."""
+    decoder's record, the commit (the canvas ``positions`` it commits, their ``tokens``, for a
+    trace their ``probs``, for logprobs what ``recorded_logprobs`` read), the trace, the cursor."""
     runner.account(seq, work)
     after_step(seq)
-    chosen = decided[0].astype(bool)
-    if candidates.size:
-        seq.commit(candidates[chosen], decided[1][chosen], confidence=None if probs is None else probs[chosen])
-        if logprobs is not None:
-            seq.add_logprobs(candidates[chosen], *logprobs)
+    seq.commit(positions, tokens, confidence=probs)
+    if logprobs is not None:
+        seq.add_logprobs(positions, *logprobs)
     if seq.trace is not None:
         seq.trace.end_step(seq, {})
     seq.advance()

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..errors import UserError
 from ..decoding.commit_rules import rule_for
-from ..decoding.decide import GroupRules, to_device
+from ..decoding.decide import GroupRules, read_commits
 from ..decoding.decoders import after_forward, after_step, cache_len, plan_steps
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
@@ -25,7 +25,7 @@ from . import batch_step
 from .batch_step import batchable
 from .kv_cache import KVCache
 from .runner import Runner
-from .sequence import Sequence
+from .sequence import Sequence, to_device
 
 GroupKey = tuple[str, int]  # (method, length class)
 # one sequence's commit as decide_rows chose it: (positions on the device, the same on the host,
@@ -188,10 +188,9 @@ class Engine:
         logits, x0, conf = rules.predict(logits, positions)
         if pipeline is not None:
             conf = pipeline.confidence(seq, positions, x0, conf)
-        chosen, tokens, host_positions = torch.stack([rules.select(conf).long(), x0, positions]).cpu().numpy()
-        where = np.flatnonzero(chosen)  # one host read: what commits, where, which tokens
+        where, (host_positions,), (tokens,) = read_commits(rules.select(conf), x0, positions, [positions.numel()])
         picked = to_device(where, positions.device)
-        seq.commit(host_positions[where], tokens[where], logits[picked])
+        seq.commit(host_positions, tokens, logits[picked])
         return positions[picked]
 
     def decide_rows(self, pipeline: Pipeline, ready: list[tuple[Sequence, Tensor, Tensor]]) -> list[Decision]:
@@ -213,14 +212,10 @@ class Engine:
         if pipeline.adjusts_confidence:
             conf = torch.cat(pipeline.confidence_rows(seqs, list(positions.split(counts)), list(x0.split(counts)),
                                                       list(conf.split(counts))))
-        chosen, host_x0, host_positions = torch.stack([rules.select(conf).long(), x0, positions]).cpu().numpy()
-        chosen = chosen.astype(bool)  # the step's one host read of the commit
-        where = np.flatnonzero(chosen)
+        where, host_positions, tokens = read_commits(rules.select(conf), x0, positions, counts)  # the one read
         picked = to_device(where, positions.device)
-        per_row = [int(part.sum()) for part in np.split(chosen, np.cumsum(counts)[:-1])]
-        ends = np.cumsum(per_row)[:-1]
-        for (i, *_), pos, host_pos, tok, lg in zip(live, positions[picked].split(per_row),
-                                                   np.split(host_positions[where], ends), np.split(host_x0[where], ends),
+        per_row = [len(p) for p in host_positions]
+        for (i, *_), pos, host_pos, tok, lg in zip(live, positions[picked].split(per_row), host_positions, tokens,
                                                    logits[picked].split(per_row)):
             decided[i] = (pos, host_pos, tok, lg)
         return decided

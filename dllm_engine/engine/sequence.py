@@ -201,7 +201,7 @@ class Sequence:
 
     def tensor(self, host: np.ndarray) -> Tensor:
         """A host array as a tensor on the model's device (a copy: the canvas may change later)."""
-        return torch.from_numpy(np.array(host)).to(self.device)
+        return to_device(np.array(host), self.device)
 
     def tokens(self, positions: Tensor | slice | None = None) -> Tensor:
         """The canvas (at ``positions``, a slice, or a tensor on the model's device, gathered
@@ -327,6 +327,12 @@ class Sequence:
             if tok in self.ids.stop_ids:
                 return gen[:i]
         return gen
+
+
+def to_device(host: np.ndarray, device: torch.device) -> Tensor:
+    """A host array on ``device``: a view on the CPU, one copy on a GPU that does not wait for
+    the device (the array is staged at once; nothing writes it afterwards)."""
+    return torch.from_numpy(host).to(device, non_blocking=True)
 
 
 def host(x: Tensor | np.ndarray) -> np.ndarray:
