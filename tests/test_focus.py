@@ -4,6 +4,7 @@ from the spec, the delayed in-block cache against a plain cached sampler, and en
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -121,12 +122,12 @@ def test_importance_padding_never_wins_the_max_pool():
                                                   (2.5, 10, 1.0), (4.0, 3, 2.0), (1.0, 0, 1.5),
                                                   (7.3, 64, 1.2)])
 def test_budget_matches_the_formula(avg, num_masked, alpha):
-    got = eviction_budget(torch.tensor([avg]), torch.tensor([num_masked]), alpha)
+    got = eviction_budget(np.array([avg]), np.array([num_masked]), alpha)
     assert got.tolist() == [plain_budget(avg, num_masked, alpha)]
 
 
 def test_budget_is_per_row():
-    got = eviction_budget(torch.tensor([0.5, 3.0, 2.0]), torch.tensor([8, 8, 2]), torch.tensor([1.5, 1.5, 3.0]))
+    got = eviction_budget(np.array([0.5, 3.0, 2.0]), np.array([8, 8, 2]), np.array([1.5, 1.5, 3.0]))
     assert got.tolist() == [2, 5, 2]
 
 
@@ -202,7 +203,7 @@ def test_structure_rules_match_plain_reference_on_random_rows():
 
 
 def test_delayed_cache_ready_needs_the_right_neighbour():
-    committed = torch.tensor([True, True, False, True, False, True, True])
+    committed = np.array([True, True, False, True, False, True, True])
     # 0: right neighbour committed; 1: 2 masked; 3: 4 masked; 5: ok; 6: last counts as ready
     assert delayed_cache_ready(committed).tolist() == [True, False, False, False, False, True, True]
 
@@ -373,7 +374,7 @@ class RecordingEviction(TokenEviction):
         state = seq.strategy_state["focus"]
         kept = state.kept_positions()
         if kept is not None:
-            assert torch.isin(committed, kept).all()
+            assert np.isin(committed.cpu().numpy(), kept).all()
             self.evicted_steps += int(len(kept) < self.planned[id(seq)])
         super().after_commit(seq, committed)
 
@@ -448,7 +449,7 @@ class FirstSelection:
             if state.would_keep is not None:
                 masked, kept = state.would_keep
                 self.first[id(seq)] = sorted(masked[kept].tolist())
-            elif state.kept is not None:
+            elif state.evicted is not None:
                 start, end = seq.block
                 self.first[id(seq)] = sorted(p for p in state.kept_positions().tolist()
                                              if start <= p < end and seq.undecided[p])
@@ -488,41 +489,16 @@ def test_focus_rejects_other_bases_and_small_alpha(llms):
         llms["llada"].generate([PROMPTS[0]], SamplingParams(method="prefix-cache+focus"))
 
 
-def test_block_rows_equal_the_per_sequence_rule_row_by_row():
-    """``block_rows`` (one step's blocks, batched) gives each sequence what the per-sequence rule
-    gives it alone: candidates = planned masked block positions, never-processed candidates, the
-    block positions computed, and ``delayed_cache_ready`` of its own block."""
-    from types import SimpleNamespace
-    from dllm_engine.decoding.decoders import StepPlan
-    from dllm_engine.strategies.focus import FocusState, block_rows
-    torch.manual_seed(0)
-    mask_id = 99
-    seqs, plans, states = [], [], []
-    for start, size, lo in ((8, 8, 0), (16, 4, 16), (4, 8, 4), (8, 8, 9)):  # ragged blocks and plans
-        canvas = torch.randint(0, 50, (start + size + 6,))
-        canvas[start: start + size][torch.rand(size) < 0.6] = mask_id
-        seqs.append(SimpleNamespace(canvas=canvas, block=(start, start + size), ids=SimpleNamespace(mask_id=mask_id),
-                                    tokens=lambda where, canvas=canvas: canvas[where]))
-        positions = torch.arange(lo, start + size + 3)  # a prefix, the block, part of the suffix
-        plans.append(StepPlan(positions, torch.full_like(positions, canvas.numel()), positions))
-        processed = torch.rand(size) < 0.5
-        states.append(FocusState(0, start, processed, torch.zeros(size, dtype=torch.bool)))
-    rows = block_rows(seqs, plans, states)
-    for i, (seq, plan, state) in enumerate(zip(seqs, plans, states)):
-        start, end = seq.block
-        pos, t = plan.positions, len(plan)
-        in_block = (pos >= start) & (pos < end)
-        cand = in_block & (seq.canvas[pos] == mask_id)
-        never = cand & ~state.processed[(pos - start).clamp(0, end - start - 1)]
-        done = torch.zeros(end - start, dtype=torch.bool)
-        done[pos[in_block] - start] = True
-        assert torch.equal(rows.candidate[i, :t], cand) and not rows.candidate[i, t:].any()
-        assert torch.equal(rows.never[i, :t], never) and not rows.never[i, t:].any()
-        assert torch.equal(rows.done[i, : end - start], done) and not rows.done[i, end - start:].any()
-        ready = delayed_cache_ready(seq.canvas[start:end] != mask_id)
-        assert torch.equal(rows.frozen[i, : end - start], ready)
-        evicted = cand & (torch.rand(t) < 0.5)
-    rows.evicted(torch.nn.utils.rnn.pad_sequence([torch.zeros(len(p), dtype=torch.bool) for p in plans[:-1]]
-                                                 + [evicted], batch_first=True))
-    assert torch.equal(rows.done[-1, : end - start], done & ~torch.zeros(end - start, dtype=torch.bool)
-                       .index_fill(0, pos[evicted] - start, True))
+def test_block_step_on_a_hand_example():
+    """``block_step``: of the computed positions, those in the block, the candidates (undecided
+    block positions), the candidates never processed in this block, and the block positions
+    whose K/V are final after the step (``delayed_cache_ready`` of the block's committed ones)."""
+    from dllm_engine.strategies.focus import block_step
+    positions = np.array([3, 4, 5, 6, 7, 8, 9, 10])  # a prefix token, the block [4, 10), one after
+    undecided = np.array([False, True, True, False, False, True])
+    processed = np.array([True, True, False, False, True, False])
+    in_block, candidate, never, ready = block_step(positions, 4, undecided, processed)
+    assert in_block.tolist() == [False] + [True] * 6 + [False]
+    assert candidate.tolist() == [False, False, True, True, False, False, True, False]
+    assert never.tolist() == [False, False, False, True, False, False, True, False]
+    assert ready.tolist() == [False, False, False, True, False, False]

@@ -6,6 +6,7 @@ import copy
 import itertools
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,20 +140,20 @@ REPLAYED = [("sdar", "block+focus"), ("sdar", "block+focus-probe"), ("llada", "d
 @pytest.mark.slow  # over 2 s on 2 busy cores
 @pytest.mark.parametrize("family,spec", REPLAYED)
 def test_planning_a_step_twice_changes_nothing(llms, monkeypatch, family, spec):
-    """The server replays a failed step: ``plan`` must leave no trace."""
+    """The server replays a failed step: planning (``computed``, ``plan``) must leave no trace."""
     from dllm_engine.spec import parse_spec
     llm, params = llms[family], parse_spec(spec, **OPTIONS)
     once = llm.generate(PROMPTS, params)
-    original = Pipeline.plan
+    original = Pipeline.plans
 
-    def twice(self, seq, plan):
-        original(self, seq, copy.deepcopy(plan))
-        planned_once = copy.deepcopy(seq.strategy_state)
-        out = original(self, seq, plan)  # the replay
-        assert_same_state(planned_once, seq.strategy_state)
+    def twice(self, seqs, shift):
+        original(self, seqs, shift)
+        planned_once = copy.deepcopy([s.strategy_state for s in seqs])
+        out = original(self, seqs, shift)  # the replay
+        assert_same_state(planned_once, [s.strategy_state for s in seqs])
         return out
 
-    monkeypatch.setattr(Pipeline, "plan", twice)
+    monkeypatch.setattr(Pipeline, "plans", twice)
     replayed = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in replayed] == [o.token_ids for o in once]
     assert replayed.stats.processed_tokens == once.stats.processed_tokens
@@ -166,6 +167,8 @@ def assert_same_state(a, b) -> None:
             assert_same_state(a[k], b[k])
     elif isinstance(a, torch.Tensor):
         assert torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b)
     elif hasattr(a, "__dict__"):
         assert_same_state(vars(a), vars(b))
     elif isinstance(a, (list, tuple)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ class StepPlan:
     slots: Tensor | None = None  # [T] cache index each token's K/V goes to (default: positions)
     token_ids: Tensor | None = None  # [T] tokens fed (default: the canvas at positions)
     key_mask: Tensor | None = None  # [T, S] bool, overrides key_limit (e.g. isolated copies)
+    host_positions: np.ndarray | None = None  # [T] ``positions`` on the host, where planned there
 
     def __len__(self) -> int:
         return self.positions.numel()
@@ -45,15 +47,18 @@ class StepPlan:
             limit = block_causal_limit(positions, seq.params.block_length)
         else:
             limit = torch.full_like(positions, seq.canvas_len)
-        return cls(positions, limit, logit_positions, token_ids=seq.tokens(slice(lo, hi)))
+        return cls(positions, limit, logit_positions, token_ids=seq.tokens(slice(lo, hi)),
+                   host_positions=np.arange(lo, hi))
 
-    def restrict(self, keep: Tensor) -> "StepPlan":
-        """The plan computing only its tokens ``keep`` [T] (bool, or their indices). The logits
-        wanted stay: one whose slot's token is dropped does not come back (the runner returns
-        the logits of live tokens only)."""
-        pick = {name: getattr(self, name)[keep] for name in ("positions", "key_limit", "slots", "token_ids",
-                                                             "key_mask") if getattr(self, name) is not None}
-        return replace(self, **pick)
+    def restrict(self, keep: np.ndarray) -> "StepPlan":
+        """The plan computing only its tokens ``keep`` [T] (host indices). The logits wanted
+        stay: one whose slot's token is dropped does not come back (the runner returns the
+        logits of live tokens only)."""
+        at = to_device(keep, self.positions.device)
+        pick = {name: getattr(self, name)[at] for name in ("positions", "key_limit", "slots", "token_ids",
+                                                           "key_mask") if getattr(self, name) is not None}
+        host = None if self.host_positions is None else self.host_positions[keep]
+        return replace(self, **pick, host_positions=host)
 
     def with_logits(self, positions: Tensor, seq: Sequence, shift: int) -> "StepPlan":
         """The plan also predicting canvas ``positions`` (after those it predicts already), from
@@ -122,20 +127,36 @@ def host_span(seq: Sequence, shift: int) -> tuple[np.ndarray, np.ndarray]:
     return positions, np.full(hi - lo, seq.canvas_len)
 
 
-def plan_steps(seqs: list[Sequence], shift: int) -> list[StepPlan]:
+Computed = Callable[[Sequence, np.ndarray], "np.ndarray | None"]  # a pipeline's ``computed``
+
+
+def plan_steps(seqs: list[Sequence], shift: int, computed: Computed | None = None) -> list[StepPlan]:
     """``plan_step`` of every sequence of a forward group, built on the host and sent to the
     device in one copy (each plan's tensors are views of it), not a few copies and ops per row.
-    A group with a named commit rule or CFG plans row by row."""
+    ``computed(seq, positions)``: which planned positions are computed (bool, None: all),
+    applied on the host. A group with a named commit rule or CFG plans row by row."""
     if not seqs or any(rule_for(s) is not None or s.params.cfg_scale > 0 for s in seqs):
-        return [plan_step(s, shift) for s in seqs]
-    parts, sizes = [], []
+        return [restricted(plan_step(s, shift), s, computed) for s in seqs]
+    parts, sizes, hosts = [], [], []
     for seq in seqs:
         positions, limit = host_span(seq, shift)
-        parts += [positions, limit, seq.canvas[positions], seq.masked_index()]
-        sizes += [len(positions)] * 3 + [len(parts[-1])]
+        if computed is not None and (keep := computed(seq, positions)) is not None:
+            positions, limit = positions[keep], limit[keep]
+        hosts.append(positions)
+        wanted = seq.masked_index()
+        parts += [positions, limit, seq.canvas[positions], wanted, wanted - shift]
+        sizes += [len(positions)] * 3 + [len(wanted)] * 2
     views = to_device(np.concatenate(parts).astype(np.int64), seqs[0].device).split(sizes)
-    return [StepPlan(positions, limit, wanted, token_ids=tokens)
-            for positions, limit, tokens, wanted in zip(*[iter(views)] * 4)]
+    return [StepPlan(positions, limit, wanted, logit_slots=slots, token_ids=tokens, host_positions=at)
+            for (positions, limit, tokens, wanted, slots), at in zip(zip(*[iter(views)] * 5), hosts)]
+
+
+def restricted(plan: StepPlan, seq: Sequence, computed: Computed | None) -> StepPlan:
+    """``plan`` less the positions ``computed`` drops (a plan built row by row)."""
+    if computed is None or plan.host_positions is None:
+        return plan
+    keep = computed(seq, plan.host_positions)
+    return plan if keep is None or keep.all() else plan.restrict(np.flatnonzero(keep))
 
 
 def with_unconditional_copy(seq: Sequence, plan: StepPlan, shift: int) -> StepPlan:

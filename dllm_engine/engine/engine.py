@@ -18,7 +18,7 @@ from torch import Tensor
 from ..errors import UserError
 from ..decoding.commit_rules import rule_for
 from ..decoding.decide import GroupRules, read_commits
-from ..decoding.decoders import after_forward, after_step, cache_len, plan_steps
+from ..decoding.decoders import after_forward, after_step, cache_len
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
 from . import batch_step
@@ -144,7 +144,7 @@ class Engine:
         if self.batch_step and not pipeline.strategies and all(batchable(s) for s in seqs):
             batch_step.step_group(self.runner, seqs, cache)
             return
-        plans = [pipeline.plan(s, p) for s, p in zip(seqs, plan_steps(seqs, self.runner.shift))]
+        plans = pipeline.plans(seqs, self.runner.shift)
         hooks = pipeline.layer_hooks(seqs, plans)
         outputs, work = self.runner.forward_rows(seqs, plans, cache, hooks)
         outputs = [after_forward(seq, *out) for seq, out in zip(seqs, outputs)]  # the decoder's view
@@ -201,7 +201,7 @@ class Engine:
         the device, the same and their tokens on the host, their logits rows); nothing is written."""
         live = [(i, seq, pos, lg) for i, (seq, pos, lg) in enumerate(ready) if pos.numel()]
         none = np.zeros(0, dtype=np.int64)
-        decided = [(pos, none, none, lg[:0]) for _, pos, lg in ready]  # no candidates: nothing
+        decided = [(pos, none, none, lg) for _, pos, lg in ready]  # replaced below where a row has candidates
         if not live:
             return decided
         seqs = [seq for _, seq, _, _ in live]

@@ -2,6 +2,8 @@
 
 A strategy never edits a model file or a base decoder. It may:
 - ``setup``: give a new sequence its own state (``seq.strategy_state``);
+- ``computed``: drop positions the decoder would compute, on the host, before the step's
+  inputs are sent (a strategy that only drops positions needs no ``plan``);
 - ``plan``: change what a step computes (positions, cache slots, tokens, key masks, logits
   wanted). ``plan`` has no side effects beyond overwriting its own per-step fields: the server
   may replay a step after a failure;
@@ -33,11 +35,12 @@ from __future__ import annotations
 import importlib
 from typing import Callable, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..errors import UserError
-from ..decoding.decoders import StepPlan
+from ..decoding.decoders import StepPlan, plan_steps
 from ..engine.sequence import Sequence
 from ..methods import STRATEGIES, StrategySpec
 from ..models.context import LayerHooks
@@ -69,6 +72,12 @@ class Strategy:
 
     def setup(self, seq: Sequence) -> None:
         pass
+
+    def computed(self, seq: Sequence, positions: np.ndarray) -> np.ndarray | None:
+        """Which of the canvas ``positions`` [T] the decoder plans for ``seq`` this step are
+        computed (bool [T]; None: all), decided on the host before the plan is sent. Like
+        ``plan``, it writes nothing but this step's scratch."""
+        return None
 
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
         return plan
@@ -145,6 +154,7 @@ class Pipeline:
     def __init__(self, strategies: list[Strategy]) -> None:
         self.strategies = sorted(strategies, key=lambda s: s.spec.stage)
         self.owner = next((s for s in self.strategies if s.spec.owns_commit), None)
+        self.drops = [s for s in self.strategies if type(s).computed is not Strategy.computed]
         # some strategy reweighs the commit rule's confidences (``confidence``)
         self.adjusts_confidence = any(type(s).confidence is not Strategy.confidence for s in self.strategies)
 
@@ -156,6 +166,19 @@ class Pipeline:
     def setup(self, seq: Sequence) -> None:
         for s in self.strategies:
             s.setup(seq)
+
+    def plans(self, seqs: list[Sequence], shift: int) -> list[StepPlan]:
+        """The step plans of a forward group: the decoders' (``plan_steps``), less the positions
+        a strategy drops (``computed``), then each strategy's ``plan``."""
+        computed = self.computed if self.drops else None
+        return [self.plan(s, p) for s, p in zip(seqs, plan_steps(seqs, shift, computed))]
+
+    def computed(self, seq: Sequence, positions: np.ndarray) -> np.ndarray | None:
+        keep = None
+        for s in self.drops:
+            if (mine := s.computed(seq, positions)) is not None:
+                keep = mine if keep is None else keep & mine
+        return keep
 
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
         for s in self.strategies:

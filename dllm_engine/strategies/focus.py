@@ -33,15 +33,16 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import greedy_predictions, rank_in_row
-from ..engine.sequence import Sequence
+from ..engine.sequence import Sequence, host, to_device
 from ..models.context import ForwardContext, Kept, compact
-from .base import Strategy, per_row
+from .base import Strategy
 
 STATE_KEY = "focus"
 
@@ -68,10 +69,11 @@ def masked_importance(q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
     return probs.sum(dim=(1, 2))  # [B, M]: over heads and queries
 
 
-def eviction_budget(avg_decoded: Tensor, num_masked: Tensor, alpha: float | Tensor) -> Tensor:
-    """K [B] = clamp(ceil(alpha * max(avg_decoded, 1)), 1, |M|) (0 when nothing is masked)."""
-    want = torch.ceil(alpha * avg_decoded.double().clamp(min=1.0)).clamp(min=1)
-    return torch.minimum(want.long(), num_masked.long())
+def eviction_budget(avg_decoded: np.ndarray, num_masked: np.ndarray, alpha: float | np.ndarray) -> np.ndarray:
+    """K [B] = clamp(ceil(alpha * max(avg_decoded, 1)), 1, |M|) (0 when nothing is masked), on
+    the host."""
+    want = np.maximum(np.ceil(alpha * np.maximum(np.asarray(avg_decoded, dtype=np.float64), 1.0)), 1)
+    return np.minimum(want.astype(np.int64), np.asarray(num_masked, dtype=np.int64))
 
 
 def select_candidates(delta: Tensor, valid: Tensor, budget: Tensor) -> Tensor:
@@ -122,27 +124,30 @@ def select_kept(delta: Tensor, positions: Tensor, valid: Tensor, never_processed
     return apply_structure_rules(kept, positions, valid, never_processed)
 
 
-def delayed_cache_ready(is_committed: Tensor) -> Tensor:
-    """bool [..., L] over a block (rows of blocks): committed positions whose right neighbour is
-    committed too (the block's last position counts its right neighbour as committed); their
-    K/V may freeze."""
-    right = torch.ones_like(is_committed)
+def delayed_cache_ready(is_committed: np.ndarray) -> np.ndarray:
+    """bool [L] over a block: committed positions whose right neighbour is committed too (the
+    block's last position counts its right neighbour as committed); their K/V may freeze."""
+    right = np.ones_like(is_committed)
     right[..., :-1] = is_committed[..., 1:]
     return is_committed & right
 
 
-# -- per-sequence state ----------------------------------------------------------------------
+# -- per-sequence state, on the host ----------------------------------------------------------
 @dataclass
 class FocusState:
-    """Per sequence, reset at each new block (``seq.strategy_state["focus"]``)."""
+    """Per sequence, reset at each new block (``seq.strategy_state["focus"]``): host arrays over
+    the block's positions, and this step's scratch (``computed`` resets it, ``layer_hooks`` and
+    the layer-1 hook fill it, ``after_commit`` applies it)."""
     block_idx: int
     start: int
-    processed: Tensor  # [L] bool: computed through every layer at some step of this block
-    frozen: Tensor  # [L] bool: K/V final, no longer recomputed (delayed cache)
+    processed: np.ndarray  # [L] bool: computed through every layer at some step of this block
+    frozen: np.ndarray  # [L] bool: K/V final, no longer recomputed (delayed cache)
     committed: int = 0  # tokens committed in this block ...
     steps: int = 0  # ... over this many steps that committed something
-    step_rows: tuple["BlockRows", int] | None = None  # this step's group rows and this sequence's row
-    kept: tuple[Tensor, Tensor] | None = None  # (positions, kept) of the step's live tokens, if it evicted
+    planned: np.ndarray | None = None  # this step's computed canvas positions
+    in_block: np.ndarray | None = None  # [T] of them, in the block
+    ready: np.ndarray | None = None  # [L] K/V final once this step has run (``delayed_cache_ready``)
+    evicted: np.ndarray | None = None  # [T] stopped after layer 1 (None: the step evicted nothing)
     would_keep: tuple[Tensor, Tensor] | None = None  # probe: (masked positions, bool kept)
     probed: tuple[Tensor, Tensor, float] | None = None  # probe: (confidences, kept, threshold) to count
 
@@ -150,12 +155,12 @@ class FocusState:
     def avg_decoded(self) -> float:
         return self.committed / self.steps if self.steps else 1.0
 
-    def local(self, positions: Tensor) -> Tensor:
-        return positions - self.start
+    def clear_step(self) -> None:
+        self.planned = self.in_block = self.ready = self.evicted = self.would_keep = self.probed = None
 
-    def kept_positions(self) -> Tensor | None:
+    def kept_positions(self) -> np.ndarray | None:
         """Canvas positions that survived this step's eviction (None: nothing was evicted)."""
-        return None if self.kept is None else self.kept[0][self.kept[1]]
+        return None if self.evicted is None else self.planned[~self.evicted]
 
 
 def block_state(seq: Sequence) -> FocusState:
@@ -163,74 +168,76 @@ def block_state(seq: Sequence) -> FocusState:
     state = seq.strategy_state.get(STATE_KEY)
     if state is None or state.block_idx != seq.block_idx:
         start, end = seq.block
-        none = torch.zeros(end - start, dtype=torch.bool, device=seq.device)
-        state = FocusState(seq.block_idx, start, none, none.clone())
+        state = FocusState(seq.block_idx, start, np.zeros(end - start, dtype=bool), np.zeros(end - start, dtype=bool))
         seq.strategy_state[STATE_KEY] = state
     return state
 
 
-# -- one step's blocks, batched over the forward group ------------------------------------------
-@dataclass
-class BlockRows:
-    """Every sequence's current block in one step, one row per sequence of the forward group:
-    tokens padded to the widest plan (T), blocks to the longest block (L) plus a sink column L
-    for tokens outside the block; built once per step in ``TokenEviction.layer_hooks``, read by
-    the hooks and by ``after_forward``."""
-    column: Tensor  # [B, T] block-local index of each planned token (L: outside the block)
-    candidate: Tensor  # [B, T] a masked block position: FOCUS may evict it
-    never: Tensor  # [B, T] a candidate never processed through every layer in this block
-    done: Tensor  # [B, L + 1] block positions computed through every layer this step
-    frozen: Tensor  # [B, L + 1] positions whose K/V are final after this step (delayed cache)
-
-    def evicted(self, evicted: Tensor) -> None:
-        """Tokens ``evicted`` [B, T] stop after layer 1: not computed through every layer."""
-        sink = self.done.shape[1] - 1
-        self.done.scatter_(1, torch.where(evicted, self.column, sink), False)
-
-
-def block_rows(seqs: list[Sequence], plans: list[StepPlan], states: list[FocusState]) -> BlockRows:
-    """``BlockRows`` of one step, in batched ops over the padded plans and blocks (the tokens
-    fed at block positions are the canvas's: no plan of FOCUS's bases feeds others there)."""
-    pad = torch.nn.utils.rnn.pad_sequence
-    positions = pad([p.positions for p in plans], batch_first=True, padding_value=-1)  # [B, T]
-    dev = positions.device
-    blocks = pad([s.tokens(slice(*s.block)) for s in seqs], batch_first=True, padding_value=-1)
-    blocks = F.pad(blocks, (0, 1), value=-1)  # [B, L + 1]; padding and sink count as committed
-    processed = F.pad(pad([st.processed for st in states], batch_first=True), (0, 1))  # [B, L + 1]
-    start, size, mask_id = per_row([(st.start, st.processed.numel(), s.ids.mask_id)
-                                    for s, st in zip(seqs, states)], dev)
+def block_step(positions: np.ndarray, start: int, undecided: np.ndarray, processed: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One sequence's step in its block, on the host: of the computed canvas ``positions`` [T],
+    (in the block, candidates = undecided block positions FOCUS may evict, candidates never
+    processed through every layer in this block), and the block positions [L] whose K/V are
+    final after the step (``undecided`` [L]: the block's canvas before the step)."""
     local = positions - start
-    column = torch.where((local >= 0) & (local < size), local, blocks.shape[1] - 1)
-    is_masked = blocks == mask_id
-    candidate = is_masked.gather(1, column)  # the sink is never masked
-    done = torch.zeros_like(is_masked).scatter_(1, column, True)
-    done[:, -1] = False
-    # the canvas still holds this step's inputs: positions committed before this step are
-    # computed with their real token, so their K/V are final once the neighbour is too
-    return BlockRows(column, candidate, candidate & ~processed.gather(1, column), done,
-                     delayed_cache_ready(~is_masked))
+    in_block = (local >= 0) & (local < len(processed))
+    candidate = np.zeros(len(positions), dtype=bool)
+    candidate[in_block] = undecided[local[in_block]]
+    never = candidate.copy()
+    never[in_block] &= ~processed[local[in_block]]
+    # positions committed before this step are computed with their real token, so their K/V
+    # are final once the neighbour's are too
+    return in_block, candidate, never, delayed_cache_ready(~undecided)
+
+
+def padded(rows: list[np.ndarray], width: int, fill: int = 0) -> np.ndarray:
+    """Host rows as one [B, width] int64 array, padded with ``fill``."""
+    out = np.full((len(rows), width), fill, dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
 
 
 # -- the hooks inside the layer stack ---------------------------------------------------------
 class EvictionHooks:
     """Layer 0: importance of the masked tokens. Layer 1: delta, selection, eviction.
 
-    Everything a layer needs (the masked tokens' index, positions and history, the budgets) is
-    computed before the layer loop; layer 1 reads the device once, for the kept width."""
+    Everything a layer needs (the candidates, the masked tokens' columns, positions and
+    history, the budgets) is built on the host before the layer loop and sent in one copy;
+    layer 1 reads the device once: which tokens it evicted (that sizes the kept set, and the
+    sequences' bookkeeping is done on the host from it)."""
 
-    def __init__(self, rows: BlockRows, num_masked: list[int], budget: Tensor, evicting: list[bool],
-                 any_never: bool, states: list[FocusState], positions: Tensor) -> None:
-        self.rows, self.num_masked, self.step_positions = rows, num_masked, positions  # as given
-        masked = compact(rows.candidate, num_masked)
-        self.index, self.valid = masked.index, masked.valid  # [B, M]: the masked tokens
-        self.positions = torch.gather(positions, 1, self.index)  # [B, M] their canvas positions
-        self.never = torch.gather(rows.never, 1, self.index)  # [B, M]
+    def __init__(self, candidate: Tensor, never: Tensor, index: Tensor, valid: Tensor, positions: Tensor,
+                 never_masked: Tensor, budget: Tensor, any_never: bool, states: list[FocusState],
+                 evicting: np.ndarray | None = None) -> None:
+        self.candidate, self.never = candidate, never  # [B, T]: over the step's tokens
+        self.index, self.valid = index, valid  # [B, M]: the masked tokens' columns, row padding
+        self.positions, self.never_masked = positions, never_masked  # [B, M]: canvas positions, history
         self.budget = budget  # [B]
-        self.evicting = evicting  # per row: more masked tokens than its budget (host)
         self.any_never = any_never  # some candidate was never processed in its block (host)
         self.states = states
+        self.evicting = evicting  # per row: more masked tokens than its budget (host; the probe's)
         self.base: Tensor | None = None  # layer-0 importance [B, M]
         self.dry_run = False  # select but evict nothing (``PredictorProbe``)
+
+    @classmethod
+    def build(cls, states: list[FocusState], candidate: list[np.ndarray], never: list[np.ndarray],
+              budget: np.ndarray, device: torch.device) -> "EvictionHooks":
+        """The hooks of one step from each row's host facts (``block_step``), in one copy."""
+        width = max(len(c) for c in candidate)
+        masked = [np.flatnonzero(c) for c in candidate]
+        m = max(len(i) for i in masked)
+        grid = [padded(candidate, width), padded(never, width), padded(masked, m),
+                padded([np.ones(len(i)) for i in masked], m),
+                padded([st.planned[i] for st, i in zip(states, masked)], m),
+                padded([n[i] for n, i in zip(never, masked)], m)]
+        b = len(states)
+        sent = to_device(np.concatenate([g.reshape(-1) for g in grid] + [budget.astype(np.int64)]), device)
+        rows, masked_rows, budget_row = sent[: 2 * b * width], sent[2 * b * width: -b], sent[-b:]
+        cand, nev = rows.view(2, b, width).bool().unbind(0)
+        index, valid, positions, never_m = masked_rows.view(4, b, m).unbind(0)
+        return cls(cand, nev, index, valid.bool(), positions, never_m.bool(), budget_row,
+                   bool(any(n.any() for n in never)), states, budget < np.array([len(i) for i in masked]))
 
     @staticmethod
     def importance(q: Tensor, k: Tensor, index: Tensor, valid: Tensor) -> Tensor:
@@ -242,15 +249,16 @@ class EvictionHooks:
     def rank_message(self) -> dict:
         """What another tensor-parallel rank needs to decide as this one does (plain data; it
         records nothing on sequences: ``from_rank_message`` gives it no states)."""
-        rows = {f.name: getattr(self.rows, f.name) for f in dataclasses.fields(self.rows)}
-        return {"rows": rows, "num_masked": self.num_masked, "budget": self.budget, "evicting": self.evicting,
-                "any_never": self.any_never, "positions": self.step_positions, "dry_run": self.dry_run}
+        names = ("candidate", "never", "index", "valid", "positions", "never_masked", "budget", "any_never",
+                 "dry_run")
+        return {name: getattr(self, name) for name in names}
 
     @classmethod
     def from_rank_message(cls, message: dict) -> "EvictionHooks":
-        hooks = cls(BlockRows(**message["rows"]), message["num_masked"], message["budget"], message["evicting"],
-                    message["any_never"], [], message["positions"])
-        hooks.dry_run = message["dry_run"]
+        fields = dict(message)
+        dry_run = fields.pop("dry_run")
+        hooks = cls(**fields, states=[])
+        hooks.dry_run = dry_run
         return hooks
 
     def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: ForwardContext) -> Kept | None:
@@ -261,17 +269,20 @@ class EvictionHooks:
         if layer_idx == 0:
             self.base = scores
             return None
-        kept_m = select_kept(scores - self.base, self.positions, self.valid, self.never, self.budget)
+        kept_m = select_kept(scores - self.base, self.positions, self.valid, self.never_masked, self.budget)
         if self.dry_run:
             self.record_probe(kept_m)
             return None
-        cand = self.rows.candidate
-        evicted = cand & ~torch.zeros_like(cand).scatter_(1, self.index, kept_m)
-        hidden = self.unprocessed_keys(ctx, evicted & self.rows.never) if self.any_never else None
-        self.rows.evicted(evicted)
-        keep = ctx.token_valid & ~evicted
-        self.record(ctx, keep)
-        return compact(keep, hidden_keys=hidden)
+        cand = self.candidate
+        b, t = cand.shape  # a padding entry of the masked tokens writes to the sink column t
+        kept = cand.new_zeros(b, t + 1).scatter_(1, self.index.masked_fill(~self.valid, t), kept_m)
+        evicted = cand & ~kept[:, :t]
+        evicted_host = host(evicted)  # the step's read inside the layer loop
+        hidden = self.unprocessed_keys(ctx, evicted & self.never) if self.any_never else None
+        for state, row in zip(self.states, evicted_host):
+            state.evicted = row[: len(state.planned)]
+        lengths = [n - int(row.sum()) for n, row in zip(ctx.row_lengths, evicted_host)]
+        return compact(ctx.token_valid & ~evicted, lengths, hidden_keys=hidden)
 
     def after_layer(self, layer_idx: int, hidden: Tensor, ctx: ForwardContext) -> None:
         return None
@@ -286,10 +297,6 @@ class EvictionHooks:
         invisible.scatter_(1, slots, hidden)  # [B, S + 1]; the last column collects the rest
         return invisible[:, :num_keys]
 
-    def record(self, ctx: ForwardContext, keep: Tensor) -> None:
-        for i, state in enumerate(self.states):  # views only: read after the forward
-            state.kept = (ctx.positions[i], keep[i])
-
     def record_probe(self, kept: Tensor) -> None:
         for i, state in enumerate(self.states):  # the rows that would evict (views)
             if self.evicting[i]:
@@ -301,65 +308,67 @@ class EvictionHooks:
 class TokenEviction(Strategy):
     """FOCUS (arXiv 2601.23278): delayed neighbour-aware in-block cache + layer-1 token eviction.
 
-    Option: ``SamplingParams.focus_alpha`` (>= 1, default 1.5) scales the eviction budget."""
+    Option: ``SamplingParams.focus_alpha`` (>= 1, default 1.5) scales the eviction budget.
+
+    Its bookkeeping is host state (``FocusState``): what a step computes, which tokens it may
+    evict and what it computed are NumPy arrays, so the per-sequence work of a step costs no
+    tensor op; the device gets one copy before the layer loop and is read once at layer 1."""
     name = "focus"
     evict = True
 
-    def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
+    def computed(self, seq: Sequence, positions: np.ndarray) -> np.ndarray | None:
         """Drop frozen block positions."""
         state = block_state(seq)
-        pos = plan.positions
-        end = state.start + state.frozen.numel()
-        in_block = (pos >= state.start) & (pos < end)
-        frozen = in_block & state.frozen[state.local(pos).clamp(0, state.frozen.numel() - 1)]
-        keep = (~frozen).nonzero()[:, 0]  # one host read, then index without another
-        if keep.numel() < len(plan):
-            plan = plan.restrict(keep)
-        state.kept = state.would_keep = state.step_rows = state.probed = None  # this step's scratch
-        return plan
+        state.clear_step()
+        local = positions - state.start
+        in_block = (local >= 0) & (local < len(state.frozen))
+        frozen = np.zeros(len(positions), dtype=bool)
+        frozen[in_block] = state.frozen[local[in_block]]
+        return ~frozen
 
     def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> EvictionHooks | None:
-        """The step's ``BlockRows`` (always: ``after_forward`` reads them) and, when some row
-        has more masked tokens than its budget, the eviction hooks. One host read: the masked
-        and never-processed counts per row."""
+        """Each sequence's step in its block (``block_step``, on the host) and, when some row
+        has more masked tokens than its budget, the eviction hooks. No host read."""
         states = [block_state(s) for s in seqs]
-        rows = block_rows(seqs, plans, states)
-        for i, state in enumerate(states):
-            state.step_rows = (rows, i)
+        candidate, never = [], []
+        for seq, state, plan in zip(seqs, states, plans):
+            if plan.host_positions is None:
+                raise RuntimeError(f"{self.name}: a plan without host positions (planned row by row on the device)")
+            state.planned = plan.host_positions
+            start, end = seq.block
+            state.in_block, cand, nev, state.ready = block_step(state.planned, start, seq.undecided[start:end],
+                                                                state.processed)
+            candidate.append(cand)
+            never.append(nev)
         if not self.evict or self.model.config.num_layers < 2:
             return None
-        num_masked, num_never = torch.stack([rows.candidate.sum(1), rows.never.sum(1)]).tolist()
-        avg = torch.tensor([st.avg_decoded for st in states], dtype=torch.float64)
-        alpha = torch.tensor([s.params.focus_alpha for s in seqs], dtype=torch.float64)
-        budget = eviction_budget(avg, torch.tensor(num_masked), alpha)  # on the host
-        evicting = [n > k for n, k in zip(num_masked, budget.tolist())]
-        if not any(evicting):
+        num_masked = np.array([c.sum() for c in candidate])
+        budget = eviction_budget(np.array([st.avg_decoded for st in states]), num_masked,
+                                 np.array([s.params.focus_alpha for s in seqs]))
+        evicting = num_masked > budget
+        if not evicting.any():
             return None
-        positions = torch.nn.utils.rnn.pad_sequence([p.positions for p in plans], batch_first=True)
-        return EvictionHooks(rows, num_masked, budget.to(positions.device), evicting, any(num_never),
-                             states, positions)
+        return EvictionHooks.build(states, candidate, never, budget, seqs[0].device)
 
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
                       ) -> tuple[Tensor, Tensor]:
         """Let only kept tokens commit."""
-        state = block_state(seq)
         # the runner returns logits of the tokens live at the last layer only; Dream reads
         # position p's at p - 1, which may have stayed while p was evicted
-        kept = state.kept_positions() if self.model.config.logit_shift else None
+        kept = block_state(seq).kept_positions() if self.model.config.logit_shift else None
         if kept is not None:
-            ok = torch.isin(positions, kept)
+            ok = torch.isin(positions, to_device(kept, positions.device))
             positions, logits = positions[ok], logits[ok]
         return positions, logits
 
     def after_commit(self, seq: Sequence, committed: Tensor) -> None:
         """Mark what the step computed through every layer, freeze stable K/V, and count the
-        commits (the eviction budget's running mean)."""
+        commits (the eviction budget's running mean): host arrays only."""
         state = block_state(seq)
-        if state.step_rows is not None:
-            rows, i = state.step_rows
-            n = state.processed.numel()
-            state.processed |= rows.done[i, :n]
-            state.frozen |= rows.frozen[i, :n]
+        if state.planned is not None:
+            done = state.in_block if state.evicted is None else state.in_block & ~state.evicted
+            state.processed[state.planned[done] - state.start] = True
+            state.frozen |= state.ready
         if committed.numel():
             state.committed += int(committed.numel())
             state.steps += 1
@@ -367,11 +376,9 @@ class TokenEviction(Strategy):
     def step_record(self, seq: Sequence) -> dict:
         """``evicted``: the masked block positions that stopped after layer 1 this step."""
         state = block_state(seq)
-        if state.kept is None or state.step_rows is None:
+        if state.evicted is None or not state.evicted.any():
             return {}
-        (rows, i), (positions, keep) = state.step_rows, state.kept
-        evicted = positions[rows.candidate[i] & ~keep]
-        return {"evicted": sorted(evicted.tolist())} if evicted.numel() else {}
+        return {"evicted": sorted(state.planned[state.evicted].tolist())}
 
 
 class DelayedCache(TokenEviction):
