@@ -2,6 +2,7 @@
 skipped, partial cache update, batch invariance and the work it saves."""
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,7 +181,7 @@ def test_block_start_forwards_from_the_last_commits(llms, model_type, monkeypatc
     original = early_skip.EarlySkip.plan
 
     def spy(self, seq, plan):
-        last = early_skip.state(seq).last_committed.clone()
+        last = early_skip.state(seq).last_committed.copy()
         out = original(self, seq, plan)
         seen.append((seq.block_idx, seq.step, last, out.positions.clone(), seq.block))
         return out
@@ -193,7 +194,7 @@ def test_block_start_forwards_from_the_last_commits(llms, model_type, monkeypatc
     assert [s[0] for s in starts] == [0, 1, 2]
     assert starts[0][3].tolist() == list(range(len(PROMPTS[0]) + 24))  # the first forward: all
     for _, _, last, positions, (start, end) in starts[1:]:
-        assert last.numel() and int(last.max()) < start  # committed in the previous block
+        assert last.size and int(last.max()) < start  # committed in the previous block
         lo = min(int(last.min()), start - shift)
         assert positions.tolist() == list(range(lo, end))
     dual = tokens(llm, [PROMPTS[0]], method="dual-cache", **kw)[0]
@@ -322,8 +323,9 @@ def test_skipped_positions_keep_their_kv_and_stay_attended(llms):
     # the hidden-state cache of the last prune layer is updated for the survivors only
     lo = early_skip.state(seq).window_lo
     # (held as the step's pending update, applied after its commit so a replay sees the old ones)
-    h_new, h_old = early_skip.state(seq).pending[2], saved[early_skip.KEY].hidden[2]
-    assert torch.equal(early_skip.state(seq).hidden[2], h_old)
+    (h_new, row), (h_old, old_row) = early_skip.state(seq).pending[2], saved[early_skip.KEY].hidden[2]
+    h_new, h_old = h_new[row], h_old[old_row]
+    assert torch.equal(early_skip.state(seq).hidden[2][0][old_row], h_old)
     assert torch.equal(h_new[skipped - lo], h_old[skipped - lo])
     assert not torch.allclose(h_new[pos_a - lo], h_old[pos_a - lo])
 
@@ -354,7 +356,7 @@ def test_each_row_keeps_its_own_set_and_dream_keeps_the_token_before_the_block(l
                 slots = ctx.gather(ctx.slots, out[0])[b][out[1][b]]
                 live = ctx.slots[b][ctx.token_valid[b]]
                 seen.append((layer, seq.block, live.tolist(), slots.tolist(),
-                             int(early_skip.state(seq).last_committed.numel())))
+                             len(early_skip.state(seq).last_committed)))
         return out
 
     monkeypatch.setattr(SkipHooks, "after_layer", spy)
@@ -383,14 +385,14 @@ def test_per_token_inputs_follow_the_predicted_position(llms, model_type, alpha)
     seq.fill(slice(start, start + 2), 7)  # committed: the leftmost masked position is start + 2
     seq.step = 1
     st = early_skip.state(seq)
-    st.conf[:] = torch.arange(seq.canvas_len) / 100
+    st.conf[:] = np.arange(seq.canvas_len) / 100
     st.conf[start:start + 2] = 0.0
-    st.last_committed = torch.tensor([start + 1])
+    st.last_committed = np.array([start + 1])
     plan = strategy.plan(seq, plan_step(seq, shift))
     assert st.skip
     longer = StepPlan(torch.arange(start - shift, end + 2), torch.full((end + 2 - start + shift,), 99),
-                      plan.logit_positions)
-    got = {k: v[0] for k, v in strategy.row_values([seq, seq], [plan, longer]).items()}  # padded row
+                      plan.logit_positions, host_positions=np.arange(start - shift, end + 2))
+    got = {k: v[0] for k, v in strategy.row_values([seq, seq], [plan, longer])[0].items()}  # padded row
     pos = plan.positions.tolist()
     assert pos == list(range(start - shift, end))
     assert got["candidate"].tolist() == [start <= p < end for p in pos] + [False, False]
@@ -416,13 +418,13 @@ def test_row_values_of_a_group_equal_each_sequence_alone(llms, model_type):
         seq.fill(slice(start, start + i), 7)  # the first i block positions committed
         seq.step = 0 if i == 3 else 1  # the last one is at a block start: no skipping
         st = early_skip.state(seq)
-        st.conf[:] = torch.rand(seq.canvas_len)
-        st.last_committed = torch.tensor([start + i - 1] if i else [], dtype=torch.long)
+        st.conf[:] = np.random.default_rng(i).random(seq.canvas_len)
+        st.last_committed = np.array([start + i - 1] if i else [], dtype=np.int64)
         seqs.append(seq)
         plans.append(strategy.plan(seq, plan_step(seq, shift)))
-    together = strategy.row_values(seqs, plans)
+    together = strategy.row_values(seqs, plans)[0]
     for i, (seq, plan) in enumerate(zip(seqs, plans)):
-        alone = strategy.row_values([seq], [plan])
+        alone = strategy.row_values([seq], [plan])[0]
         t = len(plan)
         for key in ("candidate", "conf", "bonus"):
             assert torch.equal(together[key][i, :t], alone[key][0])

@@ -28,9 +28,8 @@ from .runner import Runner
 from .sequence import Sequence, to_device
 
 GroupKey = tuple[str, int]  # (method, length class)
-# one sequence's commit as decide_rows chose it: (positions on the device, the same on the host,
-# their tokens on the host, their logits rows)
-Decision = tuple[Tensor, np.ndarray, np.ndarray, Tensor]
+# one sequence's commit as decide_rows chose it: (positions and tokens on the host, their logits rows)
+Decision = tuple[np.ndarray, np.ndarray, Tensor]
 
 
 def length_class(positions: int) -> int:
@@ -168,9 +167,9 @@ class Engine:
         if decision is None:
             committed = pipeline.commit(seq, positions, logits, partial(self.commit, pipeline=pipeline))
         else:
-            committed, host_positions, tokens, rows = decision
-            if positions.numel():
-                seq.commit(host_positions, tokens, rows)
+            committed, tokens, rows = decision
+            if len(committed):
+                seq.commit(committed, tokens, rows)
         pipeline.after_commit(seq, committed)
         if seq.trace is not None:  # record_steps: close the step's record (engine/trace.py)
             seq.trace.end_step(seq, pipeline.step_records(seq))
@@ -197,11 +196,11 @@ class Engine:
         """What ``commit`` would commit for each sequence of a group whose decoders' own rules
         decide (no strategy owns the commit, no named rule), decided before the turns in one
         pass (``GroupRules``; its keys are those of the forward each turn accounts), with one
-        host read that brings the positions and tokens too. Per sequence (committed positions on
-        the device, the same and their tokens on the host, their logits rows); nothing is written."""
+        host read that brings the positions and tokens too. Per sequence (committed positions and
+        their tokens on the host, their logits rows); nothing is written."""
         live = [(i, seq, pos, lg) for i, (seq, pos, lg) in enumerate(ready) if pos.numel()]
         none = np.zeros(0, dtype=np.int64)
-        decided = [(pos, none, none, lg) for _, pos, lg in ready]  # replaced below where a row has candidates
+        decided = [(none, none, lg) for *_, lg in ready]  # replaced below where a row has candidates
         if not live:
             return decided
         seqs = [seq for _, seq, _, _ in live]
@@ -210,14 +209,13 @@ class Engine:
         rules = GroupRules(seqs, counts, [s.stats.nfe + 1 for s in seqs], positions.device)
         logits, x0, conf = rules.predict(torch.cat([lg for *_, lg in live]), positions, owned=True)
         if pipeline.adjusts_confidence:
-            conf = torch.cat(pipeline.confidence_rows(seqs, list(positions.split(counts)), list(x0.split(counts)),
-                                                      list(conf.split(counts))))
+            conf = pipeline.confidence_rows(seqs, counts, positions, x0, conf)
         where, host_positions, tokens = read_commits(rules.select(conf), x0, positions, counts)  # the one read
-        picked = to_device(where, positions.device)
-        per_row = [len(p) for p in host_positions]
-        for (i, *_), pos, host_pos, tok, lg in zip(live, positions[picked].split(per_row), host_positions, tokens,
-                                                   logits[picked].split(per_row)):
-            decided[i] = (pos, host_pos, tok, lg)
+        rows: list = [None] * len(live)
+        if any(s.params.logprobs is not None or s.trace is not None for s in seqs):  # their logits rows
+            rows = logits[to_device(where, logits.device)].split([len(p) for p in host_positions])
+        for (i, *_), host_pos, tok, lg in zip(live, host_positions, tokens, rows):
+            decided[i] = (host_pos, tok, lg)
         return decided
 
     def release(self, keep: list[int]) -> None:

@@ -17,7 +17,8 @@ A strategy never edits a model file or a base decoder. It may:
   (``after_forward_rows`` / ``confidence_rows``: the same for a whole forward group at once; by
   default one call per sequence, a strategy may override them with batched ops)
 - ``commit``: replace the base commit rule (at most one strategy per method does);
-- ``after_commit``: update its per-sequence state from what was committed.
+- ``after_commit``: update its per-sequence state from what was committed (the positions on
+  the host where the step decided its group at once, else as the commit rule returned them).
 - ``step_record``: say what it did in the step just committed, for a trace (``record_steps``).
 
 Everything a strategy learns about a sequence lives on the sequence; the instances hold only
@@ -99,10 +100,12 @@ class Strategy:
         """The commit rule's confidence [N] in ``tokens`` at ``positions`` (reweighed or not)."""
         return conf
 
-    def confidence_rows(self, seqs: list[Sequence], positions: list[Tensor], tokens: list[Tensor],
-                        conf: list[Tensor]) -> list[Tensor]:
-        """``confidence`` of every sequence of a forward group (lists in row order)."""
-        return [self.confidence(*args) for args in zip(seqs, positions, tokens, conf)]
+    def confidence_rows(self, seqs: list[Sequence], counts: list[int], positions: Tensor, tokens: Tensor,
+                        conf: Tensor) -> Tensor:
+        """``confidence`` of every sequence of a forward group, laid out row after row
+        (``counts`` candidates each): by default one call per sequence."""
+        parts = zip(seqs, positions.split(counts), tokens.split(counts), conf.split(counts))
+        return torch.cat([self.confidence(*args) for args in parts])
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, base: CommitRule) -> Tensor:
         """Only where ``owns_commit``: commit and return the committed positions (``base`` is
@@ -202,10 +205,10 @@ class Pipeline:
             conf = s.confidence(seq, positions, tokens, conf)
         return conf
 
-    def confidence_rows(self, seqs: list[Sequence], positions: list[Tensor], tokens: list[Tensor],
-                        conf: list[Tensor]) -> list[Tensor]:
+    def confidence_rows(self, seqs: list[Sequence], counts: list[int], positions: Tensor, tokens: Tensor,
+                        conf: Tensor) -> Tensor:
         for s in self.strategies:
-            conf = s.confidence_rows(seqs, positions, tokens, conf)
+            conf = s.confidence_rows(seqs, counts, positions, tokens, conf)
         return conf
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, base: CommitRule) -> Tensor:

@@ -44,15 +44,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import greedy_tokens, rank_in_row
-from ..engine.sequence import Sequence
+from ..engine.sequence import Sequence, host, to_device
 from ..models.context import ForwardContext, Kept, compact
 from ..models.layers import DiffusionLM
-from .base import Strategy, per_row
+from .base import Strategy
 
 KEY = "early-skip"
 TOP_CONF_BONUS, LEFTMOST_BONUS, COMMITTED_BONUS = 2.0, 5.0, 3.0
@@ -106,21 +107,49 @@ def select_kept(score: Tensor, candidate: Tensor, live: Tensor, count: Tensor) -
     return top | (live & ~candidate)
 
 
-def stack_windows(windows: list[Tensor]) -> Tensor:
-    """[B, W_max, d] from per-sequence [W, d] windows (block lengths may differ per request)."""
-    return torch.nn.utils.rnn.pad_sequence(windows, batch_first=True)
+Window = tuple[Tensor, int]  # a sequence's hidden-state window: row ``int`` of a group's [B, W + 1, d] tensor
+
+
+def group_windows(windows: list[Window | None], width: int, hidden_size: int, dtype: torch.dtype,
+                  device: torch.device) -> Tensor:
+    """[B, width + 1, d] (the last column a sink) holding each sequence's window (None: a new
+    block's, zeros). When every window is row b of one tensor of this shape (the group of the
+    last step, unchanged), a copy of it with the new blocks' rows zeroed; else one gather per
+    tensor the windows come from (sequences joined or left): a number of ops that does not grow
+    with the batch."""
+    sources: dict[int, tuple[Tensor, list[int], list[int]]] = {}  # tensor -> (itself, rows here, rows there)
+    for b, w in enumerate(windows):
+        if w is not None:
+            _, here, there = sources.setdefault(id(w[0]), (w[0], [], []))
+            here.append(b)
+            there.append(w[1])
+    fresh = [b for b, w in enumerate(windows) if w is None]
+    shape = (len(windows), width + 1, hidden_size)
+    if len(sources) == 1 and (src := next(iter(sources.values())))[0].shape == shape and src[1] == src[2]:
+        out = src[0].clone()
+        if fresh:
+            out[to_device(np.array(fresh), device)] = 0
+        return out
+    out = torch.zeros(shape, dtype=dtype, device=device)
+    for tensor, here, there in sources.values():
+        n = min(tensor.shape[1], width + 1)
+        rows = to_device(np.array([here, there]), device)
+        out[rows[0], :n] = tensor[rows[1], :n]
+    return out
 
 
 # -- per-sequence state ----------------------------------------------------------------------
 @dataclass
 class SkipState:
-    conf: Tensor  # [L] last confidence of each canvas position (0 once committed)
-    last_committed: Tensor  # positions committed at the previous step
+    """Host state (NumPy), but for the hidden-state windows, which stay on the device as rows of
+    the group's window tensors (``group_windows``)."""
+    conf: np.ndarray  # [L] float32: last confidence of each canvas position (0 once committed)
+    last_committed: np.ndarray  # positions committed at the previous step
     skip: bool = False  # whether this step may skip (set by plan)
     window_lo: int = -1  # first canvas position of the hidden-state window
-    hidden: dict[int, Tensor] = field(default_factory=dict)  # layer -> [W, d] over the block window
-    pending: dict[int, Tensor] = field(default_factory=dict)  # this forward's update of ``hidden``
-    pending_conf: tuple[Tensor, Tensor] | None = None  # this forward's update of ``conf``: (positions, values)
+    hidden: dict[int, Window] = field(default_factory=dict)  # layer -> the block window's hidden states
+    pending: dict[int, Window] = field(default_factory=dict)  # this forward's update of ``hidden``
+    pending_conf: tuple[np.ndarray, np.ndarray] | None = None  # this forward's update of ``conf``: (positions, values)
     # record_steps only: per prune layer of this step, (layer, token positions, skipped there) views
     skipped: list[tuple[int, Tensor, Tensor]] = field(default_factory=list)
 
@@ -212,7 +241,7 @@ class SkipHooks:
         index = torch.where(keep, offset, self.width)[..., None].expand(-1, -1, cache.shape[-1])
         cache.scatter_(1, index, hidden.to(cache.dtype))
         for b, seq in enumerate(self.seqs):
-            state(seq).pending[layer_idx] = cache[b, : state(seq).hidden[layer_idx].shape[0]]
+            state(seq).pending[layer_idx] = (cache, b)
 
 
 # -- the strategy ----------------------------------------------------------------------------
@@ -228,9 +257,8 @@ class EarlySkip(Strategy):
         self.dtype = next(model.parameters()).dtype
 
     def setup(self, seq: Sequence) -> None:
-        dev = seq.device
-        seq.strategy_state[KEY] = SkipState(conf=torch.zeros(seq.canvas_len, device=dev),
-                                            last_committed=torch.zeros(0, dtype=torch.long, device=dev))
+        seq.strategy_state[KEY] = SkipState(conf=np.zeros(seq.canvas_len, dtype=np.float32),
+                                            last_committed=np.zeros(0, dtype=np.int64))
 
     # -- step planning -------------------------------------------------------------------------
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
@@ -256,13 +284,13 @@ class EarlySkip(Strategy):
         the previous step (its K/V were computed while it was still masked) to the block end."""
         start, end = seq.block
         last = state(seq).last_committed
-        lo = min(int(last.min()) if last.numel() else start, start - self.shift)
+        lo = min(int(last.min()) if last.size else start, start - self.shift)
         return StepPlan.span(seq, lo, end, plan.logit_positions)
 
     def block_only(self, seq: Sequence, plan: StepPlan) -> bool:
         """Whether the plan is a normal dual-cache step (the block, plus Dream's token before it)."""
         start, end = seq.block
-        return bool(((plan.positions >= start - self.shift) & (plan.positions < end)).all())
+        return bool(((plan.host_positions >= start - self.shift) & (plan.host_positions < end)).all())
 
     # -- the layer hook ------------------------------------------------------------------------
     def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> SkipHooks:
@@ -275,57 +303,52 @@ class EarlySkip(Strategy):
             state(seq).pending, state(seq).pending_conf = {}, None  # this step's scratch
             if record:
                 state(seq).skipped = []
-        rows = self.row_values(seqs, plans)
-        rows["alpha"] = torch.tensor([s.params.skip_alpha for s in seqs], device=rows["conf"].device)
+        rows, num_candidates = self.row_values(seqs, plans)
         counts = {i: self.layer_counts(seqs, fractions, i) for i in layers}
-        window = torch.tensor([[state(s).window_lo, s.params.block_length + self.shift] for s in seqs],
-                              device=rows["conf"].device)
-        previous = {i: stack_windows([state(s).hidden[i] for s in seqs]) for i in layers}
-        previous = {i: torch.nn.functional.pad(h, (0, 0, 0, 1)) for i, h in previous.items()}  # + sink
-        return SkipHooks(seqs, rows, counts, window, previous, rows["candidate"].sum(1).tolist(), record)
+        window = to_device(np.array([[state(s).window_lo, s.params.block_length + self.shift] for s in seqs]),
+                           seqs[0].device)
+        width = max(s.params.block_length for s in seqs) + self.shift
+        previous = {i: group_windows([state(s).hidden.get(i) for s in seqs], width, self.hidden_size, self.dtype,
+                                     seqs[0].device) for i in layers}
+        return SkipHooks(seqs, rows, counts, window, previous, num_candidates, record)
 
     def ensure_window(self, seq: Sequence, layers: list[int]) -> None:
         """Hidden-state caches cover the current block (and Dream's token before it); a new
-        block starts from zeros (its first step skips nothing, which fills them)."""
+        block starts from zeros (none held: its first step skips nothing, which fills them)."""
         st = state(seq)
         lo = seq.block[0] - self.shift
         if st.window_lo != lo:
             st.window_lo, st.hidden = lo, {}
-        width = seq.params.block_length + self.shift
-        for i in layers:
-            if i not in st.hidden:
-                st.hidden[i] = torch.zeros(width, self.hidden_size, dtype=self.dtype,
-                                           device=seq.device)
 
-    def row_values(self, seqs: list[Sequence], plans: list[StepPlan]) -> dict[str, Tensor]:
-        """candidate / conf / bonus [B, T] of every planned token of the group, in batched ops
-        (padding: False / 0 / 0)."""
-        pad = torch.nn.utils.rnn.pad_sequence
-        states = [state(s) for s in seqs]
-        pos = pad([p.positions for p in plans], batch_first=True, padding_value=-1)  # [B, T]
-        start, end, skip, num_conf, mask_id, refresh = per_row(
-            [(*s.block, st.skip, st.conf.numel(), s.ids.mask_id, s.params.skip_alpha < 1)
-             for s, st in zip(seqs, states)], pos.device)
-        valid = pos >= 0
-        candidate = (pos >= start) & (pos < end) & skip.bool()
-        target = pos + self.shift  # the position each token's output predicts
-        confs = pad([st.conf for st in states], batch_first=True)  # [B, canvas]
-        has_conf = valid & (target < num_conf)
-        conf = confs.gather(1, torch.where(has_conf, target, 0)).masked_fill(~has_conf, 0.0)
-        blocks = pad([s.tokens(slice(*s.block)) for s in seqs], batch_first=True, padding_value=-1)
-        is_masked = blocks == mask_id  # [B, L]
-        leftmost = start + is_masked.to(torch.int8).argmax(1, keepdim=True)  # first masked position
-        bonus = LEFTMOST_BONUS * (valid & (target == leftmost) & is_masked.any(1, keepdim=True))
-        last = pad([st.last_committed for st in states], batch_first=True, padding_value=-2)  # [B, K]
-        refreshed = (pos[:, :, None] == last[:, None, :]).any(-1) & refresh.bool()
-        bonus = (bonus + COMMITTED_BONUS * refreshed).to(conf.dtype)
-        return {"candidate": candidate, "conf": conf, "bonus": bonus}
+    def row_values(self, seqs: list[Sequence], plans: list[StepPlan]) -> tuple[dict[str, Tensor], list[int]]:
+        """candidate / conf / bonus [B, T] of every planned token of the group (padding: False /
+        0 / 0) and alpha [B], built on the host and sent in one copy; and the candidates per row."""
+        width = max(len(p) for p in plans)
+        values = np.zeros((3, len(seqs), width), dtype=np.float32)  # candidate, conf, bonus
+        for i, (seq, plan) in enumerate(zip(seqs, plans)):
+            st, pos = state(seq), plan.host_positions
+            start, end = seq.block
+            row = values[:, i, : len(pos)]
+            row[0] = (pos >= start) & (pos < end) & st.skip
+            target = pos + self.shift  # the position each token's output predicts
+            has_conf = target < len(st.conf)
+            row[1, has_conf] = st.conf[target[has_conf]]
+            undecided = seq.undecided[start:end]
+            if undecided.any():  # the first masked position
+                row[2] += LEFTMOST_BONUS * (target == start + int(undecided.argmax()))
+            if seq.params.skip_alpha < 1:
+                row[2] += COMMITTED_BONUS * np.isin(pos, st.last_committed)
+        alpha = np.array([s.params.skip_alpha for s in seqs], dtype=np.float32)
+        sent = to_device(np.concatenate([values.reshape(-1), alpha]), seqs[0].device)
+        candidate, conf, bonus = sent[:-len(seqs)].view(3, len(seqs), width).unbind(0)
+        rows = {"candidate": candidate.bool(), "conf": conf, "bonus": bonus, "alpha": sent[-len(seqs):]}
+        return rows, values[0].sum(1).astype(np.int64).tolist()
 
     def layer_counts(self, seqs: list[Sequence], fractions: list[list[float]], layer: int) -> list[int]:
         counts = []
         for seq, frac in zip(seqs, fractions):
             block = seq.block[1] - seq.block[0]
-            last = int(state(seq).last_committed.numel())
+            last = len(state(seq).last_committed)
             counts.append(kept_count(frac[layer], block, last))
         return counts
 
@@ -337,8 +360,8 @@ class EarlySkip(Strategy):
                            ) -> list[tuple[Tensor, Tensor]]:
         """Each predicted position's confidence (softmax probability of the argmax, the mask id
         excluded, as the commit rule sees it; 0 for a delayed EOS), recorded for the next step's
-        scores at the sequence's turn (``after_commit``), over the whole group's logits at once (row-wise ops: each sequence gets what it
-        would get alone)."""
+        scores at the sequence's turn (``after_commit``), over the whole group's logits at once
+        (row-wise ops: each sequence gets what it would get alone) and read in one read."""
         live = [(seq, pos, lg) for seq, (pos, lg) in zip(seqs, outputs) if pos.numel()]
         if not live:
             return outputs
@@ -346,35 +369,37 @@ class EarlySkip(Strategy):
             return [self.after_forward_rows([seq], [out])[0] for seq, out in zip(seqs, outputs)]
         group, positions, logits = zip(*live)
         counts = [pos.numel() for pos in positions]
+        positions = torch.cat(positions)
         # [sum N, V], a new tensor: the mask is excluded in place
         scores, tokens = greedy_tokens(torch.cat(logits).float(), group[0].ids.mask_id, owned=True)
         top = scores.gather(1, tokens[:, None])[:, 0]
         conf = (top - torch.logsumexp(scores, -1)).exp()
-        delayed = delayed_eos_rows(list(group), list(positions), list(tokens.split(counts)))
-        for seq, pos, c, late in zip(group, positions, conf.split(counts), delayed):
-            state(seq).pending_conf = (pos, c.masked_fill(late, 0.0).to(state(seq).conf.dtype))
+        conf = conf.masked_fill(delayed_eos_flat(list(group), counts, positions, tokens), 0.0)
+        read = host(torch.stack([positions.double(), conf.double()]))  # the one read
+        for seq, pos, c in zip(group, *(np.split(r, np.cumsum(counts)[:-1]) for r in read)):
+            state(seq).pending_conf = (pos.astype(np.int64), c.astype(np.float32))
         return outputs
 
     def confidence(self, seq: Sequence, positions: Tensor, tokens: Tensor, conf: Tensor) -> Tensor:
-        return self.confidence_rows([seq], [positions], [tokens], [conf])[0]
+        return self.confidence_rows([seq], [positions.numel()], positions, tokens, conf)
 
-    def confidence_rows(self, seqs: list[Sequence], positions: list[Tensor], tokens: list[Tensor],
-                        conf: list[Tensor]) -> list[Tensor]:
-        delayed = delayed_eos_rows(seqs, positions, tokens)
-        return [c.masked_fill(late, 0.0) for c, late in zip(conf, delayed)]
+    def confidence_rows(self, seqs: list[Sequence], counts: list[int], positions: Tensor, tokens: Tensor,
+                        conf: Tensor) -> Tensor:
+        return conf.masked_fill(delayed_eos_flat(seqs, counts, positions, tokens), 0.0)
 
-    def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+    def after_commit(self, seq: Sequence, committed: Tensor | np.ndarray) -> None:
         """The step's confidences and hidden states become the next step's; committed
-        positions have nothing left to decode (confidence 0)."""
+        positions have nothing left to decode (confidence 0). Host arrays, but for the
+        hidden-state windows, which become this step's group tensors (no copy)."""
         st = state(seq)
         if st.pending_conf is not None:
             positions, values = st.pending_conf
             st.conf[positions] = values
             st.pending_conf = None
+        committed = host(committed).astype(np.int64)  # the batched decision passes host positions
         st.conf[committed] = 0.0
-        st.last_committed = committed.clone()
-        for layer, update in st.pending.items():
-            st.hidden[layer].copy_(update)
+        st.last_committed = committed
+        st.hidden.update(st.pending)
         st.pending = {}
 
     def step_record(self, seq: Sequence) -> dict:
@@ -384,25 +409,30 @@ class EarlySkip(Strategy):
         return {"skipped": sorted(skipped)} if skipped else {}
 
 
-def delayed_eos_rows(seqs: list[Sequence], positions: list[Tensor], tokens: list[Tensor]) -> list[Tensor]:
-    """Per sequence, bool [N]: ES-dLLM's ``delay_eos_generation``: an EOS predicted (``tokens``
-    at ``positions``) while its left neighbour in the current block is still masked and no EOS
-    has been committed yet. Batched over the group (padded rows), no host read."""
-    pad = torch.nn.utils.rnn.pad_sequence
-    pos = pad(positions, batch_first=True)  # [B, N]
-    dev = pos.device
+def delayed_eos_flat(seqs: list[Sequence], counts: list[int], positions: Tensor, tokens: Tensor) -> Tensor:
+    """bool [K]: ES-dLLM's ``delay_eos_generation`` for the candidates of a group laid out row
+    after row (``counts`` per sequence; ``tokens`` predicted at canvas ``positions``): an EOS
+    predicted while its left neighbour in the current block is still masked and no EOS has been
+    committed yet. Which positions would delay an EOS is known on the host: one copy, no read."""
+    width = max(s.canvas_len for s in seqs) + 1
+    late_at = np.zeros((len(seqs), width), dtype=np.int64)  # position q delays an EOS
+    for i, seq in enumerate(seqs):
+        start, end = seq.block
+        if seq.params.delay_eos and not (seq.canvas[seq.prompt_len:] == seq.ids.eos_id).any():
+            late_at[i, start + 1: end + 1] = seq.undecided[start:end]  # left neighbour q - 1 masked
+    eos = np.array([s.ids.eos_id for s in seqs])
+    owner = np.repeat(np.arange(len(seqs)), counts)
+    sent = to_device(np.concatenate([late_at.reshape(-1), eos, owner]), positions.device)
+    late_at, eos, owner = sent.split([late_at.size, len(eos), len(owner)])
+    return (tokens == eos[owner]) & late_at.view(len(seqs), width)[owner, positions].bool()
 
-    canvas = pad([s.tokens() for s in seqs], batch_first=True, padding_value=-1)  # [B, L]
-    mask_id, eos_id, start, end, prompt_len, on = per_row(
-        [(s.ids.mask_id, s.ids.eos_id, *s.block, s.prompt_len, s.params.delay_eos) for s in seqs], dev)
-    left = pos - 1
-    left_masked = (left >= start) & (left < end) & (canvas.gather(1, left.clamp(min=0)) == mask_id)
-    generated = torch.arange(canvas.shape[1], device=dev)[None] >= prompt_len
-    no_eos_yet = ~((canvas == eos_id) & generated).any(1, keepdim=True)
-    late = (pad(tokens, batch_first=True) == eos_id) & left_masked & no_eos_yet & on.bool()
-    return [row[: p.numel()] for row, p in zip(late, positions)]
+
+def delayed_eos_rows(seqs: list[Sequence], positions: list[Tensor], tokens: list[Tensor]) -> list[Tensor]:
+    """``delayed_eos_flat`` split by sequence (lists of per-sequence tensors)."""
+    counts = [p.numel() for p in positions]
+    return list(delayed_eos_flat(seqs, counts, torch.cat(positions), torch.cat(tokens)).split(counts))
 
 
 def delayed_eos(seq: Sequence, positions: Tensor, tokens: Tensor) -> Tensor:
-    """``delayed_eos_rows`` of one sequence."""
-    return delayed_eos_rows([seq], [positions], [tokens])[0]
+    """``delayed_eos_flat`` of one sequence."""
+    return delayed_eos_flat([seq], [positions.numel()], positions, tokens)

@@ -361,7 +361,7 @@ class TokenEviction(Strategy):
             positions, logits = positions[ok], logits[ok]
         return positions, logits
 
-    def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+    def after_commit(self, seq: Sequence, committed: Tensor | np.ndarray) -> None:
         """Mark what the step computed through every layer, freeze stable K/V, and count the
         commits (the eviction budget's running mean): host arrays only."""
         state = block_state(seq)
@@ -369,8 +369,8 @@ class TokenEviction(Strategy):
             done = state.in_block if state.evicted is None else state.in_block & ~state.evicted
             state.processed[state.planned[done] - state.start] = True
             state.frozen |= state.ready
-        if committed.numel():
-            state.committed += int(committed.numel())
+        if len(committed):
+            state.committed += len(committed)
             state.steps += 1
 
     def step_record(self, seq: Sequence) -> dict:
@@ -455,7 +455,7 @@ class PredictorProbe(TokenEviction):
             block_state(seq).probed = (conf, kept, threshold)  # counted at the sequence's turn
         return positions, logits
 
-    def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+    def after_commit(self, seq: Sequence, committed: Tensor | np.ndarray) -> None:
         state = block_state(seq)
         if state.probed is not None:
             seq.strategy_state[self.name].add(*state.probed)
