@@ -443,7 +443,12 @@ class FirstSelection:
         super().__init__(model)
         self.first = {}
 
-    def after_forward(self, seq, positions, logits):
+    def after_forward_rows(self, seqs, outputs):
+        for seq in seqs:
+            self.record_first(seq)
+        return super().after_forward_rows(seqs, outputs)
+
+    def record_first(self, seq):
         state = block_state(seq)
         if id(seq) not in self.first:
             if state.would_keep is not None:
@@ -453,7 +458,6 @@ class FirstSelection:
                 start, end = seq.block
                 self.first[id(seq)] = sorted(p for p in state.kept_positions().tolist()
                                              if start <= p < end and seq.undecided[p])
-        return super().after_forward(seq, positions, logits)
 
 
 class FirstKept(FirstSelection, TokenEviction):

@@ -1,7 +1,8 @@
 """A step's own cost does not grow with the batch: for every base decoder, commit rule and
-sampling option, the tensor ops outside the model's layer loop (planning, inputs, LM head,
-commit, bookkeeping) at batch 64 are at most 1.25x those at batch 1, and a forward group reads
-the device at most three times per step (counted as ``dllm profile`` counts them)."""
+sampling option, and for FOCUS, its delayed cache and early skipping, the tensor ops outside
+the model's layer loop (planning, inputs, LM head, commit, bookkeeping) at batch 64 are at
+most 1.25x those at batch 1, and a forward group reads the device at most three times per step
+(counted as ``dllm profile`` counts them)."""
 import pytest
 
 from dllm_engine import LLM, SamplingParams
@@ -42,6 +43,11 @@ CASES = [
     ("Dream", "dual-cache:threshold=0.9"),
     ("sdar", "block:threshold=0.9"),
     ("sdar", "block:threshold=0.9,temperature=0.6,top_p=0.9"),
+    # strategies whose bookkeeping is host state (the per-sequence step)
+    ("sdar", "block+focus:threshold=0.9"),
+    ("llada", "dual-cache+focus:steps=4"),
+    ("sdar", "block+delayed-cache:threshold=0.9"),
+    ("llada", "dual-cache+early-skip:threshold=0.9"),
 ]
 
 

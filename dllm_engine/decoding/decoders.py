@@ -33,6 +33,8 @@ class StepPlan:
     token_ids: Tensor | None = None  # [T] tokens fed (default: the canvas at positions)
     key_mask: Tensor | None = None  # [T, S] bool, overrides key_limit (e.g. isolated copies)
     host_positions: np.ndarray | None = None  # [T] ``positions`` on the host, where planned there
+    host_limit: np.ndarray | None = None  # [T] ``key_limit`` on the host, where planned there
+    host_logits: np.ndarray | None = None  # [N] ``logit_positions`` on the host, where planned there
 
     def __len__(self) -> int:
         return self.positions.numel()
@@ -42,13 +44,9 @@ class StepPlan:
         """Compute canvas positions [lo, hi) under the decoder's key limits (block-causal for
         ``block``: a token sees its own block and all before it; else the whole canvas) and
         predict ``logit_positions``."""
-        positions = torch.arange(lo, hi, device=seq.device)
-        if seq.params.decoder.block_causal:
-            limit = block_causal_limit(positions, seq.params.block_length)
-        else:
-            limit = torch.full_like(positions, seq.canvas_len)
-        return cls(positions, limit, logit_positions, token_ids=seq.tokens(slice(lo, hi)),
-                   host_positions=np.arange(lo, hi))
+        at, limit = span_limits(seq, lo, hi)
+        positions, key_limit, tokens = to_device(np.stack([at, limit, seq.canvas[lo:hi]]), seq.device).unbind(0)
+        return cls(positions, key_limit, logit_positions, token_ids=tokens, host_positions=at, host_limit=limit)
 
     def restrict(self, keep: np.ndarray) -> "StepPlan":
         """The plan computing only its tokens ``keep`` [T] (host indices). The logits wanted
@@ -57,8 +55,9 @@ class StepPlan:
         at = to_device(keep, self.positions.device)
         pick = {name: getattr(self, name)[at] for name in ("positions", "key_limit", "slots", "token_ids",
                                                            "key_mask") if getattr(self, name) is not None}
-        host = None if self.host_positions is None else self.host_positions[keep]
-        return replace(self, **pick, host_positions=host)
+        host = {name: None if getattr(self, name) is None else getattr(self, name)[keep]
+                for name in ("host_positions", "host_limit")}
+        return replace(self, **pick, **host)
 
     def with_logits(self, positions: Tensor, seq: Sequence, shift: int) -> "StepPlan":
         """The plan also predicting canvas ``positions`` (after those it predicts already), from
@@ -68,7 +67,8 @@ class StepPlan:
             logit_positions, logit_slots = unconditional_logits(seq, torch.cat([half, positions]), shift)
             return replace(self, logit_positions=logit_positions, logit_slots=logit_slots)
         slots = None if self.logit_slots is None else torch.cat([self.logit_slots, positions - shift])
-        return replace(self, logit_positions=torch.cat([self.logit_positions, positions]), logit_slots=slots)
+        return replace(self, logit_positions=torch.cat([self.logit_positions, positions]), logit_slots=slots,
+                       host_logits=None)
 
     def with_tokens(self, seq: Sequence, shift: int, positions: Tensor, slots: Tensor, token_ids: Tensor,
                     key_mask: Tensor, predict: Tensor) -> "StepPlan":
@@ -120,7 +120,12 @@ def plan_step(seq: Sequence, shift: int) -> StepPlan:
 def host_span(seq: Sequence, shift: int) -> tuple[np.ndarray, np.ndarray]:
     """``StepPlan.span`` of this step's ``compute_range`` on the host: the canvas positions it
     computes and each one's key limit."""
-    lo, hi = compute_range(seq, shift)
+    return span_limits(seq, *compute_range(seq, shift))
+
+
+def span_limits(seq: Sequence, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """Canvas positions [lo, hi) and each one's key limit under the decoder's rule (block-causal
+    for ``block``: a token sees its own block and all before it; else the whole canvas)."""
     positions = np.arange(lo, hi)
     if seq.params.decoder.block_causal:
         return positions, block_causal_limit(positions, seq.params.block_length)
@@ -142,13 +147,15 @@ def plan_steps(seqs: list[Sequence], shift: int, computed: Computed | None = Non
         positions, limit = host_span(seq, shift)
         if computed is not None and (keep := computed(seq, positions)) is not None:
             positions, limit = positions[keep], limit[keep]
-        hosts.append(positions)
+        hosts.append((positions, limit))
         wanted = seq.masked_index()
         parts += [positions, limit, seq.canvas[positions], wanted, wanted - shift]
         sizes += [len(positions)] * 3 + [len(wanted)] * 2
     views = to_device(np.concatenate(parts).astype(np.int64), seqs[0].device).split(sizes)
-    return [StepPlan(positions, limit, wanted, logit_slots=slots, token_ids=tokens, host_positions=at)
-            for (positions, limit, tokens, wanted, slots), at in zip(zip(*[iter(views)] * 5), hosts)]
+    return [StepPlan(positions, limit, wanted, logit_slots=slots, token_ids=tokens, host_positions=at,
+                     host_limit=host_limit, host_logits=seq.masked_index())
+            for (positions, limit, tokens, wanted, slots), (at, host_limit), seq
+            in zip(zip(*[iter(views)] * 5), hosts, seqs)]
 
 
 def restricted(plan: StepPlan, seq: Sequence, computed: Computed | None) -> StepPlan:

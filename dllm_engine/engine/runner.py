@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -162,17 +163,22 @@ class Runner:
         maskless). An explicit key mask of a plan (copies isolated from each other) wins over
         its limits. ``slots`` (given when no row is padded): span = (lo, lo + T) when every row
         writes the cache slots [lo, lo + T) in order (``KVCache.write`` copies a slice), else
-        None. ``fixed``: S rounded up to its ``bucket`` and always a mask. One host read per step."""
-        explicit = torch.tensor([p.key_mask is not None for p in plans] + [False] * (limit.shape[0] - len(plans)),
-                                device=limit.device)
-        limit = limit.masked_fill(explicit[:, None], 0)
-        top = limit.max()
-        facts = [top, torch.where(valid, limit, top).min()]
-        if slots is not None:  # rows all start at slots[0, 0] and count up by one
-            steps = torch.arange(slots.shape[1], device=slots.device)
-            facts += [(slots == slots[:1, :1] + steps).all().long(), slots[0, 0]]
-        hi, lo, *span = torch.stack(facts).tolist()
-        span = (span[1], span[1] + slots.shape[1]) if span and span[0] else None
+        None. ``fixed``: S rounded up to its ``bucket`` and always a mask. The plans' host arrays
+        give the key facts (``host_key_facts``); plans built on the device cost one read."""
+        facts = host_key_facts(plans, slots is not None)
+        if facts is None:  # a plan built with tensors only: read the facts from the device
+            explicit = torch.tensor([p.key_mask is not None for p in plans] + [False] * (limit.shape[0] - len(plans)),
+                                    device=limit.device)
+            limit = limit.masked_fill(explicit[:, None], 0)
+            top = limit.max()
+            facts = [top, torch.where(valid, limit, top).min()]
+            if slots is not None:  # rows all start at slots[0, 0] and count up by one
+                steps = torch.arange(slots.shape[1], device=slots.device)
+                facts += [(slots == slots[:1, :1] + steps).all().long(), slots[0, 0]]
+            hi, lo, *span = torch.stack(facts).tolist()
+            span = (span[1], span[1] + slots.shape[1]) if span and span[0] else None
+        else:
+            hi, lo, span = facts
         widths = [p.key_mask.shape[1] for p in plans if p.key_mask is not None]
         num_keys = max([hi, *widths])
         if fixed:
@@ -212,3 +218,24 @@ class Runner:
         flat = torch.nonzero_static(ok.reshape(-1), size=sum(counts))[:, 0]
         rows = flat // ok.shape[1]
         return flat, counts, self.model.logits(hidden[rows, src.reshape(-1)[flat]])
+
+
+def host_key_facts(plans: list[StepPlan], contiguous: bool) -> tuple[int, int, tuple[int, int] | None] | None:
+    """(largest key limit, smallest key limit of a live token, span) from the plans' host arrays,
+    as ``Runner.attention_keys`` reads them from the device; None when some plan has none (or
+    an explicit key mask, or its own slots). ``contiguous``: no row is padded, so the span is
+    (lo, lo + T) when every row computes the positions [lo, lo + T)."""
+    if any(p.host_limit is None or p.host_positions is None or p.key_mask is not None or p.slots is not p.positions
+           for p in plans) or not any(len(p) for p in plans):
+        return None
+    limits = [p.host_limit for p in plans if len(p)]
+    hi, lo = max(int(x.max()) for x in limits), min(int(x.min()) for x in limits)
+    if len(limits) < len(plans):  # an empty row is padding: its limit 1 counts for the largest
+        hi = max(hi, 1)
+    span = None
+    if contiguous:
+        first = plans[0].host_positions
+        start, width = int(first[0]), len(first)
+        if all(np.array_equal(p.host_positions, np.arange(start, start + width)) for p in plans):
+            span = (start, start + width)
+    return hi, lo, span

@@ -51,7 +51,12 @@ class AdaptiveLength(Strategy):
         return plan
 
     def inspected_slots(self, seq: Sequence, plan: StepPlan) -> Tensor:
-        """Masked generation slots computed by this forward, not yet in the plan's logit set."""
+        """Masked generation slots computed by this forward, not yet in the plan's logit set
+        (decided on the host where the plan was built there)."""
+        if plan.host_positions is not None and plan.host_logits is not None:
+            pos = plan.host_positions
+            pos = pos[(pos >= seq.prompt_len) & seq.undecided[pos]]
+            return seq.tensor(pos[~np.isin(pos, plan.host_logits)])
         pos = torch.unique(plan.positions)  # a CFG plan lists the canvas twice
         pos = pos[pos >= seq.prompt_len]
         pos = pos[seq.tensor(seq.undecided)[pos]]

@@ -352,14 +352,34 @@ class TokenEviction(Strategy):
 
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
                       ) -> tuple[Tensor, Tensor]:
-        """Let only kept tokens commit."""
-        # the runner returns logits of the tokens live at the last layer only; Dream reads
-        # position p's at p - 1, which may have stayed while p was evicted
-        kept = block_state(seq).kept_positions() if self.model.config.logit_shift else None
-        if kept is not None:
-            ok = torch.isin(positions, to_device(kept, positions.device))
-            positions, logits = positions[ok], logits[ok]
-        return positions, logits
+        return TokenEviction.after_forward_rows(self, [seq], [(positions, logits)])[0]
+
+    def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
+                           ) -> list[tuple[Tensor, Tensor]]:
+        """Let only kept tokens commit. The runner returns logits of the tokens live at the last
+        layer only; Dream reads position p's at p - 1, which may have stayed while p was
+        evicted: such rows are dropped for the whole group at once (one read: which stay)."""
+        if not self.model.config.logit_shift:
+            return outputs
+        rows = [i for i, s in enumerate(seqs) if block_state(s).evicted is not None and outputs[i][0].numel()]
+        if not rows:
+            return outputs
+        width = max(seqs[i].canvas_len for i in rows)
+        kept = np.zeros((len(rows), width), dtype=np.int64)  # kept[r, p]: position p stayed in row r
+        for r, i in enumerate(rows):
+            kept[r, block_state(seqs[i]).kept_positions()] = 1
+        counts = [outputs[i][0].numel() for i in rows]
+        owner = np.repeat(np.arange(len(rows)), counts)
+        positions = torch.cat([outputs[i][0] for i in rows])
+        sent = to_device(np.concatenate([kept.reshape(-1), owner]), positions.device)
+        ok = host(sent[: kept.size].view(len(rows), width)[sent[kept.size:], positions].bool())  # the read
+        index = to_device(np.flatnonzero(ok), positions.device)
+        sizes = [int(part.sum()) for part in np.split(ok, np.cumsum(counts)[:-1])]
+        logits = torch.cat([outputs[i][1] for i in rows])[index].split(sizes)
+        out = list(outputs)
+        for i, pos, lg in zip(rows, positions[index].split(sizes), logits):
+            out[i] = (pos, lg)
+        return out
 
     def after_commit(self, seq: Sequence, committed: Tensor | np.ndarray) -> None:
         """Mark what the step computed through every layer, freeze stable K/V, and count the
@@ -442,6 +462,10 @@ class PredictorProbe(TokenEviction):
         if hooks is not None:
             hooks.dry_run = True
         return hooks
+
+    def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
+                           ) -> list[tuple[Tensor, Tensor]]:
+        return [self.after_forward(seq, *out) for seq, out in zip(seqs, outputs)]  # a diagnostic: row by row
 
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
                       ) -> tuple[Tensor, Tensor]:
