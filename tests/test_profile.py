@@ -1,6 +1,7 @@
 """`dllm profile`: the host-sync counter, the floor replay and the command (speed is never asserted)."""
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from dllm_engine.bench import profile
 from dllm_engine.bench.profile import (DispatchSyncs, FloorRecorder, ListSyncs, ShapeLog, SyncCount,
                                        count_syncs, profile_one)
 from dllm_engine.cli import main
+from dllm_engine.decoding.decoders import StepPlan
 from dllm_engine.spec import parse_spec
 from fixtures import write_checkpoint
 
@@ -164,13 +166,24 @@ def test_runner_writes_a_contiguous_slot_range_as_one_slice(llada):
     from dllm_engine.engine.kv_cache import KVCache
     from types import SimpleNamespace
     runner = llada.engine.runner
-    plans = [SimpleNamespace(key_mask=None)] * 2
+    plans = [SimpleNamespace(key_mask=None, host_limit=None)] * 2  # built on the device: the facts are read
     limit = torch.full((2, 4), 9)
     valid = torch.ones(2, 4, dtype=torch.bool)
     slots = torch.arange(3, 7).expand(2, 4)
     assert runner.attention_keys(plans, limit, valid, slots)[2] == (3, 7)
     assert runner.attention_keys(plans, limit, valid, slots + torch.tensor([[0], [1]]))[2] is None
     assert runner.attention_keys(plans, limit, valid, torch.tensor([[3, 4, 6, 7]] * 2))[2] is None
+    # plans built on the host give the same facts from their host arrays
+    def host_plan(at):
+        plan = StepPlan(torch.tensor(at), torch.full((4,), 9), torch.tensor(at), host_positions=np.array(at),
+                        host_limit=np.full(4, 9))
+        plan.slots = plan.positions
+        return plan
+    same, apart = [host_plan([3, 4, 5, 6])] * 2, [host_plan([3, 4, 5, 6]), host_plan([4, 5, 6, 7])]
+    assert runner.attention_keys(same, limit, valid, slots) == (9, None, (3, 7))
+    assert runner.attention_keys(apart, limit, valid, slots + torch.tensor([[0], [1]])) == (9, None, None)
+    gap = [host_plan([3, 4, 6, 7])] * 2
+    assert runner.attention_keys(gap, limit, valid, torch.tensor([[3, 4, 6, 7]] * 2))[2] is None
     k, v = torch.randn(2, 2, 2, 4, 5), torch.randn(2, 2, 2, 4, 5)  # two writes of [B, Hkv, T, D]
     caches = [KVCache(1, 2, 5, torch.float32, "cpu") for _ in range(2)]
     for cache in caches:
