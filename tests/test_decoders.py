@@ -1,5 +1,4 @@
 """Baseline decoders: equal to plain re-implementations of the reference samplers."""
-import math
 
 import pytest
 import torch

@@ -454,8 +454,9 @@ def test_delay_eos_follows_the_official_rule():
 
 
 def test_delay_eos_of_a_group_equals_each_sequence_alone():
-    """``delayed_eos_rows`` over a mixed group (prompts, blocks, an EOS committed, the option off,
-    ragged candidates) gives each sequence what ``delayed_eos`` gives it alone."""
+    """``delayed_eos_flat`` over a mixed group (prompts, blocks, an EOS committed, the option off,
+    ragged candidates laid out row after row) gives each sequence what ``delayed_eos`` gives it
+    alone."""
     from dllm_engine.engine.sequence import Sequence, TokenIds
     ids = TokenIds(mask_id=4, eos_id=3, stop_ids=frozenset({3}))
     p = resolve_params(SamplingParams(method=ES, max_new_tokens=16, block_length=8), ("dual-cache",))
@@ -467,7 +468,9 @@ def test_delay_eos_of_a_group_equals_each_sequence_alone():
     positions = [torch.tensor([3, 4, 6, 7, 8]), torch.tensor([6, 7, 8]), torch.tensor([2, 3, 4, 5]),
                  torch.tensor([13, 14, 15, 16, 17, 18, 19, 20])]
     tokens = [torch.tensor([3, 3, 3, 9, 3]), torch.full((3,), 3), torch.full((4,), 3), torch.full((8,), 3)]
-    together = early_skip.delayed_eos_rows(seqs, positions, tokens)
+    counts = [len(pos) for pos in positions]
+    flat = early_skip.delayed_eos_flat(seqs, counts, torch.cat(positions), torch.cat(tokens))
+    together = flat.split(counts)
     for seq, pos, tok, got in zip(seqs, positions, tokens, together):
         assert torch.equal(got, early_skip.delayed_eos(seq, pos, tok))
     assert together[0].tolist() == [False, True, False, False, True]

@@ -147,15 +147,15 @@ def plan_steps(seqs: list[Sequence], shift: int, computed: Computed | None = Non
         positions, limit = host_span(seq, shift)
         if computed is not None and (keep := computed(seq, positions)) is not None:
             positions, limit = positions[keep], limit[keep]
-        hosts.append((positions, limit))
         wanted = seq.masked_index()
+        hosts.append((positions, limit, wanted))
         parts += [positions, limit, seq.canvas[positions], wanted, wanted - shift]
         sizes += [len(positions)] * 3 + [len(wanted)] * 2
     views = to_device(np.concatenate(parts).astype(np.int64), seqs[0].device).split(sizes)
     return [StepPlan(positions, limit, wanted, logit_slots=slots, token_ids=tokens, host_positions=at,
-                     host_limit=host_limit, host_logits=seq.masked_index())
-            for (positions, limit, tokens, wanted, slots), (at, host_limit), seq
-            in zip(zip(*[iter(views)] * 5), hosts, seqs)]
+                     host_limit=host_limit, host_logits=host_wanted)
+            for (positions, limit, tokens, wanted, slots), (at, host_limit, host_wanted)
+            in zip(zip(*[iter(views)] * 5), hosts)]
 
 
 def restricted(plan: StepPlan, seq: Sequence, computed: Computed | None) -> StepPlan:

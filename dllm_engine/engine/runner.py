@@ -230,8 +230,6 @@ def host_key_facts(plans: list[StepPlan], contiguous: bool) -> tuple[int, int, t
         return None
     limits = [p.host_limit for p in plans if len(p)]
     hi, lo = max(int(x.max()) for x in limits), min(int(x.min()) for x in limits)
-    if len(limits) < len(plans):  # an empty row is padding: its limit 1 counts for the largest
-        hi = max(hi, 1)
     span = None
     if contiguous:
         first = plans[0].host_positions

@@ -133,12 +133,6 @@ class Strategy:
         return {}
 
 
-def per_row(rows: list[tuple], device: torch.device) -> tuple[Tensor, ...]:
-    """Host facts of B sequences (one tuple of ints / bools each) as one [B, 1] tensor per
-    field: one transfer instead of one per field."""
-    return tuple(torch.tensor(rows, device=device).T[..., None])
-
-
 def strategy_class(name: str) -> type[Strategy]:
     """The runtime class of a strategy name (``methods.STRATEGIES[name].target``), imported now."""
     if name not in STRATEGIES:

@@ -299,7 +299,7 @@ class EarlySkip(Strategy):
         layers = sorted({i for f in fractions for i in prune_layers(f)})
         record = any(seq.trace is not None for seq in seqs)
         for seq in seqs:
-            self.ensure_window(seq, layers)
+            self.ensure_window(seq)
             state(seq).pending, state(seq).pending_conf = {}, None  # this step's scratch
             if record:
                 state(seq).skipped = []
@@ -312,7 +312,7 @@ class EarlySkip(Strategy):
                                      seqs[0].device) for i in layers}
         return SkipHooks(seqs, rows, counts, window, previous, num_candidates, record)
 
-    def ensure_window(self, seq: Sequence, layers: list[int]) -> None:
+    def ensure_window(self, seq: Sequence) -> None:
         """Hidden-state caches cover the current block (and Dream's token before it); a new
         block starts from zeros (none held: its first step skips nothing, which fills them)."""
         st = state(seq)
@@ -426,11 +426,6 @@ def delayed_eos_flat(seqs: list[Sequence], counts: list[int], positions: Tensor,
     late_at, eos, owner = sent.split([late_at.size, len(eos), len(owner)])
     return (tokens == eos[owner]) & late_at.view(len(seqs), width)[owner, positions].bool()
 
-
-def delayed_eos_rows(seqs: list[Sequence], positions: list[Tensor], tokens: list[Tensor]) -> list[Tensor]:
-    """``delayed_eos_flat`` split by sequence (lists of per-sequence tensors)."""
-    counts = [p.numel() for p in positions]
-    return list(delayed_eos_flat(seqs, counts, torch.cat(positions), torch.cat(tokens)).split(counts))
 
 
 def delayed_eos(seq: Sequence, positions: Tensor, tokens: Tensor) -> Tensor:

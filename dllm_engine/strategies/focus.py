@@ -173,21 +173,27 @@ def block_state(seq: Sequence) -> FocusState:
     return state
 
 
+def in_block(positions: np.ndarray, start: int, flags: np.ndarray) -> np.ndarray:
+    """bool [T]: the block map ``flags`` [L] (block start ``start``) at canvas ``positions`` [T];
+    False outside the block."""
+    local = positions - start
+    inside = (local >= 0) & (local < len(flags))
+    out = np.zeros(len(positions), dtype=bool)
+    out[inside] = flags[local[inside]]
+    return out
+
+
 def block_step(positions: np.ndarray, start: int, undecided: np.ndarray, processed: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One sequence's step in its block, on the host: of the computed canvas ``positions`` [T],
     (in the block, candidates = undecided block positions FOCUS may evict, candidates never
     processed through every layer in this block), and the block positions [L] whose K/V are
     final after the step (``undecided`` [L]: the block's canvas before the step)."""
-    local = positions - start
-    in_block = (local >= 0) & (local < len(processed))
-    candidate = np.zeros(len(positions), dtype=bool)
-    candidate[in_block] = undecided[local[in_block]]
-    never = candidate.copy()
-    never[in_block] &= ~processed[local[in_block]]
+    candidate = in_block(positions, start, undecided)
     # positions committed before this step are computed with their real token, so their K/V
     # are final once the neighbour's are too
-    return in_block, candidate, never, delayed_cache_ready(~undecided)
+    return (in_block(positions, start, np.ones_like(undecided)), candidate,
+            candidate & ~in_block(positions, start, processed), delayed_cache_ready(~undecided))
 
 
 def padded(rows: list[np.ndarray], width: int, fill: int = 0) -> np.ndarray:
@@ -222,8 +228,9 @@ class EvictionHooks:
 
     @classmethod
     def build(cls, states: list[FocusState], candidate: list[np.ndarray], never: list[np.ndarray],
-              budget: np.ndarray, device: torch.device) -> "EvictionHooks":
-        """The hooks of one step from each row's host facts (``block_step``), in one copy."""
+              budget: np.ndarray, evicting: np.ndarray, device: torch.device) -> "EvictionHooks":
+        """The hooks of one step from each row's host facts (``block_step``; ``evicting``: the
+        rows with more candidates than their ``budget``), in one copy."""
         width = max(len(c) for c in candidate)
         masked = [np.flatnonzero(c) for c in candidate]
         m = max(len(i) for i in masked)
@@ -237,7 +244,7 @@ class EvictionHooks:
         cand, nev = rows.view(2, b, width).bool().unbind(0)
         index, valid, positions, never_m = masked_rows.view(4, b, m).unbind(0)
         return cls(cand, nev, index, valid.bool(), positions, never_m.bool(), budget_row,
-                   bool(any(n.any() for n in never)), states, budget < np.array([len(i) for i in masked]))
+                   bool(any(n.any() for n in never)), states, evicting)
 
     @staticmethod
     def importance(q: Tensor, k: Tensor, index: Tensor, valid: Tensor) -> Tensor:
@@ -320,11 +327,7 @@ class TokenEviction(Strategy):
         """Drop frozen block positions."""
         state = block_state(seq)
         state.clear_step()
-        local = positions - state.start
-        in_block = (local >= 0) & (local < len(state.frozen))
-        frozen = np.zeros(len(positions), dtype=bool)
-        frozen[in_block] = state.frozen[local[in_block]]
-        return ~frozen
+        return ~in_block(positions, state.start, state.frozen)
 
     def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> EvictionHooks | None:
         """Each sequence's step in its block (``block_step``, on the host) and, when some row
@@ -348,7 +351,7 @@ class TokenEviction(Strategy):
         evicting = num_masked > budget
         if not evicting.any():
             return None
-        return EvictionHooks.build(states, candidate, never, budget, seqs[0].device)
+        return EvictionHooks.build(states, candidate, never, budget, evicting, seqs[0].device)
 
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
                       ) -> tuple[Tensor, Tensor]:
