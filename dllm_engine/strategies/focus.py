@@ -355,7 +355,7 @@ class TokenEviction(Strategy):
 
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
                       ) -> tuple[Tensor, Tensor]:
-        return TokenEviction.after_forward_rows(self, [seq], [(positions, logits)])[0]
+        return self.after_forward_rows([seq], [(positions, logits)])[0]
 
     def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
                            ) -> list[tuple[Tensor, Tensor]]:
@@ -468,19 +468,17 @@ class PredictorProbe(TokenEviction):
 
     def after_forward_rows(self, seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]
                            ) -> list[tuple[Tensor, Tensor]]:
-        return [self.after_forward(seq, *out) for seq, out in zip(seqs, outputs)]  # a diagnostic: row by row
-
-    def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor
-                      ) -> tuple[Tensor, Tensor]:
-        would = block_state(seq).would_keep
-        positions, logits = super().after_forward(seq, positions, logits)
-        if would is not None:
-            masked, kept = would
-            row = {p: i for i, p in enumerate(positions.tolist())}
-            _, conf = greedy_predictions(logits[[row[p] for p in masked.tolist()]], seq.ids.mask_id)
-            threshold = seq.params.threshold if seq.params.threshold is not None else 0.9
-            block_state(seq).probed = (conf, kept, threshold)  # counted at the sequence's turn
-        return positions, logits
+        """The full model's confidences in the masked tokens the selection scored, row by row (a
+        diagnostic), kept for the sequence's turn."""
+        outputs = super().after_forward_rows(seqs, outputs)
+        for seq, (positions, logits) in zip(seqs, outputs):
+            if (would := block_state(seq).would_keep) is not None:
+                masked, kept = would
+                row = {p: i for i, p in enumerate(positions.tolist())}
+                _, conf = greedy_predictions(logits[[row[p] for p in masked.tolist()]], seq.ids.mask_id)
+                threshold = seq.params.threshold if seq.params.threshold is not None else 0.9
+                block_state(seq).probed = (conf, kept, threshold)  # counted at the sequence's turn
+        return outputs
 
     def after_commit(self, seq: Sequence, committed: Tensor | np.ndarray) -> None:
         state = block_state(seq)
