@@ -307,8 +307,9 @@ def test_offline_logprobs_are_those_of_the_committed_tokens(llms):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_the_commit_rule_leaves_the_callers_logits_as_they_were(llms, temperature):
-    """Every commit path excludes the mask on its own tensor: the greedy batch, the per-sequence
-    rule and the rule a strategy replaces (jump-share verifies its copies)."""
+    """Every commit path excludes the mask on its own tensor: the group's decision, the rule of
+    one sequence at its turn and the rule a strategy replaces (jump-share verifies its copies)."""
+    from dllm_engine.decoding.commit_rules import decide_group
     from dllm_engine.strategies.base import Pipeline
     llm = llms["llada"]
     for method in ("dual-cache", "dual-cache+jump-share"):
@@ -320,7 +321,7 @@ def test_the_commit_rule_leaves_the_callers_logits_as_they_were(llms, temperatur
         logits = [torch.randn(8, llm.model.config.vocab_size) for _ in seqs]
         before = [lg.clone() for lg in logits]
         ready = [(s, s.masked_positions(), lg) for s, lg in zip(seqs, logits)]
-        engine.decide_rows(pipeline, ready)
+        decide_group(*map(list, zip(*ready)), accounted=False)
         for seq, positions, lg in ready:
             pipeline.commit(seq, positions, lg, engine.commit)
         assert all(torch.equal(a, b) for a, b in zip(logits, before))

@@ -334,7 +334,7 @@ def plain_select(seq, conf):
     """The decoder's rule on one sequence's candidates, as the single-row definitions state it."""
     import math
     from dllm_engine.decoding import factor_select, threshold_select, topk_select
-    from dllm_engine.decoding.decoders import threshold_rule
+    from dllm_engine.decoding.decide import threshold_rule
     rule = threshold_rule(seq)
     if rule is None:
         return factor_select(conf, seq.params.factor)

@@ -10,6 +10,7 @@ parallel-decoders.md describe it (not from the engine's code).
   must decide the same tokens, step after step."""
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,20 +182,24 @@ def test_the_rules_change_the_commits(llms):
 # -- prefix-cache / dual-cache: the plain rule replayed on each step's logits ---------------------
 @pytest.fixture
 def recorded(monkeypatch):
-    """Each call of a named rule's commit: (sequence id, block index, candidate positions, a copy of
-    the logits, the canvas at the candidates before, the canvas at them after)."""
+    """Each row a named rule decided: (sequence id, block index, candidate positions, a copy of
+    the logits, the canvas at the candidates before, the canvas at them after the commit)."""
     calls = []
     for name in COMMIT_RULES:
         rule = rule_instance(name)
-        original = rule.commit
+        original = rule.decide
 
-        def commit(seq, positions, logits, pipeline, original=original):
-            before, lg = seq.tokens(positions), logits.clone()
-            committed = original(seq, positions, logits, pipeline)
-            calls.append((seq.seq_id, seq.block_idx, positions.clone(), lg, before, seq.tokens(positions)))
-            return committed
+        def decide(seqs, rules, positions, logits, reweigh, original=original):
+            counts = np.bincount(rules.row, minlength=len(seqs)).tolist()
+            copies = logits.clone()  # the rule may write the concatenation it is handed
+            decision = original(seqs, rules, positions, logits, reweigh)
+            for seq, pos, lg, chosen, x0 in zip(seqs, positions.split(counts), copies.split(counts),
+                                                decision.chosen.split(counts), decision.x0.split(counts)):
+                before = seq.tokens(pos)
+                calls.append((seq.seq_id, seq.block_idx, pos.clone(), lg, before, torch.where(chosen, x0, before)))
+            return decision
 
-        monkeypatch.setattr(rule, "commit", commit)
+        monkeypatch.setattr(rule, "decide", decide)
     return calls
 
 

@@ -1,5 +1,5 @@
-"""A step's own cost does not grow with the batch: for every base decoder, commit rule and
-sampling option, and for FOCUS, its delayed cache and early skipping, the tensor ops outside
+"""A step's own cost does not grow with the batch: for every base decoder, commit rule (the
+decoder's own and the named ones) and sampling option, and for FOCUS, its delayed cache and early skipping, the tensor ops outside
 the model's layer loop (planning, inputs, LM head, commit, bookkeeping) at batch 64 are at
 most 1.25x those at batch 1, and a forward group reads the device at most three times per step
 (counted as ``dllm profile`` counts them)."""
@@ -43,6 +43,10 @@ CASES = [
     ("Dream", "dual-cache:threshold=0.9"),
     ("sdar", "block:threshold=0.9"),
     ("sdar", "block:threshold=0.9,temperature=0.6,top_p=0.9"),
+    # named commit rules, decided for the whole group (decoding/commit_rules.decide_group)
+    ("llada", "dual-cache:threshold=0.9,commit_rule=credit"),
+    ("llada", "reference:threshold=0.9,commit_rule=hierarchical,temperature=0.7"),
+    ("sdar", "block:commit_rule=joint-threshold,preset=S"),
     # strategies whose bookkeeping is host state (the per-sequence step)
     ("sdar", "block+focus:threshold=0.9"),
     ("llada", "dual-cache+focus:steps=4"),

@@ -1,29 +1,49 @@
 """The seam of a commit rule picked in place of the decoder's own (``SamplingParams.commit_rule``).
 
-A rule decides, from one step's logits, which candidate positions become tokens; one rule may
-also ask for more logits than the masked positions (``logit_positions``), rewrite committed
+A rule decides, from one step's logits, which candidate positions become tokens, for a whole
+forward group at once (``decide``; ``decide_group`` is the one place a commit is decided); one
+rule may also ask for more logits than the masked positions (``logit_index``), rewrite committed
 tokens (``Sequence.edit``) and keep an unmasked block open for more steps
 (``Sequence.block_open``). What a rule is to a request (its bases, options, whether it edits) is
 plain data in ``dllm_engine.methods.COMMIT_RULES``; a class takes its ``spec`` from there by
 ``name``, as strategies do. Per-sequence state lives on ``seq.rule_state`` and is written only
-after the step's commit succeeded, so a step replayed after a failure decides the same."""
+at the sequence's turn, after its commit (``after_commit``), so a step replayed after a failure
+decides the same."""
 from __future__ import annotations
 
 import importlib
-from functools import cache
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from functools import cache, partial
+from typing import Callable, ClassVar
 
+import numpy as np
+import torch
 from torch import Tensor
 
-from ..engine.sequence import Sequence
+from ..engine.sequence import Sequence, to_device
 from ..methods import COMMIT_RULES, CommitRuleSpec
+from .decide import GroupRules
 from .rules import confidence, sample_tokens, without_mask
 
-if TYPE_CHECKING:
-    from ..strategies.base import Pipeline
+
+@dataclass
+class GroupDecision:
+    """What a rule decided for the K candidates of its rows, on the device (``decide.decide``
+    reads it in the group's one read)."""
+    logits: Tensor  # [K, V] the candidates' logits, mask excluded (a commit's logprobs rows)
+    x0: Tensor  # [K] the token each candidate drew
+    chosen: Tensor  # [K] bool: commits (mask -> token)
+    edit: Tensor | None = None  # [K] bool: edits of committed tokens (token -> token)
+    states: list | None = None  # per row, the rule's state after this step (``after_commit``)
+
+
+# (positions [K], tokens [K], confidences [K]) -> the confidences a pipeline's strategies reweigh
+Reweigh = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 class CommitRule:
+    """The decoder's own rule (fixed-k, threshold, factor: ``decide.GroupRules``); a named rule
+    subclasses it."""
     name: ClassVar[str] = ""
     spec: ClassVar[CommitRuleSpec]  # its entry of methods.COMMIT_RULES, set from ``name``
 
@@ -35,14 +55,28 @@ class CommitRule:
             raise TypeError(f"commit rule {cls.name!r} ({cls.__qualname__}) is not in methods.COMMIT_RULES")
         cls.spec = COMMIT_RULES[cls.name]
 
-    def logit_positions(self, seq: Sequence) -> Tensor:
-        """The canvas positions a step predicts: the current block's masked ones."""
-        return seq.masked_positions()
+    def logit_index(self, seq: Sequence) -> np.ndarray:
+        """The canvas positions a step predicts (host): the current block's masked ones."""
+        return seq.masked_index()
 
-    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None) -> Tensor:
-        """Commit this step's tokens among ``positions`` ([N], logits [N, V]); returns the
-        positions committed (mask -> token)."""
-        raise NotImplementedError
+    def decide(self, seqs: list[Sequence], rules: GroupRules, positions: Tensor, logits: Tensor,
+               reweigh: Reweigh | None) -> GroupDecision:
+        """Decide the step of ``seqs`` (``rules``: their candidates' layout, options and keys) from
+        the candidates' ``logits`` [K, V] at canvas ``positions`` [K], every row at once, in a
+        fixed number of tensor ops and no host read; ``logits`` may be written (the caller's
+        concatenation). ``reweigh``: the strategies' confidence adjustment. Writes nothing:
+        what lasts is applied in ``after_commit``."""
+        logits, x0, conf = rules.predict(logits, positions, owned=True)
+        if reweigh is not None:
+            conf = reweigh(positions, x0, conf)
+        return GroupDecision(logits, x0, rules.select(conf))
+
+    def after_commit(self, seq: Sequence, state, edited: bool) -> None:
+        """At the sequence's turn, after its commit (and edits): keep the rule's ``state`` from
+        ``decide``; ``edited``: the step rewrote a committed token."""
+
+
+DECODER_RULE = CommitRule()
 
 
 def predict(seq: Sequence, positions: Tensor, logits: Tensor, salt: Tensor | None = None
@@ -68,7 +102,97 @@ def rule_instance(name: str) -> CommitRule:
     return getattr(importlib.import_module(module), cls)()
 
 
-def rule_for(seq: Sequence) -> CommitRule | None:
-    """The rule ``seq`` commits by in place of its decoder's own; None: the decoder's."""
+def rule_for(seq: Sequence) -> CommitRule:
+    """The rule ``seq`` commits by: a named one, else its decoder's own (``DECODER_RULE``)."""
     name = seq.params.commit_rule
-    return None if name is None else rule_instance(name)
+    return DECODER_RULE if name is None else rule_instance(name)
+
+
+@dataclass
+class RowDecision:
+    """One sequence's step as ``decide_group`` decided it, on the host, applied at its turn
+    (``apply``)."""
+    positions: np.ndarray  # the canvas positions it commits
+    tokens: np.ndarray  # their tokens
+    rows: Tensor | None = None  # their logits rows (only for a request that records them)
+    edits: tuple[np.ndarray, np.ndarray, Tensor | None] | None = None  # positions, tokens, logits rows
+    rule: CommitRule = DECODER_RULE
+    state: object = None  # the rule's state after the step
+
+    def apply(self, seq: Sequence) -> None:
+        """Commit (and edit) what was decided; the rule keeps its state."""
+        if len(self.positions):
+            seq.commit(self.positions, self.tokens, self.rows)
+        if self.edits is not None and len(self.edits[0]):
+            seq.edit(*self.edits)
+        self.rule.after_commit(seq, self.state, self.edits is not None and len(self.edits[0]) > 0)
+
+
+# (sequences, candidates per sequence, positions, tokens, confidences) -> reweighed confidences
+ReweighRows = Callable[[list, list, Tensor, Tensor, Tensor], Tensor]
+
+
+def decide_group(seqs: list[Sequence], positions: list[Tensor], logits: list[Tensor], accounted: bool,
+                 reweigh: ReweighRows | None = None) -> list[RowDecision]:
+    """Every sequence's commit (and edits) for one step, from its candidates' canvas
+    ``positions`` [N_i] and ``logits`` [N_i, V]: the rows grouped by their rule, each group
+    decided at once (``CommitRule.decide``), then ONE host read for the whole group. The
+    sampling keys are those of the forward each turn accounts (``accounted``: already counted
+    in ``stats.nfe``). The one place a commit is decided; nothing is written (``RowDecision.apply``
+    at each turn)."""
+    out = [RowDecision(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)) for _ in seqs]
+    by_rule: dict[CommitRule, list[int]] = {}
+    for i, (seq, pos) in enumerate(zip(seqs, positions)):
+        if pos.numel():  # a row with no candidate commits nothing and its rule keeps its state
+            by_rule.setdefault(rule_for(seq), []).append(i)
+    parts = []
+    for rule, rows in by_rule.items():
+        members = [seqs[i] for i in rows]
+        counts = [positions[i].numel() for i in rows]
+        at = torch.cat([positions[i] for i in rows])
+        rules = GroupRules(members, counts, [s.stats.nfe + (not accounted) for s in members], at.device)
+        reweigh_part = None if reweigh is None else partial(reweigh, members, counts)
+        decision = rule.decide(members, rules, at, torch.cat([logits[i] for i in rows]), reweigh_part)
+        parts.append((rule, rows, counts, at, decision))
+    if not parts:
+        return out
+    read = torch.cat([torch.stack([d.chosen.long() + (2 * d.edit.long() if d.edit is not None else 0), d.x0,
+                                   at.long()]) for *_, at, d in parts], 1)
+    kind, tokens, where = read.cpu().numpy()  # the group's one read
+    start = 0
+    for rule, rows, counts, _, decision in parts:
+        size = sum(counts)
+        flags, part_tokens, part_where = kind[start:start + size], tokens[start:start + size], where[start:start + size]
+        start += size
+        split = np.cumsum(counts)[:-1]
+        committed = [np.flatnonzero(f & 1) for f in np.split(flags, split)]
+        edited = [np.flatnonzero(f & 2) for f in np.split(flags, split)]
+        offsets = np.cumsum([0, *counts[:-1]])
+        commit_rows = gathered(decision.logits, [seqs[i].params.logprobs is not None or seqs[i].trace is not None
+                                                 for i in rows], committed, offsets)
+        edit_rows = gathered(decision.logits, [decision.edit is not None and seqs[i].params.logprobs is not None
+                                               for i in rows], edited, offsets)
+        for j, i in enumerate(rows):
+            row = out[i]
+            mine = committed[j] + offsets[j]
+            row.positions, row.tokens, row.rows, row.rule = part_where[mine], part_tokens[mine], commit_rows[j], rule
+            if decision.edit is not None:
+                mine = edited[j] + offsets[j]
+                row.edits = (part_where[mine], part_tokens[mine], edit_rows[j])
+            row.state = None if decision.states is None else decision.states[j]
+    return out
+
+
+def gathered(logits: Tensor, wanted: list[bool], picked: list[np.ndarray], offsets: np.ndarray
+             ) -> list[Tensor | None]:
+    """Per row, the ``logits`` rows of its ``picked`` candidates (indices within the row, whose
+    candidates start at ``offsets``) where ``wanted``, else None: one gather for them all."""
+    rows = [j for j, w in enumerate(wanted) if w]
+    if not rows:
+        return [None] * len(wanted)
+    index = np.concatenate([picked[j] + offsets[j] for j in rows])
+    parts = logits[to_device(index, logits.device)].split([len(picked[j]) for j in rows])
+    out: list[Tensor | None] = [None] * len(wanted)
+    for j, part in zip(rows, parts):
+        out[j] = part
+    return out

@@ -23,17 +23,14 @@ Memory: one [block_length, vocab] float32 credit per running sequence.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from ..engine.sequence import Sequence
-from .commit_rules import CommitRule
-from .rules import confidence, sample_tokens
-
-if TYPE_CHECKING:
-    from ..strategies.base import Pipeline
+from .commit_rules import CommitRule, GroupDecision, Reweigh
+from .decide import GroupRules
 
 KEY = "credit"
 SLACK = 1e-5  # dInfer commits every candidate within this of the most confident one
@@ -42,42 +39,55 @@ SLACK = 1e-5  # dInfer commits every candidate within this of the most confident
 class CreditThreshold(CommitRule):
     name: ClassVar[str] = KEY
 
-    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None) -> Tensor:
-        p = seq.params
-        logits = logits.clone()
-        logits[:, seq.ids.mask_id] = -float("inf")  # a mask is never a prediction
-        rows = positions - seq.block[0]
-        credit = updated_credit(previous_credit(seq, logits), rows, logits, p.credit_beta, p.credit_gamma)
-        fused = logits.float() + p.credit_alpha * torch.log1p(credit[rows])
-        noise = seq.noise(positions)
-        x0 = sample_tokens(fused, p.temperature, noise, p.top_k, p.top_p)
-        conf = confidence(fused, x0, p.remasking, noise)
-        if pipeline is not None:
-            conf = pipeline.confidence(seq, positions, x0, conf)
-        chosen = credit_select(conf, p.threshold)
-        seq.commit(positions[chosen], x0[chosen], logits[chosen])
-        seq.rule_state[KEY] = (seq.block_idx, credit)  # after the commit: a replayed step decides the same
-        return positions[chosen]
+    def decide(self, seqs: list[Sequence], rules: GroupRules, positions: Tensor, logits: Tensor,
+               reweigh: Reweigh | None) -> GroupDecision:
+        """Every row's credit updated and its commit chosen at once; each row's new credit is its
+        state (kept by ``after_commit``)."""
+        logits = rules.without_mask(logits, owned=True)  # a mask is never a prediction
+        row = rules.row_t
+        alpha, beta, gamma, threshold, start = rules.per_row(
+            [[s.params.credit_alpha for s in seqs], [s.params.credit_beta for s in seqs],
+             [s.params.credit_gamma for s in seqs], [s.params.threshold for s in seqs],
+             [s.block[0] for s in seqs]])
+        in_block = positions - start.long()[row]  # [K] each candidate's row of its block's credit
+        length = max(s.params.block_length for s in seqs)
+        zeros = logits.new_zeros((length, logits.shape[-1]), dtype=torch.float32)
+        credit = torch.stack([fitted(previous_credit(s), zeros) for s in seqs])  # [B, L, V]
+        credit = updated_credit(credit * beta[:, None, None], row, in_block, logits, gamma[row])
+        fused = logits.float() + alpha[row, None] * torch.log1p(credit[row, in_block])
+        x0, conf = rules.tokens(fused, positions)
+        if reweigh is not None:
+            conf = reweigh(positions, x0, conf)
+        best = torch.full_like(threshold, -float("inf")).scatter_reduce(0, row, conf, "amax")
+        chosen = conf >= torch.minimum(best - SLACK, threshold)[row]  # dInfer's threshold rule
+        return GroupDecision(logits, x0, chosen, states=list(credit.unbind(0)))
+
+    def after_commit(self, seq: Sequence, state, edited: bool) -> None:
+        """Keep the block's credit while it has masks (after the commit: a replayed step decides
+        the same); a finished block's is dropped (a row of its group's tensor)."""
+        seq.rule_state[KEY] = (seq.block_idx, state) if seq.num_masked() else (None, None)
 
 
-def previous_credit(seq: Sequence, logits: Tensor) -> Tensor:
-    """The credit the current block has earned so far [block_length, V] (zeros on its first step)."""
+def previous_credit(seq: Sequence) -> Tensor | None:
+    """The credit the current block has earned so far [block_length, V] (None on its first step)."""
     block, credit = seq.rule_state.get(KEY, (None, None))
-    if block != seq.block_idx:
-        return torch.zeros(seq.params.block_length, logits.shape[-1], device=logits.device)
-    return credit
+    return credit if block == seq.block_idx else None
 
 
-def updated_credit(credit: Tensor, rows: Tensor, logits: Tensor, beta: float, gamma: float) -> Tensor:
-    """A new credit: ``credit`` decayed by ``beta``, plus p ** gamma at each candidate row's most
-    probable token (rows [N] into the block, logits [N, V])."""
+def fitted(credit: Tensor | None, zeros: Tensor) -> Tensor:
+    """``credit`` with as many block rows as ``zeros`` (a group's longest block; the rows past a
+    block's own length stay zero), or ``zeros`` when there is none."""
+    if credit is None:
+        return zeros
+    if credit.shape[0] == zeros.shape[0]:
+        return credit
+    if credit.shape[0] > zeros.shape[0]:
+        return credit[: zeros.shape[0]]
+    return torch.cat([credit, zeros[credit.shape[0]:]])
+
+
+def updated_credit(credit: Tensor, row: Tensor, in_block: Tensor, logits: Tensor, gamma: Tensor) -> Tensor:
+    """``credit`` [B, L, V] (already decayed) plus p ** gamma at each candidate's most probable
+    token (the candidate of row ``row`` at block row ``in_block``, logits [K, V])."""
     top_p, top_token = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-    credit = credit * beta
-    credit[rows, top_token] += top_p.pow(gamma)
-    return credit
-
-
-def credit_select(conf: Tensor, threshold: float) -> Tensor:
-    """bool [N]: conf >= min(threshold, max(conf) - 1e-5), dInfer's threshold rule."""
-    floor = (conf.max() - SLACK).clamp(max=threshold)
-    return conf >= floor
+    return credit.index_put_((row, in_block, top_token), top_p.pow(gamma), accumulate=True)

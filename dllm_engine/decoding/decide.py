@@ -4,7 +4,7 @@ Every step of every decoder ends the same way: the candidates' logits become tok
 or a counter-keyed Gumbel draw, ``rules.sample_tokens``), each token gets a confidence under the
 request's ``remasking`` rule (a strategy may reweigh it), and each sequence commits those its
 rule selects: fixed-k, threshold with a minimum k, or Fast-dLLM's factor rule
-(``decoders.threshold_rule``). ``GroupRules`` holds what decides that for B sequences, built on
+(``threshold_rule``). ``GroupRules`` holds what decides that for B sequences, built on
 the host once per step, and runs it in a fixed number of tensor ops whatever B is: the rules
 are per-row tensors, not Python branches per row. Rows whose sampling options differ (temperature,
 top-k, top-p, remasking) draw in one pass per distinct option set.
@@ -22,9 +22,29 @@ import torch
 from torch import Tensor
 
 from ..engine.sequence import Sequence, to_device
-from .decoders import threshold_rule
+from ..sampling_params import SamplingParams
 from .noise import Noise
 from .rules import confidence, rank_in_row, sample_tokens, without_mask
+
+
+def uses_factor(p: SamplingParams) -> bool:
+    """Fast-dLLM's factor rule decides the commit (a full-attention decoder, no threshold)."""
+    return p.decoder.supports_factor and p.threshold is None and p.factor is not None
+
+
+def threshold_rule(seq: Sequence) -> tuple[float, int] | None:
+    """The commit rule of ``seq`` as (threshold, min_k): every candidate with confidence >=
+    threshold, or the top min_k when fewer pass (a top-k rule is threshold inf); None for the
+    factor rule."""
+    p = seq.params
+    if p.decoder.unmasking:
+        k = max(seq.tokens_this_step(), 1)
+        return (math.inf, k) if p.unmasking == "low_confidence_static" else (p.threshold, k)
+    if p.threshold is not None:
+        return p.threshold, 1  # the fixed-k share is not needed
+    if uses_factor(p):
+        return None
+    return math.inf, seq.tokens_this_step()
 
 
 def signature(seq: Sequence) -> tuple:
@@ -69,10 +89,23 @@ class GroupRules:
         """(the candidates' logits with the mask excluded; the token x0 [K] each draws; its
         confidence [K]) from logits [K, V] at canvas ``positions`` [K]. The logits returned are a
         new tensor unless ``owned`` (the caller built them for this: the mask is excluded in place)."""
-        logits = without_mask(logits, self.masks_t if self.mask_id is None else self.mask_id, owned)
+        logits = self.without_mask(logits, owned)
+        return (logits, *self.tokens(logits, positions))
+
+    def without_mask(self, logits: Tensor, owned: bool = False) -> Tensor:
+        """``logits`` [K, V] with each row's mask token excluded (``rules.without_mask``)."""
+        return without_mask(logits, self.masks_t if self.mask_id is None else self.mask_id, owned)
+
+    def per_row(self, values: list[list[float]]) -> Tensor:
+        """float32 [F, B] on the device from F lists of one value per row (a rule's options), in one copy."""
+        return to_device(np.asarray(values, dtype=np.float32).reshape(len(values), self.num_rows), self.device)
+
+    def tokens(self, logits: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(the token x0 [K] each candidate draws from ``logits`` [K, V], the mask already
+        excluded; its confidence [K]) under its row's sampling options."""
         if len(self.signatures) == 1:
             (options,) = self.signatures
-            return (logits, *self.draw(logits, positions, options, None))
+            return self.draw(logits, positions, options, None)
         x0 = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         conf = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         for options, rows in self.signatures.items():
@@ -83,7 +116,7 @@ class GroupRules:
             tokens, c = self.draw(logits[at], positions[at], options, at)
             x0.index_copy_(0, at, tokens)
             conf.index_copy_(0, at, c.float())
-        return logits, x0, conf
+        return x0, conf
 
     def draw(self, logits: Tensor, positions: Tensor, options: tuple, at: Tensor | None) -> tuple[Tensor, Tensor]:
         """x0 and its confidence for candidates that share ``options`` (``at``: which of the K
@@ -96,21 +129,29 @@ class GroupRules:
         x0 = sample_tokens(logits, temperature, noise, top_k, top_p)
         return x0, confidence(logits, x0, remasking, noise)
 
-    def select(self, conf: Tensor) -> Tensor:
+    def select(self, conf: Tensor, eligible: Tensor | None = None) -> Tensor:
         """bool [K]: which candidates their rows commit, from confidences [K]: every one at or
         above the row's threshold, or its top k when fewer pass (fixed-k: threshold inf); the
         factor rule's k is the largest n whose n-th highest confidence is >= 1 - factor / (n + 1)
-        (at least 1). Ties go to the lower index; thresholds compare in conf's dtype."""
+        (at least 1). Ties go to the lower index; thresholds compare in conf's dtype.
+        ``eligible`` [K] bool: only these candidates take part (the others are never chosen and
+        not counted), as if each row held its eligible ones alone."""
         dev, width = conf.device, self.width
         row, column, k, counts = self.row_t, self.column_t, self.k_t, self.counts_t
         threshold, factor = self.floats_t.to(conf.dtype).unbind(0)
         padded = torch.full((self.num_rows, width), -math.inf, dtype=conf.dtype, device=dev)
+        valid = torch.arange(width, device=dev)[None] < counts[:, None]  # [B, W] a candidate
+        ranked_valid = valid  # [B, W] a candidate among the row's eligible ones, sorted
+        if eligible is not None:  # the others count as absent (finite confidences rank first)
+            conf = conf.masked_fill(~eligible, -math.inf)
+            valid = torch.zeros_like(valid).index_put_((row, column), eligible)
+            counts = torch.zeros_like(counts).index_add_(0, row, eligible.long())
+            ranked_valid = torch.arange(width, device=dev)[None] < counts[:, None]
         padded[row, column] = conf
-        valid = torch.arange(width, device=dev)[None] < counts[:, None]
         if self.any_factor:  # rows whose factor is not nan take their k from it
             n = torch.arange(1, width + 1, device=dev, dtype=conf.dtype)
             ranked = padded.sort(dim=1, descending=True, stable=True).values
-            ok = (ranked >= 1 - factor[:, None] / (n + 1)) & valid
+            ok = (ranked >= 1 - factor[:, None] / (n + 1)) & ranked_valid
             fitted = (ok * n).amax(1).clamp(min=1).long()
             k = torch.where(torch.isnan(factor), k, fitted)
         passed = (padded >= threshold[:, None]) & valid

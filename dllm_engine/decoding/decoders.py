@@ -3,7 +3,6 @@ which masked positions it commits (the commit rule). What each decoder does is d
 ``dllm_engine.methods`` (``Decoder``); this module reads those properties, never a name."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -13,7 +12,6 @@ from torch import Tensor
 
 from ..engine.sequence import Sequence, to_device
 from ..models.context import block_causal_limit
-from ..sampling_params import SamplingParams
 from .commit_rules import rule_for
 
 
@@ -111,9 +109,8 @@ def compute_range(seq: Sequence, shift: int) -> tuple[int, int]:
 
 
 def plan_step(seq: Sequence, shift: int) -> StepPlan:
-    rule = rule_for(seq)  # a named commit rule may predict more than the masks (joint-threshold)
-    wanted = seq.masked_positions() if rule is None else rule.logit_positions(seq)
-    plan = StepPlan.span(seq, *compute_range(seq, shift), wanted)
+    # a named commit rule may predict more than the masks (joint-threshold)
+    plan = StepPlan.span(seq, *compute_range(seq, shift), seq.tensor(rule_for(seq).logit_index(seq)))
     return with_unconditional_copy(seq, plan, shift) if seq.params.cfg_scale > 0 else plan
 
 
@@ -139,15 +136,15 @@ def plan_steps(seqs: list[Sequence], shift: int, computed: Computed | None = Non
     """``plan_step`` of every sequence of a forward group, built on the host and sent to the
     device in one copy (each plan's tensors are views of it), not a few copies and ops per row.
     ``computed(seq, positions)``: which planned positions are computed (bool, None: all),
-    applied on the host. A group with a named commit rule or CFG plans row by row."""
-    if not seqs or any(rule_for(s) is not None or s.params.cfg_scale > 0 for s in seqs):
+    applied on the host. A group with CFG plans row by row."""
+    if not seqs or any(s.params.cfg_scale > 0 for s in seqs):
         return [restricted(plan_step(s, shift), s, computed) for s in seqs]
     parts, sizes, hosts = [], [], []
     for seq in seqs:
         positions, limit = host_span(seq, shift)
         if computed is not None and (keep := computed(seq, positions)) is not None:
             positions, limit = positions[keep], limit[keep]
-        wanted = seq.masked_index()
+        wanted = rule_for(seq).logit_index(seq)  # a named commit rule may predict more than the masks
         hosts.append((positions, limit, wanted))
         parts += [positions, limit, seq.canvas[positions], wanted, wanted - shift]
         sizes += [len(positions)] * 3 + [len(wanted)] * 2
@@ -216,23 +213,3 @@ def guided_logits(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Ten
 def cache_len(seq: Sequence) -> int:
     """Cache positions a sequence needs (CFG keeps a second, unconditional canvas)."""
     return seq.canvas_len * (2 if seq.params.cfg_scale > 0 else 1)
-
-
-def uses_factor(p: SamplingParams) -> bool:
-    """Fast-dLLM's factor rule decides the commit (a full-attention decoder, no threshold)."""
-    return p.decoder.supports_factor and p.threshold is None and p.factor is not None
-
-
-def threshold_rule(seq: Sequence) -> tuple[float, int] | None:
-    """The commit rule of ``seq`` as (threshold, min_k): every candidate with confidence >=
-    threshold, or the top min_k when fewer pass (a top-k rule is threshold inf); None for the
-    factor rule."""
-    p = seq.params
-    if p.decoder.unmasking:
-        k = max(seq.tokens_this_step(), 1)
-        return (math.inf, k) if p.unmasking == "low_confidence_static" else (p.threshold, k)
-    if p.threshold is not None:
-        return p.threshold, 1  # the fixed-k share is not needed
-    if uses_factor(p):
-        return None
-    return math.inf, seq.tokens_this_step()

@@ -18,41 +18,43 @@ decoder's ``steps`` are not read.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from ..engine.sequence import Sequence
-from .commit_rules import CommitRule, predict
-
-if TYPE_CHECKING:
-    from ..strategies.base import Pipeline
+from .commit_rules import CommitRule, GroupDecision, Reweigh
+from .decide import GroupRules
 
 
 class Hierarchical(CommitRule):
     name: ClassVar[str] = "hierarchical"
 
-    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None) -> Tensor:
-        p = seq.params
-        logits, x0, conf = predict(seq, positions, logits)
-        if pipeline is not None:
-            conf = pipeline.confidence(seq, positions, x0, conf)
-        chosen = hierarchical_select(positions, conf, p.threshold, p.low_threshold)
-        seq.commit(positions[chosen], x0[chosen], logits[chosen])
-        return positions[chosen]
+    def decide(self, seqs: list[Sequence], rules: GroupRules, positions: Tensor, logits: Tensor,
+               reweigh: Reweigh | None) -> GroupDecision:
+        logits, x0, conf = rules.predict(logits, positions, owned=True)
+        if reweigh is not None:
+            conf = reweigh(positions, x0, conf)
+        threshold, low = rules.per_row([[s.params.threshold for s in seqs], [s.params.low_threshold for s in seqs]])
+        chosen = hierarchical_select(rules, positions, conf, threshold, low)
+        return GroupDecision(logits, x0, chosen)
 
 
-def hierarchical_select(positions: Tensor, conf: Tensor, threshold: float, low_threshold: float) -> Tensor:
-    """bool [N] over candidates at canvas ``positions`` [N] with confidence ``conf`` [N]: each
-    run's maximum above ``low_threshold``, everything above ``threshold``, and the top one."""
-    order = positions.argsort()
-    pos, c = positions[order], conf[order]
+def hierarchical_select(rules: GroupRules, positions: Tensor, conf: Tensor, threshold: Tensor, low: Tensor
+                        ) -> Tensor:
+    """bool [K] over the candidates of ``rules``' rows at canvas ``positions`` [K] with confidence
+    ``conf`` [K]: in each row, each run's maximum above its ``low`` threshold, everything above
+    its ``threshold`` (per row [B]), and its top one (the first on ties)."""
+    row, column = rules.row_t, rules.column_t
+    order = torch.argsort(row * (1 << 40) + positions, stable=True)  # by row, then position
+    pos, c, r = positions[order], conf[order], row[order]
     starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[1:] = pos[1:] != pos[:-1] + 1
-    run = starts.cumsum(0) - 1  # [N] run index of each candidate, in position order
+    starts[1:] = (pos[1:] != pos[:-1] + 1) | (r[1:] != r[:-1])
+    run = starts.cumsum(0) - 1  # [K] run index of each candidate, in (row, position) order
     run_max = torch.full_like(c, -float("inf")).scatter_reduce(0, run, c, "amax")
-    picked = ((c == run_max[run]) & (c > low_threshold)) | (c > threshold)
+    picked = ((c == run_max[run]) & (c > low[r])) | (c > threshold[r])
     chosen = torch.empty_like(picked).scatter_(0, order, picked)
-    chosen[conf.argmax()] = True
-    return chosen
+    padded = torch.full((rules.num_rows, rules.width), -float("inf"), dtype=conf.dtype, device=conf.device)
+    padded[row, column] = conf
+    return chosen | (column == padded.argmax(1)[row])

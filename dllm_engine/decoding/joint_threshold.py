@@ -37,17 +37,14 @@ after the last post-edit step to write the block's K/V; here the next block's fi
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-import torch
+import numpy as np
 from torch import Tensor
 
-from ..engine.sequence import Sequence
-from .commit_rules import CommitRule, predict
+from ..engine.sequence import Sequence, to_device
+from .commit_rules import CommitRule, GroupDecision, Reweigh
 from .decide import GroupRules
-
-if TYPE_CHECKING:
-    from ..strategies.base import Pipeline
 
 KEY = "joint-threshold"
 
@@ -55,28 +52,32 @@ KEY = "joint-threshold"
 class JointThreshold(CommitRule):
     name: ClassVar[str] = KEY
 
-    def logit_positions(self, seq: Sequence) -> Tensor:
+    def logit_index(self, seq: Sequence) -> np.ndarray:
         """Every generated position of the current block, masked or committed."""
         start, end = seq.block
-        return torch.arange(max(start, seq.prompt_len), end, device=seq.device)
+        return np.arange(max(start, seq.prompt_len), end)
 
-    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None) -> Tensor:
-        p = seq.params
-        logits, x0, conf = predict(seq, positions, logits)
-        current = seq.tokens(positions)
-        masked = seq.tensor(seq.undecided)[positions]
-        unmasking = bool(masked.any())  # a post-edit step when False
-        chosen = torch.zeros_like(masked)
-        if unmasking:
-            m_conf = conf[masked]
-            if pipeline is not None:
-                m_conf = pipeline.confidence(seq, positions[masked], x0[masked], m_conf)
-            chosen[masked] = GroupRules([seq], [m_conf.numel()], [seq.stats.nfe], m_conf.device).select(m_conf)
-        edit = ~masked & (x0 != current) & (conf > p.edit_threshold)
-        seq.commit(positions[chosen], x0[chosen], logits[chosen])
-        seq.edit(positions[edit], x0[edit], logits[edit])
-        keep_open(seq, unmasking, edited=bool(edit.any()))
-        return positions[chosen]
+    def decide(self, seqs: list[Sequence], rules: GroupRules, positions: Tensor, logits: Tensor,
+               reweigh: Reweigh | None) -> GroupDecision:
+        """M2T by the block decoder's rule over each row's masked candidates, T2T edits over its
+        committed ones, every row at once. The canvas the rows had before the step (tokens, which
+        are undecided) comes from the host in one copy. A row's state: whether the step unmasked
+        (its block had masks), for ``after_commit``."""
+        logits, x0, conf = rules.predict(logits, positions, owned=True)
+        width = max(s.canvas_len for s in seqs)
+        canvas = np.zeros((2, len(seqs), width), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            canvas[0, i, : s.canvas_len], canvas[1, i, : s.canvas_len] = s.canvas, s.undecided
+        current, undecided = to_device(canvas, positions.device)[:, rules.row_t, positions].unbind(0)
+        masked = undecided.bool()
+        (edit_threshold,) = rules.per_row([[s.params.edit_threshold for s in seqs]])
+        m_conf = conf if reweigh is None else reweigh(positions, x0, conf)  # position-wise: read at masks only
+        chosen = rules.select(m_conf, eligible=masked)
+        edit = ~masked & (x0 != current) & (conf > edit_threshold[rules.row_t])
+        return GroupDecision(logits, x0, chosen, edit, states=[s.num_masked() > 0 for s in seqs])
+
+    def after_commit(self, seq: Sequence, state, edited: bool) -> None:
+        keep_open(seq, unmasking=state, edited=edited)
 
 
 def keep_open(seq: Sequence, unmasking: bool, edited: bool) -> None:

@@ -16,8 +16,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UserError
-from ..decoding.commit_rules import rule_for
-from ..decoding.decide import GroupRules, read_commits
+from ..decoding.commit_rules import RowDecision, decide_group
 from ..decoding.decoders import after_forward, after_step, cache_len
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
@@ -25,11 +24,9 @@ from . import batch_step
 from .batch_step import batchable
 from .kv_cache import KVCache
 from .runner import Runner
-from .sequence import Sequence, to_device
+from .sequence import Sequence
 
 GroupKey = tuple[str, int]  # (method, length class)
-# one sequence's commit as decide_rows chose it: (positions and tokens on the host, their logits rows)
-Decision = tuple[np.ndarray, np.ndarray, Tensor]
 
 
 def length_class(positions: int) -> int:
@@ -148,8 +145,12 @@ class Engine:
         outputs, work = self.runner.forward_rows(seqs, plans, cache, hooks)
         outputs = [after_forward(seq, *out) for seq, out in zip(seqs, outputs)]  # the decoder's view
         ready = [(seq, *out) for seq, out in zip(seqs, pipeline.after_forward_rows(seqs, outputs))]
-        batched = pipeline.owner is None and all(s.params.commit_rule is None for s in seqs)
-        decided = self.decide_rows(pipeline, ready) if batched else [None] * len(ready)
+        reweigh = pipeline.confidence_rows if pipeline.adjusts_confidence else None
+        if pipeline.owner is None:  # every row's commit decided at once, with one read
+            decided = decide_group([r[0] for r in ready], [r[1] for r in ready], [r[2] for r in ready],
+                                   accounted=False, reweigh=reweigh)
+        else:
+            decided = [None] * len(ready)
         for (seq, positions, logits), w, decision in zip(ready, work, decided):
             try:
                 self.turn(pipeline, seq, w, positions, logits, decision)
@@ -158,65 +159,31 @@ class Engine:
                 raise
 
     def turn(self, pipeline: Pipeline, seq: Sequence, work: float, positions: Tensor, logits: Tensor,
-             decision: Decision | None) -> None:
+             decision: RowDecision | None) -> None:
         """Everything one step changes on ``seq``, in order: its stats, the decoder's record,
-        the commit (``decision``: what ``decide_rows`` chose; None: the commit rule runs now),
-        the strategies' records (``after_commit``), the cursor."""
+        the commit (``decision``: what ``decide_group`` chose for the group; None: the strategy
+        that owns the commit decides now), the strategies' records (``after_commit``), the cursor."""
         self.runner.account(seq, work)
         after_step(seq)
         if decision is None:
             committed = pipeline.commit(seq, positions, logits, partial(self.commit, pipeline=pipeline))
         else:
-            committed, tokens, rows = decision
-            if len(committed):
-                seq.commit(committed, tokens, rows)
+            decision.apply(seq)
+            committed = decision.positions
         pipeline.after_commit(seq, committed)
         if seq.trace is not None:  # record_steps: close the step's record (engine/trace.py)
             seq.trace.end_step(seq, pipeline.step_records(seq))
         seq.advance()
 
     def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None = None
-               ) -> Tensor:
-        """Apply the base commit rule (confidences adjusted by ``pipeline``) at ``seq``'s turn;
-        returns the committed positions."""
-        if not positions.numel():
-            return positions
-        if (rule := rule_for(seq)) is not None:  # a named commit rule (decoding/commit_rules.py)
-            return rule.commit(seq, positions, logits, pipeline)
-        rules = GroupRules([seq], [positions.numel()], [seq.stats.nfe], positions.device)  # this forward is accounted
-        logits, x0, conf = rules.predict(logits, positions)
-        if pipeline is not None:
-            conf = pipeline.confidence(seq, positions, x0, conf)
-        where, (host_positions,), (tokens,) = read_commits(rules.select(conf), x0, positions, [positions.numel()])
-        picked = to_device(where, positions.device)
-        seq.commit(host_positions, tokens, logits[picked])
-        return positions[picked]
-
-    def decide_rows(self, pipeline: Pipeline, ready: list[tuple[Sequence, Tensor, Tensor]]) -> list[Decision]:
-        """What ``commit`` would commit for each sequence of a group whose decoders' own rules
-        decide (no strategy owns the commit, no named rule), decided before the turns in one
-        pass (``GroupRules``; its keys are those of the forward each turn accounts), with one
-        host read that brings the positions and tokens too. Per sequence (committed positions and
-        their tokens on the host, their logits rows); nothing is written."""
-        live = [(i, seq, pos, lg) for i, (seq, pos, lg) in enumerate(ready) if pos.numel()]
-        none = np.zeros(0, dtype=np.int64)
-        decided = [(none, none, lg) for *_, lg in ready]  # replaced below where a row has candidates
-        if not live:
-            return decided
-        seqs = [seq for _, seq, _, _ in live]
-        counts = [pos.numel() for _, _, pos, _ in live]
-        positions = torch.cat([pos for _, _, pos, _ in live])
-        rules = GroupRules(seqs, counts, [s.stats.nfe + 1 for s in seqs], positions.device)
-        logits, x0, conf = rules.predict(torch.cat([lg for *_, lg in live]), positions, owned=True)
-        if pipeline.adjusts_confidence:
-            conf = pipeline.confidence_rows(seqs, counts, positions, x0, conf)
-        where, host_positions, tokens = read_commits(rules.select(conf), x0, positions, counts)  # the one read
-        rows: list = [None] * len(live)
-        if any(s.params.logprobs is not None or s.trace is not None for s in seqs):  # their logits rows
-            rows = logits[to_device(where, logits.device)].split([len(p) for p in host_positions])
-        for (i, *_), host_pos, tok, lg in zip(live, host_positions, tokens, rows):
-            decided[i] = (host_pos, tok, lg)
-        return decided
+               ) -> np.ndarray:
+        """The commit rule of ``seq`` alone, at its turn (a strategy that owns the commit falls
+        back to it): decided as for a group (``decide_group``), applied now; returns the
+        committed positions (host)."""
+        reweigh = pipeline.confidence_rows if pipeline is not None and pipeline.adjusts_confidence else None
+        (decision,) = decide_group([seq], [positions], [logits], accounted=True, reweigh=reweigh)
+        decision.apply(seq)
+        return decision.positions
 
     def release(self, keep: list[int]) -> None:
         self.arrange([self.running[i] for i in keep])
