@@ -307,21 +307,20 @@ def test_offline_logprobs_are_those_of_the_committed_tokens(llms):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_the_commit_rule_leaves_the_callers_logits_as_they_were(llms, temperature):
-    """Every commit path excludes the mask on its own tensor: the group's decision, the rule of
-    one sequence at its turn and the rule a strategy replaces (jump-share verifies its copies)."""
-    from dllm_engine.decoding.commit_rules import decide_group
+    """Every commit path excludes the mask on its own tensor: the group's decision and the
+    pipeline's, whose owner (jump-share) also reads the drafts' predictions."""
+    from dllm_engine.decoding.commit_rules import GroupCommit
     from dllm_engine.strategies.base import Pipeline
     llm = llms["llada"]
     for method in ("dual-cache", "dual-cache+jump-share"):
         seqs = [llm.make_sequence(p, SamplingParams(method=method, max_new_tokens=8, block_length=8,
                                                     temperature=temperature)) for p in PROMPTS[:2]]
-        engine, pipeline = llm.engine, Pipeline.named(method.split("+")[1:], llm.model)
+        pipeline = Pipeline.named(method.split("+")[1:], llm.model)
         for seq in seqs:
             pipeline.setup(seq)
         logits = [torch.randn(8, llm.model.config.vocab_size) for _ in seqs]
         before = [lg.clone() for lg in logits]
         ready = [(s, s.masked_positions(), lg) for s, lg in zip(seqs, logits)]
-        decide_group(*map(list, zip(*ready)), accounted=False)
-        for seq, positions, lg in ready:
-            pipeline.commit(seq, positions, lg, engine.commit)
+        GroupCommit(*map(list, zip(*ready)), accounted=False).read()
+        pipeline.decide_rows(*map(list, zip(*ready)))
         assert all(torch.equal(a, b) for a, b in zip(logits, before))

@@ -1,14 +1,17 @@
 """ODB-dLLM jump-share speculative decoding (strategies/jump_share.py)."""
+import numpy as np
 import pytest
 import torch
 
 from dllm_engine import LLM, SamplingParams
-from dllm_engine.decoding.decoders import plan_step
+from dllm_engine.decoding.commit_rules import GroupCommit
+from dllm_engine.decoding.decoders import plan_step, plan_steps
 from dllm_engine.engine.sequence import Sequence, TokenIds
 from dllm_engine.methods import FULL_ATTENTION_METHODS
 from dllm_engine.resolve import resolve_params
-from dllm_engine.strategies.jump_share import (JumpShare, accepted_copy, copy_key_mask, draft_sets,
-                                               make_layout, num_copies, share_plan, switches_to_eight)
+from dllm_engine.strategies.jump_share import (JumpShare, accepted_copy, copy_key_mask, copy_predictions,
+                                               draft_sets, make_layout, num_copies, share_plan,
+                                               switches_to_eight)
 from fixtures import write_checkpoint
 
 PROMPTS = [[42, 13, 14, 15, 16, 17, 18], [20, 21, 22], [30, 31, 32, 33, 34]]
@@ -43,8 +46,8 @@ def test_the_official_switch_reads_the_step_that_ran_and_what_it_accepted(step, 
     <= 92, 89 or 86 as the accepted copy held 2, 1 or 0 drafts."""
     seq = make_seq(block=32, max_new=32, max_copies=8)
     seq.step = step
-    masked = torch.arange(3, 3 + masks)
-    layout = make_layout(seq, masked, (masked[:2], torch.tensor([50, 51]), torch.tensor([0.9, 0.8])), 4)
+    masked = np.arange(3, 3 + masks)
+    layout = make_layout(seq, masked, (masked[:2], np.array([50, 51]), np.array([0.9, 0.8], dtype=np.float32)), 4)
     best = {0: 0, 1: 1, 2: 3}[drafts]
     assert switches_to_eight(seq, layout, best) is want
     for other in (dict(max_copies=4), dict(jump_share_switch="current")):
@@ -54,18 +57,30 @@ def test_the_official_switch_reads_the_step_that_ran_and_what_it_accepted(step, 
 
 def test_copy_key_mask_isolates_copies():
     """Canvas of 10, block [4, 8) with masks at 5 and 7, two extra copies in slots 10-13."""
-    masked = torch.tensor([5, 7])
-    base_limit = torch.full((4,), 10)
+    masked = np.array([5, 7])
+    base_limit = np.full(4, 10)
     mask = copy_key_mask(base_limit, 10, masked, extra=2)
     assert mask.shape == (4 + 2 * 2, 10 + 2 * 2)
-    want = torch.zeros(8, 14, dtype=torch.bool)
+    want = np.zeros((8, 14), dtype=bool)
     want[:4, :10] = True  # base tokens: the canvas, as the base plan's key limits say
     for row, copy in ((4, 0), (5, 0), (6, 1), (7, 1)):
         for key in range(10):
             want[row, key] = key not in (5, 7)  # cache, suffix and shared committed tokens
         own = 10 + 2 * copy
         want[row, own:own + 2] = True  # its own copy only
-    assert torch.equal(mask, want)
+    assert np.array_equal(mask, want)
+
+
+def verify(js, seq, positions, logits):
+    """A speculative step of ``seq`` alone: its decision (which must not fall back to the base
+    rule), applied as at its turn; returns the committed positions."""
+    def no_base_rule(seqs, *args):
+        assert not seqs, "a verifying step must not fall back to the base rule"
+        return GroupCommit(seqs, *args, accounted=False)
+
+    (decision,) = js.decide_rows([seq], [positions], [logits], no_base_rule)
+    decision.apply(seq)
+    return decision.positions
 
 
 def make_seq(block=4, max_new=8, **options):
@@ -79,9 +94,9 @@ def test_share_plan_lays_out_shared_and_copied_tokens():
     seq = make_seq(max_copies=4)  # canvas 11, block [3, 7)
     seq.fill(4, 20)  # committed: shared by all copies
     seq.step = 1
-    drafts = (torch.tensor([6, 4, 3, 5]), torch.tensor([61, 99, 63, 65]), torch.tensor([0.9, 0.8, 0.7, 0.6]))
-    base = plan_step(seq, 0)
-    layout = make_layout(seq, base.logit_positions, drafts, 4)
+    drafts = (np.array([6, 4, 3, 5]), np.array([61, 99, 63, 65]), np.array([0.9, 0.8, 0.7, 0.6], dtype=np.float32))
+    base = plan_steps([seq], 0)[0]
+    layout = make_layout(seq, base.host_logits, drafts, 4)
     # position 4 is committed now, so the drafts are 6 then 3; copies: (), {6}, {3}, {6, 3}
     assert layout.masked.tolist() == [3, 5, 6]
     assert layout.draft_idx.tolist() == [2, 0] and layout.draft_tokens.tolist() == [61, 63]
@@ -167,8 +182,8 @@ def test_accepted_copy_applies_its_drafts_and_its_own_commits(llms):
     seq.step = 1
     js = JumpShare(llms["llada"].model)
     js.setup(seq)
-    layout = make_layout(seq, seq.masked_positions(), (torch.tensor([4, 6]), torch.tensor([7, 8]),
-                                                       torch.tensor([0.9, 0.8])), 4)
+    layout = make_layout(seq, seq.masked_index(), (np.array([4, 6]), np.array([7, 8]),
+                                                   np.array([0.9, 0.8], dtype=np.float32)), 4)
     seq.strategy_state["jump-share"]["layout"] = layout
     # 4 copies over masked 3..6: d0 = position 4 (token 7), d1 = position 6 (token 8)
     logits = torch.full((4 + 3 + 3 + 2, 96), -1.0)  # a 1.0 logit is ~0.07, a 9.0 logit ~0.996
@@ -181,11 +196,8 @@ def test_accepted_copy_applies_its_drafts_and_its_own_commits(llms):
         for _, tok, value in rows[copy]:
             logits[r, tok] = value
             r += 1
-    positions = torch.cat([layout.masked[~layout.drafted[c]] for c in range(4)])
-    def no_base_rule(*args):
-        raise AssertionError("a verifying step must not fall back to the base rule")
-
-    committed = js.commit(seq, positions, logits, no_base_rule)
+    positions = torch.from_numpy(np.concatenate([layout.masked[~layout.drafted[c]] for c in range(4)]))
+    committed = verify(js, seq, positions, logits)
     # copy 3 = {d0, d1} is accepted (d0 by copy 0, d1 by copy {d0}); its own commit (3 -> 37) too
     assert sorted(committed.tolist()) == [3, 4, 6]
     assert seq.canvas[3:7].tolist() == [37, 7, IDS.mask_id, 8]
@@ -220,15 +232,15 @@ def test_copies_do_not_change_the_base_copy(llms, method):
     plan = pipeline.plan(seq, plan_step(seq, 0))
     layout = seq.strategy_state["jump-share"]["layout"]
     # 7 masks left in a block of 8: 8 + 3·7 > 2.8·8, so 4 copies over 2 drafts
-    assert layout.num_copies == 4 and layout.draft_idx.numel() == 2
+    assert layout.num_copies == 4 and len(layout.draft_idx) == 2
     with torch.inference_mode():  # as Engine.step
         (pos_js, logits_js), = engine.runner.forward([seq], [plan], cache)
         (pos_base, logits_base), = engine.runner.forward([seq], [plan_step(seq, 0)], cache)
-    n = layout.masked.numel()
+    n = len(layout.masked)
     assert torch.equal(pos_js[:n], pos_base)
     torch.testing.assert_close(logits_js[:n], logits_base, atol=1e-5, rtol=1e-5)
     # the copies holding drafts see different inputs: their predictions differ from copy 0's
-    assert not torch.allclose(logits_js[n:2 * n - 1], logits_base[~layout.drafted[1]])
+    assert not torch.allclose(logits_js[n:2 * n - 1], logits_base[torch.from_numpy(~layout.drafted[1])])
     engine.cancel(seq.seq_id)
 
 
@@ -296,16 +308,16 @@ def test_drafts_may_cover_every_masked_position(llms):
     seq = make_seq(max_copies=4)  # block [3, 7)
     seq.fill([3, 5], [20, 21])
     seq.step = 2
-    drafts = (torch.tensor([6, 4]), torch.tensor([61, 62]), torch.tensor([0.9, 0.8]))
-    layout = make_layout(seq, seq.masked_positions(), drafts, 4)
+    drafts = (np.array([6, 4]), np.array([61, 62]), np.array([0.9, 0.8], dtype=np.float32))
+    layout = make_layout(seq, seq.masked_index(), drafts, 4)
     assert layout.draft_idx.tolist() == [1, 0] and layout.counts() == [2, 1, 1, 0]
     js = JumpShare(llms["llada"].model)
     js.setup(seq)
     seq.strategy_state["jump-share"]["layout"] = layout
     logits = torch.full((4, 96), -1.0)
     logits[0, 62], logits[1, 61], logits[2, 62], logits[3, 61] = 9.0, 9.0, 9.0, 9.0
-    positions = torch.cat([layout.masked[~layout.drafted[c]] for c in range(4)])
-    committed = js.commit(seq, positions, logits, lambda *a: None)
+    positions = torch.from_numpy(np.concatenate([layout.masked[~layout.drafted[c]] for c in range(4)]))
+    committed = verify(js, seq, positions, logits)
     assert sorted(committed.tolist()) == [4, 6] and seq.canvas[3:7].tolist() == [20, 62, 21, 61]
 
 
@@ -320,14 +332,27 @@ def plain_copy_predictions(seq, layout, logits):
     commit = torch.zeros(c, n, dtype=torch.bool)
     logits = logits.clone()
     logits[:, seq.ids.mask_id] = -float("inf")
+    masked = torch.from_numpy(layout.masked)
     for i, rows in enumerate(logits.split(layout.counts())):
-        own = ~layout.drafted[i]
+        own = torch.from_numpy(~layout.drafted[i])
         if rows.shape[0]:
-            noise = seq.noise(layout.masked[own], salt=torch.full((rows.shape[0],), i))
+            noise = seq.noise(masked[own], salt=torch.full((rows.shape[0],), i))
             x0[i, own] = sample_tokens(rows, p.temperature, noise, p.top_k, p.top_p)
             conf[i, own] = confidence(rows, x0[i, own], p.remasking, noise).float()
             commit[i, own] = plain_select(seq, conf[i, own])
     return x0, conf, commit
+
+
+def on_grid(layout, x0, conf_bits, chosen):
+    """``copy_predictions``' flat values (each copy's own candidates, copy after copy) on the
+    [C, n] grid of ``plain_copy_predictions``."""
+    c, n = layout.drafted.shape
+    own = torch.from_numpy(layout.own_index())
+    grid = (torch.full((c * n,), -1, dtype=torch.long), torch.full((c * n,), -float("inf")),
+            torch.zeros(c * n, dtype=torch.bool))
+    grid[0][own], grid[1][own] = x0, conf_bits.int().view(torch.float32)
+    grid[2][own] = chosen.bool()
+    return [g.view(c, n) for g in grid]
 
 
 def plain_select(seq, conf):
@@ -356,12 +381,14 @@ def test_copy_predictions_of_all_copies_equal_the_per_copy_rule(options):
         seq = make_seq(block=8, max_new=8, max_copies=8, **options)
         seq.step = 2
         seq.stats.nfe = 3
-        seq.fill(committed, torch.arange(20, 20 + len(committed)))
-        drafts = (torch.tensor([9, 5, 3, 10, 6, 8]), torch.tensor([50, 51, 52, 53, 54, 55]), torch.rand(6))
-        layout = make_layout(seq, seq.masked_positions(), drafts, 8)
+        seq.fill(committed, np.arange(20, 20 + len(committed)))
+        drafts = (np.array([9, 5, 3, 10, 6, 8]), np.array([50, 51, 52, 53, 54, 55]), torch.rand(6).numpy())
+        layout = make_layout(seq, seq.masked_index(), drafts, 8)
         logits = torch.randn(sum(layout.counts()), 96) * 3
         want = plain_copy_predictions(seq, layout, logits)
-        got = JumpShare.copy_predictions(seq, layout, logits.clone())
+        seq.stats.nfe -= 1  # copy_predictions keys the forward the turn will account (nfe + 1)
+        positions = torch.from_numpy(np.concatenate([layout.masked[~d] for d in layout.drafted]))
+        got = on_grid(layout, *copy_predictions([seq], [layout], positions, logits.clone()))
         for a, b in zip(got, want):
             assert torch.equal(a, b)
     assert layout.counts()[-1] == 0  # the last copy holds both drafts and predicts nothing

@@ -166,7 +166,7 @@ def test_runner_writes_a_contiguous_slot_range_as_one_slice(llada):
     from dllm_engine.engine.kv_cache import KVCache
     from types import SimpleNamespace
     runner = llada.engine.runner
-    plans = [SimpleNamespace(key_mask=None, host_limit=None)] * 2  # built on the device: the facts are read
+    plans = [SimpleNamespace(key_mask=None, host_limit=None, host_key_mask=None)] * 2  # built on the device: read
     limit = torch.full((2, 4), 9)
     valid = torch.ones(2, 4, dtype=torch.bool)
     slots = torch.arange(3, 7).expand(2, 4)

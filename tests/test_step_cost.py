@@ -1,7 +1,8 @@
 """A step's own cost does not grow with the batch: for every base decoder, commit rule (the
-decoder's own and the named ones) and sampling option, and for FOCUS, its delayed cache and early skipping, the tensor ops outside
-the model's layer loop (planning, inputs, LM head, commit, bookkeeping) at batch 64 are at
-most 1.25x those at batch 1, and a forward group reads the device at most three times per step
+decoder's own and the named ones) and sampling option, and for every strategy (FOCUS, its
+delayed cache, early skipping, adaptive length, jump-share), the tensor ops outside the model's
+layer loop (planning, inputs, LM head, commit, bookkeeping) at batch 64 are at most 1.25x those
+at batch 1, and a forward group reads the device at most three times per step
 (counted as ``dllm profile`` counts them)."""
 import pytest
 
@@ -43,7 +44,7 @@ CASES = [
     ("Dream", "dual-cache:threshold=0.9"),
     ("sdar", "block:threshold=0.9"),
     ("sdar", "block:threshold=0.9,temperature=0.6,top_p=0.9"),
-    # named commit rules, decided for the whole group (decoding/commit_rules.decide_group)
+    # named commit rules, decided for the whole group (decoding/commit_rules.GroupCommit)
     ("llada", "dual-cache:threshold=0.9,commit_rule=credit"),
     ("llada", "reference:threshold=0.9,commit_rule=hierarchical,temperature=0.7"),
     ("sdar", "block:commit_rule=joint-threshold,preset=S"),
@@ -52,6 +53,11 @@ CASES = [
     ("llada", "dual-cache+focus:steps=4"),
     ("sdar", "block+delayed-cache:threshold=0.9"),
     ("llada", "dual-cache+early-skip:threshold=0.9"),
+    ("llada", "dual-cache+adaptive-length:threshold=0.9"),
+    # jump-share: copies planned on the host, every copy of every row verified in one pass
+    ("llada", "dual-cache+jump-share:threshold=0.9,max_copies=8"),
+    ("llada", "prefix-cache+jump-share:threshold=0.9,temperature=0.7,jump_share_layout=shared"),
+    ("llada", "dual-cache+adaptive-length+jump-share:threshold=0.9"),
 ]
 
 

@@ -1,7 +1,7 @@
 """The seam of a commit rule picked in place of the decoder's own (``SamplingParams.commit_rule``).
 
 A rule decides, from one step's logits, which candidate positions become tokens, for a whole
-forward group at once (``decide``; ``decide_group`` is the one place a commit is decided); one
+forward group at once (``decide``; ``GroupCommit`` is the one place a commit is decided); one
 rule may also ask for more logits than the masked positions (``logit_index``), rewrite committed
 tokens (``Sequence.edit``) and keep an unmasked block open for more steps
 (``Sequence.block_open``). What a rule is to a request (its bases, options, whether it edits) is
@@ -110,63 +110,80 @@ def rule_for(seq: Sequence) -> CommitRule:
 
 @dataclass
 class RowDecision:
-    """One sequence's step as ``decide_group`` decided it, on the host, applied at its turn
-    (``apply``)."""
+    """One sequence's step as decided for its group (``GroupCommit``), on the host, applied at
+    its turn (``apply``)."""
     positions: np.ndarray  # the canvas positions it commits
     tokens: np.ndarray  # their tokens
     rows: Tensor | None = None  # their logits rows (only for a request that records them)
     edits: tuple[np.ndarray, np.ndarray, Tensor | None] | None = None  # positions, tokens, logits rows
     rule: CommitRule = DECODER_RULE
     state: object = None  # the rule's state after the step
+    confidence: np.ndarray | None = None  # a trace's confidence of each commit (else from ``rows``)
+    after: Callable[[Sequence], None] | None = None  # what a strategy that decided the row keeps
+    candidates: np.ndarray | None = None  # the canvas positions it decided among
 
     def apply(self, seq: Sequence) -> None:
-        """Commit (and edit) what was decided; the rule keeps its state."""
+        """Commit (and edit) what was decided; the rule, and a strategy that decided, keep their state."""
         if len(self.positions):
-            seq.commit(self.positions, self.tokens, self.rows)
+            seq.commit(self.positions, self.tokens, self.rows, confidence=self.confidence)
         if self.edits is not None and len(self.edits[0]):
             seq.edit(*self.edits)
         self.rule.after_commit(seq, self.state, self.edits is not None and len(self.edits[0]) > 0)
+        if self.after is not None:
+            self.after(seq)
 
 
 # (sequences, candidates per sequence, positions, tokens, confidences) -> reweighed confidences
 ReweighRows = Callable[[list, list, Tensor, Tensor, Tensor], Tensor]
 
 
-def decide_group(seqs: list[Sequence], positions: list[Tensor], logits: list[Tensor], accounted: bool,
-                 reweigh: ReweighRows | None = None) -> list[RowDecision]:
+class GroupCommit:
     """Every sequence's commit (and edits) for one step, from its candidates' canvas
     ``positions`` [N_i] and ``logits`` [N_i, V]: the rows grouped by their rule, each group
-    decided at once (``CommitRule.decide``), then ONE host read for the whole group. The
-    sampling keys are those of the forward each turn accounts (``accounted``: already counted
-    in ``stats.nfe``). The one place a commit is decided; nothing is written (``RowDecision.apply``
-    at each turn)."""
-    out = [RowDecision(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)) for _ in seqs]
-    by_rule: dict[CommitRule, list[int]] = {}
-    for i, (seq, pos) in enumerate(zip(seqs, positions)):
-        if pos.numel():  # a row with no candidate commits nothing and its rule keeps its state
-            by_rule.setdefault(rule_for(seq), []).append(i)
-    parts = []
-    for rule, rows in by_rule.items():
-        members = [seqs[i] for i in rows]
-        counts = [positions[i].numel() for i in rows]
-        at = torch.cat([positions[i] for i in rows])
-        rules = GroupRules(members, counts, [s.stats.nfe + (not accounted) for s in members], at.device)
-        reweigh_part = None if reweigh is None else partial(reweigh, members, counts)
-        decision = rule.decide(members, rules, at, torch.cat([logits[i] for i in rows]), reweigh_part)
-        parts.append((rule, rows, counts, at, decision))
-    if not parts:
-        return out
-    read = torch.cat([torch.stack([d.chosen.long() + (2 * d.edit.long() if d.edit is not None else 0), d.x0,
-                                   at.long()]) for *_, at, d in parts], 1)
-    kind, tokens, where = read.cpu().numpy()  # the group's one read
-    start = 0
-    for rule, rows, counts, _, decision in parts:
-        size = sum(counts)
-        flags, part_tokens, part_where = kind[start:start + size], tokens[start:start + size], where[start:start + size]
-        start += size
+    decided at once on the device (``CommitRule.decide``); ``read`` brings the whole group's
+    decision to the host in ONE read. The sampling keys are those of the forward each turn
+    accounts (``accounted``: already counted in ``stats.nfe``). The one place a commit is
+    decided; nothing is written (``RowDecision.apply`` at each turn)."""
+
+    def __init__(self, seqs: list[Sequence], positions: list[Tensor], logits: list[Tensor], accounted: bool,
+                 reweigh: ReweighRows | None = None) -> None:
+        self.seqs = seqs
+        by_rule: dict[CommitRule, list[int]] = {}
+        for i, (seq, pos) in enumerate(zip(seqs, positions)):
+            if pos.numel():  # a row with no candidate commits nothing and its rule keeps its state
+                by_rule.setdefault(rule_for(seq), []).append(i)
+        self.parts = []
+        for rule, rows in by_rule.items():
+            members = [seqs[i] for i in rows]
+            counts = [positions[i].numel() for i in rows]
+            at = torch.cat([positions[i] for i in rows])
+            rules = GroupRules(members, counts, [s.stats.nfe + (not accounted) for s in members], at.device)
+            reweigh_part = None if reweigh is None else partial(reweigh, members, counts)
+            decision = rule.decide(members, rules, at, torch.cat([logits[i] for i in rows]), reweigh_part)
+            self.parts.append((rule, rows, counts, at, decision))
+
+    def read(self, extra: list[Tensor] = ()) -> tuple[list[RowDecision], list[np.ndarray]]:
+        """(per sequence its decision; the ``extra`` 1-D int64 tensors), in one read."""
+        none = np.zeros(0, dtype=np.int64)
+        out = [RowDecision(none, none, candidates=none) for _ in self.seqs]
+        flat = [torch.stack([d.chosen.long() + (2 * d.edit.long() if d.edit is not None else 0), d.x0, at.long()]
+                            ).flatten() for *_, at, d in self.parts]
+        if not flat and not extra:
+            return out, []
+        host = torch.cat([*flat, *extra]).cpu().numpy()  # the group's one read
+        sizes = [t.numel() for t in flat] + [t.numel() for t in extra]
+        pieces = np.split(host, np.cumsum(sizes)[:-1])
+        for (rule, rows, counts, _, decision), piece in zip(self.parts, pieces):
+            self.unpack(out, rule, rows, counts, decision, *piece.reshape(3, -1))
+        return out, pieces[len(flat):]
+
+    def unpack(self, out: list[RowDecision], rule: CommitRule, rows: list[int], counts: list[int],
+               decision: GroupDecision, kind: np.ndarray, tokens: np.ndarray, where: np.ndarray) -> None:
+        """Each row's decision of one rule's part from what the read brought back."""
+        seqs = self.seqs
         split = np.cumsum(counts)[:-1]
-        committed = [np.flatnonzero(f & 1) for f in np.split(flags, split)]
-        edited = [np.flatnonzero(f & 2) for f in np.split(flags, split)]
+        committed = [np.flatnonzero(f & 1) for f in np.split(kind, split)]
+        edited = [np.flatnonzero(f & 2) for f in np.split(kind, split)]
         offsets = np.cumsum([0, *counts[:-1]])
         commit_rows = gathered(decision.logits, [seqs[i].params.logprobs is not None or seqs[i].trace is not None
                                                  for i in rows], committed, offsets)
@@ -175,12 +192,12 @@ def decide_group(seqs: list[Sequence], positions: list[Tensor], logits: list[Ten
         for j, i in enumerate(rows):
             row = out[i]
             mine = committed[j] + offsets[j]
-            row.positions, row.tokens, row.rows, row.rule = part_where[mine], part_tokens[mine], commit_rows[j], rule
+            row.positions, row.tokens, row.rows, row.rule = where[mine], tokens[mine], commit_rows[j], rule
+            row.candidates = where[offsets[j]: offsets[j] + counts[j]]
             if decision.edit is not None:
                 mine = edited[j] + offsets[j]
-                row.edits = (part_where[mine], part_tokens[mine], edit_rows[j])
+                row.edits = (where[mine], tokens[mine], edit_rows[j])
             row.state = None if decision.states is None else decision.states[j]
-    return out
 
 
 def gathered(logits: Tensor, wanted: list[bool], picked: list[np.ndarray], offsets: np.ndarray

@@ -56,9 +56,12 @@ def signature(seq: Sequence) -> tuple:
 class GroupRules:
     """The commit rules of B sequences with ``counts`` candidates each (K in all, one after
     another), as host arrays sent to ``device`` in one copy; ``forwards``: each sequence's
-    forward index for the sampling keys (``stats.nfe`` once this step's forward is accounted)."""
+    forward index for the sampling keys (``stats.nfe`` once this step's forward is accounted);
+    ``salts``: a key part per row that tells apart rows of one sequence in one forward
+    (jump-share's copies: the copy's index; none: 0)."""
 
-    def __init__(self, seqs: list[Sequence], counts: list[int], forwards: list[int], device: torch.device) -> None:
+    def __init__(self, seqs: list[Sequence], counts: list[int], forwards: list[int], device: torch.device,
+                 salts: list[int] | None = None) -> None:
         self.device = device
         self.num_rows, self.width = len(seqs), max(counts, default=0)
         self.row = row = np.repeat(np.arange(len(seqs)), counts)  # [K] each candidate's row
@@ -75,13 +78,18 @@ class GroupRules:
         for i, s in enumerate(seqs):
             self.signatures.setdefault(signature(s), []).append(i)
         seeds, steps = np.array([s.seed for s in seqs], dtype=np.int64), np.array(forwards, dtype=np.int64)
-        # one buffer: per candidate (row, column, mask id, seed, forward), per row (k, count,
-        # threshold and factor as float64 bits)
+        # one buffer: per candidate (row, column, mask id, seed, forward[, salt]), per row (k,
+        # count, threshold and factor as float64 bits)
         n, b = len(row), len(seqs)
-        packed = np.concatenate([row, column, masks[row], seeds[row], steps[row], k,
-                                 np.asarray(counts, dtype=np.int64), threshold.view(np.int64), factor.view(np.int64)])
+        keys = [row, column, masks[row], seeds[row], steps[row]]
+        if salts is not None:
+            keys.append(np.asarray(salts, dtype=np.int64)[row])
+        packed = np.concatenate([*keys, k, np.asarray(counts, dtype=np.int64), threshold.view(np.int64),
+                                 factor.view(np.int64)])
         sent = to_device(packed, device)
-        (self.row_t, self.column_t, self.masks_t, self.seeds_t, self.steps_t), rest = sent[: 5 * n].view(5, n), sent[5 * n:]
+        per_candidate, rest = sent[: len(keys) * n].view(len(keys), n), sent[len(keys) * n:]
+        self.row_t, self.column_t, self.masks_t, self.seeds_t, self.steps_t = per_candidate[:5]
+        self.salts_t = per_candidate[5] if salts is not None else None
         self.k_t, self.counts_t = rest[:b], rest[b: 2 * b]
         self.floats_t = rest[2 * b:].view(torch.float64).view(2, b)  # threshold, factor
 
@@ -124,8 +132,9 @@ class GroupRules:
         temperature, top_k, top_p, remasking = options
         noise = None
         if temperature != 0 or remasking == "random":
-            seeds, steps = (self.seeds_t, self.steps_t) if at is None else (self.seeds_t[at], self.steps_t[at])
-            noise = Noise(seeds, positions.long(), steps)
+            seeds, steps, salts = ((self.seeds_t, self.steps_t, self.salts_t) if at is None else
+                                   (self.seeds_t[at], self.steps_t[at], None if self.salts_t is None else self.salts_t[at]))
+            noise = Noise(seeds, positions.long(), steps, salts)
         x0 = sample_tokens(logits, temperature, noise, top_k, top_p)
         return x0, confidence(logits, x0, remasking, noise)
 

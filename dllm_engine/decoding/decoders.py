@@ -33,6 +33,9 @@ class StepPlan:
     host_positions: np.ndarray | None = None  # [T] ``positions`` on the host, where planned there
     host_limit: np.ndarray | None = None  # [T] ``key_limit`` on the host, where planned there
     host_logits: np.ndarray | None = None  # [N] ``logit_positions`` on the host, where planned there
+    # [T, S] bool on the host: the keys each token sees, overriding key_limit (jump-share's
+    # isolated copies); the runner builds the step's mask from it with the others' host limits
+    host_key_mask: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.positions.numel()
@@ -54,7 +57,7 @@ class StepPlan:
         pick = {name: getattr(self, name)[at] for name in ("positions", "key_limit", "slots", "token_ids",
                                                            "key_mask") if getattr(self, name) is not None}
         host = {name: None if getattr(self, name) is None else getattr(self, name)[keep]
-                for name in ("host_positions", "host_limit")}
+                for name in ("host_positions", "host_limit", "host_key_mask")}
         return replace(self, **pick, **host)
 
     def with_logits(self, positions: Tensor, seq: Sequence, shift: int) -> "StepPlan":

@@ -7,16 +7,13 @@ order (``KVCache.arrange``), so a group's forward reads its pool without a copy 
 request widens only the rows of its class."""
 from __future__ import annotations
 
-from functools import partial
 import time
 from collections import deque
 
-import numpy as np
 import torch
-from torch import Tensor
 
 from ..errors import UserError
-from ..decoding.commit_rules import RowDecision, decide_group
+from ..decoding.commit_rules import RowDecision
 from ..decoding.decoders import after_forward, after_step, cache_len
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
@@ -145,45 +142,25 @@ class Engine:
         outputs, work = self.runner.forward_rows(seqs, plans, cache, hooks)
         outputs = [after_forward(seq, *out) for seq, out in zip(seqs, outputs)]  # the decoder's view
         ready = [(seq, *out) for seq, out in zip(seqs, pipeline.after_forward_rows(seqs, outputs))]
-        reweigh = pipeline.confidence_rows if pipeline.adjusts_confidence else None
-        if pipeline.owner is None:  # every row's commit decided at once, with one read
-            decided = decide_group([r[0] for r in ready], [r[1] for r in ready], [r[2] for r in ready],
-                                   accounted=False, reweigh=reweigh)
-        else:
-            decided = [None] * len(ready)
-        for (seq, positions, logits), w, decision in zip(ready, work, decided):
+        decided = pipeline.decide_rows(seqs, [r[1] for r in ready], [r[2] for r in ready])  # one read
+        for seq, w, decision in zip(seqs, work, decided):
             try:
-                self.turn(pipeline, seq, w, positions, logits, decision)
+                self.turn(pipeline, seq, w, decision)
             except Exception as e:
                 seq.step_error = e
                 raise
 
-    def turn(self, pipeline: Pipeline, seq: Sequence, work: float, positions: Tensor, logits: Tensor,
-             decision: RowDecision | None) -> None:
+    def turn(self, pipeline: Pipeline, seq: Sequence, work: float, decision: RowDecision) -> None:
         """Everything one step changes on ``seq``, in order: its stats, the decoder's record,
-        the commit (``decision``: what ``decide_group`` chose for the group; None: the strategy
-        that owns the commit decides now), the strategies' records (``after_commit``), the cursor."""
+        the commit decided for it (``Pipeline.decide_rows``), the strategies' records
+        (``after_commit``), the cursor."""
         self.runner.account(seq, work)
         after_step(seq)
-        if decision is None:
-            committed = pipeline.commit(seq, positions, logits, partial(self.commit, pipeline=pipeline))
-        else:
-            decision.apply(seq)
-            committed = decision.positions
-        pipeline.after_commit(seq, committed)
+        decision.apply(seq)
+        pipeline.after_commit(seq, decision.positions)
         if seq.trace is not None:  # record_steps: close the step's record (engine/trace.py)
             seq.trace.end_step(seq, pipeline.step_records(seq))
         seq.advance()
-
-    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, pipeline: Pipeline | None = None
-               ) -> np.ndarray:
-        """The commit rule of ``seq`` alone, at its turn (a strategy that owns the commit falls
-        back to it): decided as for a group (``decide_group``), applied now; returns the
-        committed positions (host)."""
-        reweigh = pipeline.confidence_rows if pipeline is not None and pipeline.adjusts_confidence else None
-        (decision,) = decide_group([seq], [positions], [logits], accounted=True, reweigh=reweigh)
-        decision.apply(seq)
-        return decision.positions
 
     def release(self, keep: list[int]) -> None:
         self.arrange([self.running[i] for i in keep])

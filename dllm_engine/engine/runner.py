@@ -12,7 +12,7 @@ from ..decoding.decoders import StepPlan
 from ..models.context import ForwardContext, LayerHooks
 from ..models.layers import DiffusionLM
 from .kv_cache import KVCache
-from .sequence import Sequence
+from .sequence import Sequence, to_device
 from .shapes import bucket, pad_to
 
 
@@ -165,6 +165,11 @@ class Runner:
         writes the cache slots [lo, lo + T) in order (``KVCache.write`` copies a slice), else
         None. ``fixed``: S rounded up to its ``bucket`` and always a mask. The plans' host arrays
         give the key facts (``host_key_facts``); plans built on the device cost one read."""
+        if any(p.host_key_mask is not None for p in plans) and all(p.host_limit is not None for p in plans):
+            return host_key_mask(plans, limit.shape, fixed, limit.device)
+        for p in plans:  # a host key mask beside plans built with tensors only: on the device
+            if p.host_key_mask is not None and p.key_mask is None:
+                p.key_mask = to_device(p.host_key_mask, limit.device)
         facts = host_key_facts(plans, slots is not None)
         if facts is None:  # a plan built with tensors only: read the facts from the device
             explicit = torch.tensor([p.key_mask is not None for p in plans] + [False] * (limit.shape[0] - len(plans)),
@@ -218,6 +223,29 @@ class Runner:
         flat = torch.nonzero_static(ok.reshape(-1), size=sum(counts))[:, 0]
         rows = flat // ok.shape[1]
         return flat, counts, self.model.logits(hidden[rows, src.reshape(-1)[flat]])
+
+
+def host_key_mask(plans: list[StepPlan], shape: tuple[int, int], fixed: bool, device: torch.device
+                  ) -> tuple[int, Tensor, None]:
+    """``Runner.attention_keys`` for plans whose key limits (and explicit key masks) are host
+    arrays: the [B, 1, T, S] mask built on the host, sent in one copy. Padding tokens see key 0."""
+    rows, width = shape
+    widths = [p.host_key_mask.shape[1] if p.host_key_mask is not None else int(p.host_limit.max(initial=1))
+              for p in plans]
+    num_keys = max(widths)
+    if fixed:
+        num_keys = bucket(num_keys)
+    mask = np.zeros((rows, width, num_keys), dtype=bool)
+    mask[:, :, 0] = True
+    keys = np.arange(num_keys)
+    for i, p in enumerate(plans):
+        n = len(p.host_limit)
+        if p.host_key_mask is not None:
+            mask[i, :n, :] = False
+            mask[i, :n, : p.host_key_mask.shape[1]] = p.host_key_mask
+        else:
+            mask[i, :n] = keys[None, :] < p.host_limit[:, None]
+    return num_keys, to_device(mask, device)[:, None], None
 
 
 def host_key_facts(plans: list[StepPlan], contiguous: bool) -> tuple[int, int, tuple[int, int] | None] | None:

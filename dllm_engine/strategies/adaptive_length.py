@@ -15,6 +15,7 @@ the current block, so ALP can at most end the sequence after the current block.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 import numpy as np
@@ -23,7 +24,7 @@ from torch import Tensor
 
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import greedy_predictions
-from ..engine.sequence import Sequence
+from ..engine.sequence import Sequence, host, to_device
 from .base import Strategy
 
 KEY = "adaptive-length"
@@ -38,26 +39,38 @@ class AdaptiveLength(Strategy):
         seq.strategy_state[KEY] = {"commit_positions": None, "cut_to": None, "step_cut": None, "cuts": []}
 
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
+        return self.plan_rows([seq], [plan])[0]
+
+    def plan_rows(self, seqs: list[Sequence], plans: list[StepPlan]) -> list[StepPlan]:
         """On a block's first step, also ask for the logits of every masked generation slot
-        the forward computes (the current block's stay first, for the commit rule)."""
-        state = seq.strategy_state[KEY]
-        state["commit_positions"] = state["cut_to"] = state["step_cut"] = None  # this step's scratch
-        if seq.step != 0:
-            return plan
-        extra = self.inspected_slots(seq, plan)
-        state["commit_positions"] = plan.logit_positions
-        if extra.numel():
-            plan = plan.with_logits(extra, seq, self.model.config.logit_shift)
-        return plan
+        the forward computes (the current block's stay first, for the commit rule). Rows planned
+        on the host get their new logit positions in one copy for the group."""
+        shift = self.model.config.logit_shift
+        out, extended = list(plans), []
+        for i, (seq, plan) in enumerate(zip(seqs, plans)):
+            state = seq.strategy_state[KEY]
+            state["commit_positions"] = state["cut_to"] = state["step_cut"] = None  # this step's scratch
+            if seq.step != 0:
+                continue
+            state["commit_positions"] = plan.host_logits if plan.host_logits is not None else plan.logit_positions
+            if plan.host_positions is None or plan.host_logits is None or seq.params.cfg_scale > 0:
+                extra = self.inspected_slots(seq, plan)  # a plan built row by row (CFG)
+                if extra.numel():
+                    out[i] = plan.with_logits(extra, seq, shift)
+            elif len(extra := host_inspected(seq, plan)):
+                extended.append((i, np.concatenate([plan.host_logits, extra])))
+        if extended:
+            wanted = np.concatenate([w for _, w in extended])
+            sent = to_device(np.concatenate([wanted, wanted - shift]), seqs[0].device)
+            sizes = [len(w) for _, w in extended]
+            for (i, w), positions, slots in zip(extended, *(part.split(sizes) for part in sent.split(len(wanted)))):
+                out[i] = replace(plans[i], logit_positions=positions, logit_slots=slots, host_logits=w)
+        return out
 
     def inspected_slots(self, seq: Sequence, plan: StepPlan) -> Tensor:
-        """Masked generation slots computed by this forward, not yet in the plan's logit set
-        (decided on the host where the plan was built there)."""
-        if plan.host_positions is not None and plan.host_logits is not None:
-            pos = plan.host_positions
-            pos = pos[(pos >= seq.prompt_len) & seq.undecided[pos]]
-            return seq.tensor(pos[~np.isin(pos, plan.host_logits)])
-        pos = torch.unique(plan.positions)  # a CFG plan lists the canvas twice
+        """Masked generation slots computed by this forward, not yet in the plan's logit set,
+        for a plan built with tensors (CFG's lists the canvas twice)."""
+        pos = torch.unique(plan.positions)
         pos = pos[pos >= seq.prompt_len]
         pos = pos[seq.tensor(seq.undecided)[pos]]
         return pos[~torch.isin(pos, plan.logit_positions)]
@@ -70,20 +83,18 @@ class AdaptiveLength(Strategy):
         """Inspect every predicted slot of the sequences at a block's first step, decide where
         a canvas is cut (a confident stop token; ``after_commit`` cuts it), and hand only the
         originally planned (block) positions on to the commit rule. Batched over the forward
-        group: one host read (each row's first confident stop and how many of its outputs are
-        commit positions)."""
+        group: the rows' facts (each candidate's row, which positions the commit rule sees) go
+        to the device in one copy, and one host read brings back each row's first confident
+        stop and how many of its outputs are commit positions."""
         rows = [i for i, s in enumerate(seqs) if s.strategy_state[KEY]["commit_positions"] is not None]
         if not rows:
             return outputs
         positions = torch.cat([outputs[i][0] for i in rows])  # [N], the rows one after another
         logits = torch.cat([outputs[i][1] for i in rows])  # [N, V]
         counts = [outputs[i][0].numel() for i in rows]
-        owner = torch.cat([torch.full((n,), j, device=positions.device) for j, n in enumerate(counts)])
-        mask_ids = torch.tensor([seqs[i].ids.mask_id for i in rows], device=positions.device)
-        tokens, conf = greedy_predictions(logits, mask_ids[owner])
+        owner, is_commit = row_facts([seqs[i] for i in rows], counts, positions)
+        tokens, conf = greedy_predictions(logits, seqs[rows[0]].ids.mask_id)
         stop = first_stops(seqs, rows, positions, tokens, conf, owner, counts)
-        is_commit = torch.cat([torch.isin(pos, seqs[i].strategy_state[KEY]["commit_positions"])
-                               for i, pos in zip(rows, positions.split(counts))])
         kept = torch.zeros(len(rows), dtype=torch.long, device=positions.device).index_add_(0, owner, is_commit.long())
         firsts, kept = torch.stack([stop, kept]).tolist()
         for i, first in zip(rows, firsts):  # decided on the canvas the forward saw
@@ -94,7 +105,7 @@ class AdaptiveLength(Strategy):
             out[i] = (pos, lg)
         return out
 
-    def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+    def after_commit(self, seq: Sequence, committed: np.ndarray) -> None:
         """Cut the canvas where ``after_forward_rows`` decided, before the sequence advances
         (its new last block ends it)."""
         state = seq.strategy_state[KEY]
@@ -111,6 +122,28 @@ class AdaptiveLength(Strategy):
 
 
 NO_STOP = 1 << 62  # a row's first stop position when it has none
+
+
+def host_inspected(seq: Sequence, plan: StepPlan) -> np.ndarray:
+    """``inspected_slots`` of a plan built on the host: its masked generation slots beyond its
+    logit positions."""
+    pos = plan.host_positions
+    pos = pos[(pos >= seq.prompt_len) & seq.undecided[pos]]
+    return pos[~np.isin(pos, plan.host_logits)]
+
+
+def row_facts(seqs: list[Sequence], counts: list[int], positions: Tensor) -> tuple[Tensor, Tensor]:
+    """(each candidate's row [N]; whether it is one of its row's commit positions [N]) for rows
+    of ``counts`` candidates at canvas ``positions``: a [R, L] map of each row's commit positions
+    built on the host and sent with the rows in one copy."""
+    width = max(s.canvas_len for s in seqs)
+    commit = np.zeros((len(seqs), width), dtype=np.int64)
+    for j, s in enumerate(seqs):
+        commit[j, host(s.strategy_state[KEY]["commit_positions"])] = 1
+    owner = np.repeat(np.arange(len(seqs)), counts)
+    sent = to_device(np.concatenate([owner, commit.reshape(-1)]), positions.device)
+    owner_t = sent[: len(owner)]
+    return owner_t, sent[len(owner):].view(len(seqs), width)[owner_t, positions].bool()
 
 
 def first_stops(seqs: list[Sequence], rows: list[int], positions: Tensor, tokens: Tensor, conf: Tensor,

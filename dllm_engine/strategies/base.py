@@ -6,7 +6,7 @@ A strategy never edits a model file or a base decoder. It may:
   inputs are sent (a strategy that only drops positions needs no ``plan``);
 - ``plan``: change what a step computes (positions, cache slots, tokens, key masks, logits
   wanted). ``plan`` has no side effects beyond overwriting its own per-step fields: the server
-  may replay a step after a failure;
+  may replay a step after a failure (``plan_rows``: the same for a whole forward group at once);
 - ``layer_hooks``: shrink the active token set inside the layer stack: a hook returns what it
   keeps (``models.context.Kept``) and the layer loop applies it (``ForwardContext.keep``);
 - ``after_forward``: look at the logits before the commit rule. It writes only this step's
@@ -16,9 +16,10 @@ A strategy never edits a model file or a base decoder. It may:
 - ``confidence``: reweigh the commit rule's candidates;
   (``after_forward_rows`` / ``confidence_rows``: the same for a whole forward group at once; by
   default one call per sequence, a strategy may override them with batched ops)
-- ``commit``: replace the base commit rule (at most one strategy per method does);
-- ``after_commit``: update its per-sequence state from what was committed (the positions on
-  the host where the step decided its group at once, else as the commit rule returned them).
+- ``decide_rows``: replace the commit rule (at most one strategy per method does, and it is
+  handed the group's own decision, ``commit_rules.GroupCommit``, to fall back on); it returns
+  each row's ``RowDecision``, applied at the row's turn, like any commit;
+- ``after_commit``: update its per-sequence state from what was committed (host positions).
 - ``step_record``: say what it did in the step just committed, for a trace (``record_steps``).
 
 Everything a strategy learns about a sequence lives on the sequence; the instances hold only
@@ -34,6 +35,7 @@ a fixed order (``stage``), whatever order the method string names them in.
 from __future__ import annotations
 
 import importlib
+from functools import partial
 from typing import Callable, ClassVar
 
 import numpy as np
@@ -41,13 +43,13 @@ import torch
 from torch import Tensor
 
 from ..errors import UserError
+from ..decoding.commit_rules import GroupCommit, RowDecision
 from ..decoding.decoders import StepPlan, plan_steps
 from ..engine.sequence import Sequence
 from ..methods import STRATEGIES, StrategySpec
 from ..models.context import LayerHooks
 from ..models.layers import DiffusionLM
 
-CommitRule = Callable[[Sequence, Tensor, Tensor], Tensor]  # (seq, positions, logits) -> committed
 
 
 class Strategy:
@@ -83,6 +85,10 @@ class Strategy:
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
         return plan
 
+    def plan_rows(self, seqs: list[Sequence], plans: list[StepPlan]) -> list[StepPlan]:
+        """``plan`` of every sequence of a forward group (by default one call per sequence)."""
+        return [self.plan(seq, p) for seq, p in zip(seqs, plans)]
+
     def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> LayerHooks | None:
         return None
 
@@ -107,14 +113,17 @@ class Strategy:
         parts = zip(seqs, positions.split(counts), tokens.split(counts), conf.split(counts))
         return torch.cat([self.confidence(*args) for args in parts])
 
-    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, base: CommitRule) -> Tensor:
-        """Only where ``owns_commit``: commit and return the committed positions (``base`` is
-        the decoder's own rule)."""
-        return base(seq, positions, logits)
+    def decide_rows(self, seqs: list[Sequence], positions: list[Tensor], logits: list[Tensor],
+                    commit: Callable[..., GroupCommit]) -> list[RowDecision]:
+        """Only where ``owns_commit``: every row's decision for this step, from its candidates'
+        ``positions`` and ``logits`` (``commit(seqs, positions, logits)``: the rows' own rules'
+        ``GroupCommit``, whose ``read`` is the step's one read). Writes nothing: a
+        ``RowDecision`` is applied at its row's turn."""
+        return commit(seqs, positions, logits).read()[0]
 
-    def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+    def after_commit(self, seq: Sequence, committed: np.ndarray) -> None:
         """At the sequence's turn, after its commit: update its state from the step (what
-        ``after_forward`` kept aside, ``committed`` positions)."""
+        ``after_forward`` kept aside, the ``committed`` positions)."""
 
     def extra_cache_slots(self, seq: Sequence) -> int:
         """Cache positions needed beyond the canvas (e.g. speculative copies of the block)."""
@@ -167,8 +176,10 @@ class Pipeline:
     def plans(self, seqs: list[Sequence], shift: int) -> list[StepPlan]:
         """The step plans of a forward group: the decoders' (``plan_steps``), less the positions
         a strategy drops (``computed``), then each strategy's ``plan``."""
-        computed = self.computed if self.drops else None
-        return [self.plan(s, p) for s, p in zip(seqs, plan_steps(seqs, shift, computed))]
+        plans = plan_steps(seqs, shift, self.computed if self.drops else None)
+        for s in self.strategies:
+            plans = s.plan_rows(seqs, plans)
+        return plans
 
     def computed(self, seq: Sequence, positions: np.ndarray) -> np.ndarray | None:
         keep = None
@@ -194,23 +205,24 @@ class Pipeline:
             outputs = s.after_forward_rows(seqs, outputs)
         return outputs
 
-    def confidence(self, seq: Sequence, positions: Tensor, tokens: Tensor, conf: Tensor) -> Tensor:
-        for s in self.strategies:
-            conf = s.confidence(seq, positions, tokens, conf)
-        return conf
-
     def confidence_rows(self, seqs: list[Sequence], counts: list[int], positions: Tensor, tokens: Tensor,
                         conf: Tensor) -> Tensor:
         for s in self.strategies:
             conf = s.confidence_rows(seqs, counts, positions, tokens, conf)
         return conf
 
-    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, base: CommitRule) -> Tensor:
+    def decide_rows(self, seqs: list[Sequence], positions: list[Tensor], logits: list[Tensor]
+                    ) -> list[RowDecision]:
+        """Every row's decision for this step, with one read: the rows' commit rules
+        (``GroupCommit``, confidences reweighed by the strategies), or the strategy that owns
+        the commit."""
+        reweigh = self.confidence_rows if self.adjusts_confidence else None
+        commit = partial(GroupCommit, accounted=False, reweigh=reweigh)
         if self.owner is not None:
-            return self.owner.commit(seq, positions, logits, base)
-        return base(seq, positions, logits)
+            return self.owner.decide_rows(seqs, positions, logits, commit)
+        return commit(seqs, positions, logits).read()[0]
 
-    def after_commit(self, seq: Sequence, committed: Tensor) -> None:
+    def after_commit(self, seq: Sequence, committed: np.ndarray) -> None:
         for s in self.strategies:
             s.after_commit(seq, committed)
 

@@ -387,7 +387,7 @@ class EarlySkip(Strategy):
                         conf: Tensor) -> Tensor:
         return conf.masked_fill(delayed_eos_flat(seqs, counts, positions, tokens), 0.0)
 
-    def after_commit(self, seq: Sequence, committed: Tensor | np.ndarray) -> None:
+    def after_commit(self, seq: Sequence, committed: np.ndarray) -> None:
         """The step's confidences and hidden states become the next step's; committed
         positions have nothing left to decode (confidence 0). Host arrays, but for the
         hidden-state windows, which become this step's group tensors (no copy)."""
@@ -396,7 +396,6 @@ class EarlySkip(Strategy):
             positions, values = st.pending_conf
             st.conf[positions] = values
             st.pending_conf = None
-        committed = host(committed).astype(np.int64)  # the batched decision passes host positions
         st.conf[committed] = 0.0
         st.last_committed = committed
         st.hidden.update(st.pending)

@@ -384,7 +384,7 @@ class TokenEviction(Strategy):
             out[i] = (pos, lg)
         return out
 
-    def after_commit(self, seq: Sequence, committed: Tensor | np.ndarray) -> None:
+    def after_commit(self, seq: Sequence, committed: np.ndarray) -> None:
         """Mark what the step computed through every layer, freeze stable K/V, and count the
         commits (the eviction budget's running mean): host arrays only."""
         state = block_state(seq)
@@ -480,7 +480,7 @@ class PredictorProbe(TokenEviction):
                 block_state(seq).probed = (conf, kept, threshold)  # counted at the sequence's turn
         return outputs
 
-    def after_commit(self, seq: Sequence, committed: Tensor | np.ndarray) -> None:
+    def after_commit(self, seq: Sequence, committed: np.ndarray) -> None:
         state = block_state(seq)
         if state.probed is not None:
             seq.strategy_state[self.name].add(*state.probed)

@@ -39,6 +39,13 @@ drafts may cover every masked position (a copy holding them all predicts nothing
 accepted on the others' confirmation). With ``max_copies = 1`` the step is the base decoder's
 step (same tokens).
 
+Batched: a forward group's layouts, copies and key masks are planned on the host and sent in one
+copy (``plan_rows``); every copy of every row is predicted and selected in one pass (the copies
+are rows of one ``GroupRules``, each keyed by its index as the salt), and one read per step
+brings back the copies' predictions together with the base rows' commits (``decide_rows``). The
+acceptance rule then runs in plain Python over at most 8 copies and 4 drafts per row; drafts,
+layouts and the copy count are host state.
+
 Restrictions (refused when the method is parsed): models without a logit shift (LLaDA), since a
 shifted model (Dream) reads position p's prediction at p - 1, which may be a shared token; no
 strategy that drops tokens inside the forward (every copy must reach the last layer). On a
@@ -48,64 +55,66 @@ are kept as drafts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from functools import partial
+from typing import Callable, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from ..decoding.commit_rules import GroupCommit, RowDecision
 from ..decoding.decide import GroupRules
-from ..decoding.commit_rules import predict
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import greedy_predictions
-from ..engine.sequence import Sequence
-from .base import CommitRule, Strategy
+from ..engine.sequence import Sequence, host, to_device
+from .base import Strategy
 
 KEY = "jump-share"
 SHARE_BUDGET = 2.8  # jump_share_switch="current": 8 copies once block + 3·n_mask <= SHARE_BUDGET·block
 # jump_share_switch="official": after a 4-copy step whose accepted copy held 2, 1 or 0 drafts,
 # 8 copies once block + 3·n_mask <= OFFICIAL_BUDGET[drafts]·block (92, 89, 86 for a block of 32)
 OFFICIAL_BUDGET = {2: 92 / 32, 1: 89 / 32, 0: 86 / 32}
+Drafts = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions, tokens, confidences (most confident first)
 
 
 @dataclass
 class CopyLayout:
-    """How one step's copies of the block are laid out (kept in ``seq.strategy_state``)."""
-    masked: Tensor  # [n] masked block positions, ascending
-    draft_idx: Tensor  # [k] index into ``masked`` of each draft, most confident first
-    draft_tokens: Tensor  # [k]
+    """How one step's copies of the block are laid out (host arrays, kept in ``seq.strategy_state``)."""
+    masked: np.ndarray  # [n] masked block positions, ascending
+    draft_idx: np.ndarray  # [k] index into ``masked`` of each draft, most confident first
+    draft_tokens: np.ndarray  # [k]
     sets: list[tuple[int, ...]]  # per copy: which drafts it holds (copy 0: none)
-    drafted: Tensor  # [C, n] bool: position fed a draft in that copy
-    draft_conf: Tensor | None = None  # [k] each draft's confidence at the step that drafted it
+    drafted: np.ndarray  # [C, n] bool: position fed a draft in that copy
+    draft_conf: np.ndarray | None = None  # [k] each draft's confidence at the step that drafted it
     # the canvas positions each copy 1.. recomputes, ascending: None = ``masked`` (shared
     # layout); the whole block (official layout, at most 4 copies)
-    region: Tensor | None = None
+    region: np.ndarray | None = None
 
     @property
     def num_copies(self) -> int:
         return len(self.sets)
 
     @property
-    def copied(self) -> Tensor:
+    def copied(self) -> np.ndarray:
         """[r] the canvas positions each copy recomputes."""
         return self.masked if self.region is None else self.region
 
     def counts(self) -> list[int]:
-        """Logit rows per copy: its masked positions that are not drafted (host arithmetic)."""
-        return [self.masked.numel() - len(s) for s in self.sets]
+        """Logit rows per copy: its masked positions that are not drafted."""
+        return [len(self.masked) - len(s) for s in self.sets]
 
-    def own_index(self, first: int = 0) -> Tensor:
-        """Flat index into [C - first, n] of the positions copies ``first``.. predict themselves,
-        copy after copy (the order of their logits rows); no host read."""
-        own = ~self.drafted[first:]
-        return torch.nonzero_static(own.flatten(), size=sum(self.counts()[first:]))[:, 0]
+    def own_index(self) -> np.ndarray:
+        """Flat index into [C, n] of the positions each copy predicts itself, copy after copy
+        (the order of its logits rows)."""
+        return np.flatnonzero(~self.drafted)
 
-    def over_copied(self, per_masked: Tensor) -> Tensor:
+    def over_copied(self, per_masked: np.ndarray) -> np.ndarray:
         """[C, r] bool: ``per_masked`` [C, n] placed at the masked positions of ``copied``, False
         at the others."""
         if self.region is None:
             return per_masked
-        out = per_masked.new_zeros((per_masked.shape[0], self.region.numel()))
-        out[:, torch.searchsorted(self.region, self.masked)] = per_masked
+        out = np.zeros((per_masked.shape[0], len(self.region)), dtype=bool)
+        out[:, np.searchsorted(self.region, self.masked)] = per_masked
         return out
 
 
@@ -121,40 +130,98 @@ class JumpShare(Strategy):
 
     # -- plan ------------------------------------------------------------------------------
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
+        return self.plan_rows([seq], [plan])[0]
+
+    def plan_rows(self, seqs: list[Sequence], plans: list[StepPlan]) -> list[StepPlan]:
+        """Each row's copies (its layout decided on the host from its drafts), every row's
+        extended plan sent in one copy and its key masks in another."""
+        layouts = [self.layout(seq, plan) for seq, plan in zip(seqs, plans)]
+        rows = [i for i, layout in enumerate(layouts) if layout is not None]
+        if not rows:
+            return plans
+        shift = self.model.config.logit_shift
+        hosts = [share_plan(seqs[i], plans[i], layouts[i], shift) for i in rows]
+        out = list(plans)
+        for i, plan in zip(rows, sent_plans(hosts, seqs[0].device)):
+            out[i] = plan
+        return out
+
+    def layout(self, seq: Sequence, plan: StepPlan) -> CopyLayout | None:
+        """This step's copies of ``seq``'s block (None: the base step alone), kept as step scratch."""
         state = seq.strategy_state[KEY]
         state["layout"] = state["accepted"] = None
-        if seq.step == 0 or not plan.logit_positions.numel():
-            return plan
+        if seq.step == 0:
+            return None
+        masked = plan.host_logits if plan.host_logits is not None else host(plan.logit_positions)
+        if not len(masked):
+            return None
         p = seq.params
-        masked = plan.logit_positions
         if p.jump_share_switch == "current":
-            copies = num_copies(p.max_copies, masked.numel(), p.block_length, first=seq.step == 1)
+            copies = num_copies(p.max_copies, len(masked), p.block_length, first=seq.step == 1)
         else:
             copies = 8 if state["eight"] else min(p.max_copies, 4)
         whole = p.jump_share_layout == "official" and copies < 8
-        layout = make_layout(seq, masked, state["drafts"], copies, whole)
-        state["layout"] = layout
-        return share_plan(seq, plan, layout, self.model.config.logit_shift)
+        state["layout"] = make_layout(seq, masked, state["drafts"], copies, whole)
+        return state["layout"]
 
     # -- verify and commit -----------------------------------------------------------------
-    def commit(self, seq: Sequence, positions: Tensor, logits: Tensor, base: CommitRule) -> Tensor:
-        """Verify the copies and commit the accepted one; on a block's first step the base rule
-        commits and its argmax predictions become the drafts."""
-        state = seq.strategy_state[KEY]
-        layout: CopyLayout | None = state["layout"]
-        if layout is None:
-            state["drafts"] = argmax_drafts(seq, positions, logits)
-            if seq.step == 0:
-                state["eight"] = False  # a block's speculative steps start with at most 4 copies
-            return base(seq, positions, logits)
-        if positions.numel() != sum(layout.counts()):  # check_method refuses what could cause it
-            raise RuntimeError(f"jump-share expected {sum(layout.counts())} logit rows, got "
-                               f"{positions.numel()}: a strategy dropped tokens inside the forward")
-        x0, conf, commit = self.copy_predictions(seq, layout, logits)
+    def decide_rows(self, seqs: list[Sequence], positions: list[Tensor], logits: list[Tensor],
+                    commit: Callable[..., GroupCommit]) -> list[RowDecision]:
+        """The group's step: rows without copies commit by their rule (``commit``: the group's
+        decision over them) and keep their argmax predictions as drafts; rows with copies verify
+        them, all copies of all rows predicted and selected at once. One read for both."""
+        layouts = [s.strategy_state[KEY]["layout"] for s in seqs]
+        base = [i for i, layout in enumerate(layouts) if layout is None]
+        spec = [i for i, layout in enumerate(layouts) if layout is not None]
+        for i in spec:
+            if positions[i].numel() != sum(layouts[i].counts()):  # check_method refuses what could cause it
+                raise RuntimeError(f"jump-share expected {sum(layouts[i].counts())} logit rows, got "
+                                   f"{positions[i].numel()}: a strategy dropped tokens inside the forward")
+        decided = commit([seqs[i] for i in base], [positions[i] for i in base], [logits[i] for i in base])
+        extra = []
+        if base:  # drafts: the base rows' argmax and its probability at each candidate
+            tokens, conf = greedy_predictions(torch.cat([logits[i] for i in base]),
+                                              seqs[base[0]].ids.mask_id)
+            extra += [tokens, conf.float().view(torch.int32).long()]
+        if spec:
+            extra += copy_predictions([seqs[i] for i in spec], [layouts[i] for i in spec],
+                                      torch.cat([positions[i] for i in spec]), torch.cat([logits[i] for i in spec]))
+        base_rows, read = decided.read(extra)
+        out: list[RowDecision | None] = [None] * len(seqs)
+        if base:
+            tokens, conf = read[0], read[1].astype(np.int32).view(np.float32)
+            sizes = np.cumsum([positions[i].numel() for i in base])[:-1]
+            for row, i, tok, cf in zip(base_rows, base, np.split(tokens, sizes), np.split(conf, sizes)):
+                row.after = partial(keep_drafts, drafts=argmax_drafts(seqs[i], row.candidates, tok, cf),
+                                    first=seqs[i].step == 0)
+                out[i] = row
+        if spec:
+            x0, conf, chosen = read[-3], read[-2].astype(np.int32).view(np.float32), read[-1].astype(bool)
+            sizes = np.cumsum([positions[i].numel() for i in spec])[:-1]
+            for i, *own in zip(spec, np.split(x0, sizes), np.split(conf, sizes), np.split(chosen, sizes)):
+                out[i] = self.verified(seqs[i], layouts[i], *own)
+        return out
+
+    def verified(self, seq: Sequence, layout: CopyLayout, x0: np.ndarray, conf: np.ndarray, chosen: np.ndarray
+                 ) -> RowDecision:
+        """The accepted copy of a row's step (its copies' own predictions as read): its drafts and
+        its own commits; its other predictions become the next step's drafts."""
+        c, n = layout.drafted.shape
+        own = layout.own_index()
+        grid = {name: np.full(c * n, fill, dtype=dtype) for name, fill, dtype in
+                (("x0", -1, np.int64), ("conf", -np.inf, np.float32), ("commit", False, bool))}
+        grid["x0"][own], grid["conf"][own], grid["commit"][own] = x0, conf, chosen
+        x0, conf, commit = (grid[name].reshape(c, n) for name in ("x0", "conf", "commit"))
         best = accepted_copy(layout.draft_idx, layout.draft_tokens, x0, commit)
-        state["accepted"] = best
-        state["eight"] = state["eight"] or switches_to_eight(seq, layout, best)
-        return self.apply(seq, layout, best, x0[best], conf[best], commit[best])
+        mine = list(layout.sets[best])
+        tokens = x0[best].copy()
+        tokens[layout.draft_idx[mine]] = layout.draft_tokens[mine]
+        done = layout.drafted[best] | commit[best]
+        trace = None if seq.trace is None else commit_confidence(layout, mine, conf[best])[done]
+        drafts = ranked(layout.masked[~done], x0[best][~done], conf[best][~done])
+        eight = switches_to_eight(seq, layout, best)
+        return RowDecision(layout.masked[done], tokens[done], confidence=trace,
+                           after=partial(keep_verified, drafts=drafts, accepted=best, eight=eight))
 
     def step_record(self, seq: Sequence) -> dict:
         """After a speculative step: ``copies`` run, the ``drafted`` positions, and the
@@ -168,58 +235,47 @@ class JumpShare(Strategy):
         return {"copies": layout.num_copies, "drafted": sorted(drafted.tolist()),
                 "accepted": sorted(accepted.tolist())}
 
-    @staticmethod
-    def copy_predictions(seq: Sequence, layout: CopyLayout, logits: Tensor
-                         ) -> tuple[Tensor, Tensor, Tensor]:
-        """Per copy, over the n masked positions: sampled token, confidence and whether the
-        commit rule would commit it ([C, n] each; drafted positions get -1 / -inf / False). Every
-        copy in one pass; a sampled copy draws with its own keys (its index as the salt)."""
-        c, n = layout.drafted.shape
-        counts = layout.counts()
-        own = layout.own_index()
-        # own indexes [C, n]: the copy of each row is own // n, its masked position own % n
-        _, tokens, own_conf = predict(seq, layout.masked[own % n], logits, salt=own // n)
-        own_conf = own_conf.float()
-        x0 = torch.full((c * n,), -1, dtype=torch.long, device=logits.device).index_copy_(0, own, tokens)
-        conf = torch.full((c * n,), -float("inf"), device=logits.device).index_copy_(0, own, own_conf)
-        commit = torch.zeros(c * n, dtype=torch.bool, device=logits.device)
-        commit[own] = select_copies(seq, own_conf, counts)
-        return x0.view(c, n), conf.view(c, n), commit.view(c, n)
 
-    @staticmethod
-    def apply(seq: Sequence, layout: CopyLayout, best: int, x0: Tensor, conf: Tensor,
-              commit: Tensor) -> Tensor:
-        """Commit copy ``best``'s drafts and its own commits (returns their positions); its other
-        predictions become the next step's drafts."""
-        mine = list(layout.sets[best])
-        tokens = x0.clone()
-        tokens[layout.draft_idx[mine]] = layout.draft_tokens[mine]
-        done = layout.drafted[best] | commit
-        num_done = int(done.sum())  # one host read
-        order = torch.sort((~done).to(torch.int8), stable=True).indices  # done first, each part ascending
-        done, rest = order[:num_done], order[num_done:]
-        seq.commit(layout.masked[done], tokens[done],
-                   confidence=None if seq.trace is None else commit_confidence(layout, mine, conf)[done])
-        seq.strategy_state[KEY]["drafts"] = ranked(layout.masked[rest], x0[rest], conf[rest])
-        return layout.masked[done]
+def keep_drafts(seq: Sequence, drafts: Drafts, first: bool) -> None:
+    """At a base step's turn: its argmax predictions are the next step's drafts; a block's
+    speculative steps start with at most 4 copies."""
+    state = seq.strategy_state[KEY]
+    state["drafts"] = drafts
+    if first:
+        state["eight"] = False
 
 
-def commit_confidence(layout: CopyLayout, drafts: list[int], conf: Tensor) -> Tensor:
+def keep_verified(seq: Sequence, drafts: Drafts, accepted: int, eight: bool) -> None:
+    """At a speculative step's turn: the copy accepted, the next drafts, the copy count."""
+    state = seq.strategy_state[KEY]
+    state["drafts"], state["accepted"] = drafts, accepted
+    state["eight"] = state["eight"] or eight
+
+
+def copy_predictions(seqs: list[Sequence], layouts: list[CopyLayout], positions: Tensor, logits: Tensor
+                     ) -> list[Tensor]:
+    """Every copy of every row in one pass: (sampled token, its confidence as float32 bits,
+    whether the decoder's rule commits it) for each candidate a copy predicts itself, laid out
+    row after row, copy after copy (``positions`` [K], ``logits`` [K, V]). Each copy is a row of
+    one ``GroupRules``, as if it were the sequence alone; a sampled copy draws with its own keys
+    (its index as the salt)."""
+    members, counts, salts = [], [], []
+    for seq, layout in zip(seqs, layouts):
+        members += [seq] * layout.num_copies
+        counts += layout.counts()
+        salts += list(range(layout.num_copies))
+    rules = GroupRules(members, counts, [s.stats.nfe + 1 for s in members], logits.device, salts)
+    _, x0, conf = rules.predict(logits, positions, owned=True)
+    return [x0, conf.float().view(torch.int32).long(), rules.select(conf).long()]
+
+
+def commit_confidence(layout: CopyLayout, drafts: list[int], conf: np.ndarray) -> np.ndarray:
     """[n] for a trace: the accepted copy's own confidences, and at its ``drafts`` the
     confidence each had when it was drafted."""
-    out = conf.clone()
+    out = conf.copy()
     if layout.draft_conf is not None:
-        out[layout.draft_idx[drafts]] = layout.draft_conf[drafts].to(out.dtype)
+        out[layout.draft_idx[drafts]] = layout.draft_conf[drafts]
     return out
-
-
-def select_copies(seq: Sequence, conf: Tensor, counts: list[int]) -> Tensor:
-    """bool [sum counts]: the decoder's rule applied to each copy's own candidates (``conf``:
-    copy after copy, ``counts`` each) as if each were the sequence alone, in one pass."""
-    live = [k for k in counts if k]
-    if not live:
-        return torch.zeros(0, dtype=torch.bool, device=conf.device)
-    return GroupRules([seq] * len(live), live, [seq.stats.nfe] * len(live), conf.device).select(conf)
 
 
 # -- copy count and layout ---------------------------------------------------------------------
@@ -241,7 +297,7 @@ def switches_to_eight(seq: Sequence, layout: CopyLayout, best: int) -> bool:
     if p.jump_share_switch != "official" or p.max_copies != 8 or seq.step < 2 or layout.num_copies > 4:
         return False
     budget = OFFICIAL_BUDGET[len(layout.sets[best])]
-    return p.block_length + 3 * layout.masked.numel() <= budget * p.block_length
+    return p.block_length + 3 * len(layout.masked) <= budget * p.block_length
 
 
 def draft_sets(k: int) -> list[tuple[int, ...]]:
@@ -255,78 +311,108 @@ def draft_sets(k: int) -> list[tuple[int, ...]]:
     return sets
 
 
-def ranked(positions: Tensor, tokens: Tensor, conf: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Draft candidates sorted by confidence, most confident first (ties: lower position)."""
-    order = torch.sort(conf, descending=True, stable=True).indices
+def ranked(positions: np.ndarray, tokens: np.ndarray, conf: np.ndarray) -> Drafts:
+    """Draft candidates sorted by confidence, most confident first (ties: the earlier one)."""
+    order = np.argsort(-conf, kind="stable")
     return positions[order], tokens[order], conf[order]
 
 
-def argmax_drafts(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Drafts from a base step: argmax token and its probability at the block's positions."""
+def argmax_drafts(seq: Sequence, positions: np.ndarray, tokens: np.ndarray, conf: np.ndarray) -> Drafts:
+    """Drafts from a base step: at the block's candidate ``positions``, the argmax token and its
+    probability (``tokens``, ``conf``: every candidate's)."""
     start, end = seq.block
     inside = (positions >= start) & (positions < end)
-    tokens, conf = greedy_predictions(logits[inside], seq.ids.mask_id)
-    return ranked(positions[inside], tokens, conf)
+    return ranked(positions[inside], tokens[inside], conf[inside])
 
 
-def make_layout(seq: Sequence, masked: Tensor, drafts: tuple[Tensor, Tensor, Tensor] | None,
-                copies: int, whole: bool = False) -> CopyLayout:
+def make_layout(seq: Sequence, masked: np.ndarray, drafts: Drafts | None, copies: int,
+                whole: bool = False) -> CopyLayout:
     """Pick the drafts (most confident still-masked predictions) for ``copies`` copies and the
     copies that hold them; ``whole``: each copy recomputes the whole block (official layout)."""
-    n = masked.numel()
-    idx = torch.empty(0, dtype=torch.long, device=masked.device)
-    tokens, conf = idx.clone(), None
+    masked = np.asarray(masked, dtype=np.int64)
+    idx, tokens, conf = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), None
     if drafts is not None:
-        pos, tok, confs = drafts
-        live = torch.isin(pos, masked)  # keeps the confidence order
+        pos, tok, confs = (np.asarray(d) for d in drafts)
+        live = np.isin(pos, masked)  # keeps the confidence order
         k = min(copies // 2, int(live.sum()))
-        idx = torch.searchsorted(masked, pos[live][:k])
-        tokens, conf = tok[live][:k], confs[live][:k]
-    sets = draft_sets(idx.numel())
-    holds = torch.tensor([[j in s for j in range(idx.numel())] for s in sets], dtype=torch.bool,
-                         device=masked.device)  # [C, k]: which drafts each copy holds
-    drafted = torch.zeros(len(sets), n, dtype=torch.bool, device=masked.device)
-    drafted[:, idx] = holds  # the drafts sit at distinct positions
-    region = torch.arange(*seq.block, device=masked.device) if whole and len(sets) > 1 else None
+        idx = np.searchsorted(masked, pos[live][:k])
+        tokens, conf = tok[live][:k].astype(np.int64), confs[live][:k]
+    sets = draft_sets(len(idx))
+    drafted = np.zeros((len(sets), len(masked)), dtype=bool)
+    for c, held in enumerate(sets):
+        drafted[c, idx[list(held)]] = True  # the drafts sit at distinct positions
+    region = np.arange(*seq.block) if whole and len(sets) > 1 else None
     return CopyLayout(masked, idx, tokens, sets, drafted, conf, region)
 
 
-def share_plan(seq: Sequence, plan: StepPlan, layout: CopyLayout, shift: int) -> StepPlan:
+@dataclass
+class HostPlan:
+    """A row's extended plan as host arrays (``share_plan``), sent with the group's (``sent_plans``)."""
+    positions: np.ndarray  # [T]
+    key_limit: np.ndarray  # [T]
+    logit_positions: np.ndarray  # [N]
+    logit_slots: np.ndarray  # [N]
+    slots: np.ndarray  # [T]
+    token_ids: np.ndarray  # [T]
+    key_mask: np.ndarray  # [T, S] bool
+
+
+def share_plan(seq: Sequence, plan: StepPlan, layout: CopyLayout, shift: int) -> HostPlan:
     """Copy 0 = the base plan's tokens; copies 1.. = the ``copied`` positions again (the masked
     ones, or the whole block), their drafts filled in, in cache slots past the canvas. Logits:
     copy 0's masked positions, then each copy's (``shift`` is 0: ``check_method`` refuses
-    jump-share on a model with a logit shift)."""
+    jump-share on a model with a logit shift). Built on the host from the base plan's host arrays."""
+    positions = plan.host_positions if plan.host_positions is not None else host(plan.positions)
+    limit = plan.host_limit if plan.host_limit is not None else host(plan.key_limit)
     copied, extra = layout.copied, layout.num_copies - 1
-    current = seq.tokens(copied)
+    current = seq.canvas[copied]
     drafted = layout.over_copied(layout.drafted)  # [C, r]
-    at = torch.searchsorted(copied, layout.masked[layout.draft_idx])
-    filled = current.index_copy(0, at, layout.draft_tokens)  # every draft in place
-    copy_tokens = torch.where(drafted[1:], filled, current)  # [C-1, r]
-    copy_slots = seq.canvas_len + torch.arange(extra * copied.numel(), device=copied.device)  # [(C-1)·r]
+    filled = current.copy()
+    filled[np.searchsorted(copied, layout.masked[layout.draft_idx])] = layout.draft_tokens  # every draft in place
+    copy_tokens = np.where(drafted[1:], filled, current)  # [C-1, r]
+    copy_slots = seq.canvas_len + np.arange(extra * len(copied))  # [(C-1)·r]
     own = layout.over_copied(~layout.drafted)[1:]  # [C-1, r]: masked and not drafted
-    predict = torch.nonzero_static(own.flatten(), size=sum(layout.counts()[1:]))[:, 0]
-    return plan.with_tokens(seq, shift, positions=copied.repeat(extra), slots=copy_slots,
-                            token_ids=copy_tokens.flatten(),
-                            key_mask=copy_key_mask(plan.key_limit, seq.canvas_len, copied, extra),
-                            predict=predict)
+    predict = np.flatnonzero(own)
+    copy_positions = np.tile(copied, extra)
+    return HostPlan(positions=np.concatenate([positions, copy_positions]),
+                    key_limit=np.concatenate([limit, np.full(len(copy_positions), seq.canvas_len)]),
+                    logit_positions=np.concatenate([layout.masked, copy_positions[predict] + shift]),
+                    logit_slots=np.concatenate([layout.masked - shift, copy_slots[predict]]),
+                    slots=np.concatenate([positions, copy_slots]),
+                    token_ids=np.concatenate([seq.canvas[positions], copy_tokens.reshape(-1)]),
+                    key_mask=copy_key_mask(limit, seq.canvas_len, copied, extra))
 
 
-def copy_key_mask(base_limit: Tensor, canvas_len: int, copied: Tensor, extra: int) -> Tensor:
+def sent_plans(hosts: list[HostPlan], device: torch.device) -> list[StepPlan]:
+    """The rows' plans from their host arrays: the int arrays in one copy, the key masks in
+    another; each plan keeps its host arrays (the runner builds the step's mask from them)."""
+    fields = ("positions", "key_limit", "logit_positions", "logit_slots", "slots", "token_ids")
+    parts = [getattr(h, f) for h in hosts for f in fields]
+    views = to_device(np.concatenate(parts).astype(np.int64), device).split([len(p) for p in parts])
+    out = []
+    for j, h in enumerate(hosts):
+        t = dict(zip(fields, views[j * len(fields): (j + 1) * len(fields)]))
+        out.append(StepPlan(**t, host_positions=h.positions, host_limit=h.key_limit,
+                            host_logits=h.logit_positions, host_key_mask=h.key_mask))
+    return out
+
+
+def copy_key_mask(base_limit: np.ndarray, canvas_len: int, copied: np.ndarray, extra: int) -> np.ndarray:
     """[T, S] bool. Base tokens keep their key limits. A copy token sees the canvas except the
     positions copies recompute (``copied``: copy 0's version of them) plus its own copy's slots."""
-    n = copied.numel()
+    n = len(copied)
     width = canvas_len + extra * n
-    keys = torch.arange(width, device=copied.device)
-    base = keys[None, :] < base_limit[:, None]  # [T0, S]
-    canvas = (keys < canvas_len) & ~torch.isin(keys, copied)  # [S]
-    owner = torch.arange(extra * n, device=copied.device) // n  # copy of each extra token / slot
-    key_owner = torch.where(keys >= canvas_len, (keys - canvas_len) // max(n, 1), -1)
+    keys = np.arange(width)
+    base = keys[None, :] < np.asarray(base_limit)[:, None]  # [T0, S]
+    canvas = (keys < canvas_len) & ~np.isin(keys, copied)  # [S]
+    owner = np.arange(extra * n) // max(n, 1)  # copy of each extra token / slot
+    key_owner = np.where(keys >= canvas_len, (keys - canvas_len) // max(n, 1), -1)
     copies = canvas[None, :] | (owner[:, None] == key_owner[None, :])  # [(C-1)·r, S]
-    return torch.cat([base, copies])
+    return np.concatenate([base, copies])
 
 
 # -- acceptance --------------------------------------------------------------------------------
-def accepted_copy(draft_idx: Tensor, draft_tokens: Tensor, x0: Tensor, commit: Tensor) -> int:
+def accepted_copy(draft_idx: np.ndarray, draft_tokens: np.ndarray, x0: np.ndarray, commit: np.ndarray) -> int:
     """The copy to apply, by the official code's rule. ``x0``, ``commit``: [C, n] each copy's
     prediction at each masked position and whether its commit rule takes it; the copies are
     ``draft_sets(k)`` of the k = len(draft_idx) drafts d1..dk. v(c, j): copy c commits d_j's
@@ -340,12 +426,10 @@ def accepted_copy(draft_idx: Tensor, draft_tokens: Tensor, x0: Tensor, commit: T
       a4, a12 and copy {d4} committing d3's position with the token copy {d3} predicts at d1's (a
       comparison across two positions, kept so that the tokens are the official ones).
     The accepted copy with the most drafts wins (ties: the earlier copy)."""
-    # one host transfer, then plain Python over at most 8 copies and 4 drafts
-    k, (c, n) = draft_idx.numel(), x0.shape
-    flat = torch.cat([draft_idx, draft_tokens, x0.flatten(), commit.flatten().long()]).tolist()
-    where, want = flat[:k], flat[k: 2 * k]
-    pred = [flat[2 * k + i * n: 2 * k + (i + 1) * n] for i in range(c)]
-    takes = [flat[2 * k + (c + i) * n: 2 * k + (c + i + 1) * n] for i in range(c)]
+    # plain Python over at most 8 copies and 4 drafts (host arrays)
+    k, c = len(draft_idx), len(x0)
+    where, want = np.asarray(draft_idx).tolist(), np.asarray(draft_tokens).tolist()
+    pred, takes = np.asarray(x0).tolist(), np.asarray(commit).tolist()
 
     def v(copy: int, j: int) -> bool:  # copy commits draft j (0-based) with its drafted token
         return j < k and copy < c and bool(takes[copy][where[j]]) and pred[copy][where[j]] == want[j]
