@@ -78,3 +78,23 @@ def test_traces_and_logprobs_cost_one_read_each_and_only_where_asked(llms):
     _, recorded = per_step(llm, base.replace(record_steps=True, logprobs=2), 8)
     assert plain == pytest.approx(1.0)
     assert recorded == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("model_type,spec", [("sdar", "block+focus:threshold=0.9"),
+                                             ("llada", "dual-cache+adaptive-length+jump-share:threshold=0.9")])
+def test_logits_rows_found_on_the_host_are_those_the_device_finds(llms, monkeypatch, model_type, spec):
+    """Plans built on the host and hooks that say on the host what they kept (FOCUS) let the
+    runner find the logits rows without a read (``Runner.host_logits``): the same tokens and
+    work as finding them on the device, one read fewer per step."""
+    from dllm_engine.engine.runner import Runner
+    llm = llms[model_type]
+    params = parse_spec(spec, max_new_tokens=16, block_length=8)
+    prompts = PROMPTS * 2
+    host = llm.generate(prompts, params)
+    _, host_reads = per_step(llm, params, 8)
+    monkeypatch.setattr(Runner, "host_logits", lambda self, step, hidden, ctx: self.logits(step.logit_slots, hidden, ctx))
+    device = llm.generate(prompts, params)
+    _, device_reads = per_step(llm, params, 8)
+    assert [o.token_ids for o in host] == [o.token_ids for o in device]
+    assert [o.stats.processed_tokens for o in host] == [o.stats.processed_tokens for o in device]
+    assert device_reads == pytest.approx(host_reads + 1)

@@ -10,6 +10,7 @@ import signal
 os.environ.setdefault("DLLM_TP_TIMEOUT", "60")  # every collective of these tests is bounded by it
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -241,12 +242,14 @@ PLAIN = (int, float, bool, str, type(None), torch.Tensor)
 
 
 def plain_data(value) -> bool:
-    """Whether ``value`` is ints, floats, bools, strings, None and tensors inside tuples, lists
-    and dicts only (no Sequence, strategy state or hooks object)."""
+    """Whether ``value`` is ints, floats, bools, strings, None, tensors and NumPy arrays of
+    numbers inside tuples, lists and dicts only (no Sequence, strategy state or hooks object)."""
     if isinstance(value, (tuple, list)):
         return all(plain_data(v) for v in value)
     if isinstance(value, dict):
         return all(plain_data(k) and plain_data(v) for k, v in value.items())
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind in "biuf"
     return type(value) in PLAIN or isinstance(value, torch.Tensor)
 
 

@@ -33,6 +33,8 @@ class StepPlan:
     host_positions: np.ndarray | None = None  # [T] ``positions`` on the host, where planned there
     host_limit: np.ndarray | None = None  # [T] ``key_limit`` on the host, where planned there
     host_logits: np.ndarray | None = None  # [N] ``logit_positions`` on the host, where planned there
+    host_slots: np.ndarray | None = None  # [T] ``slots`` (or ``positions`` when it has none) on the host
+    host_logit_slots: np.ndarray | None = None  # [N] ``logit_slots`` on the host, where planned there
     # [T, S] bool on the host: the keys each token sees, overriding key_limit (jump-share's
     # isolated copies); the runner builds the step's mask from it with the others' host limits
     host_key_mask: np.ndarray | None = None
@@ -47,7 +49,8 @@ class StepPlan:
         predict ``logit_positions``."""
         at, limit = span_limits(seq, lo, hi)
         positions, key_limit, tokens = to_device(np.stack([at, limit, seq.canvas[lo:hi]]), seq.device).unbind(0)
-        return cls(positions, key_limit, logit_positions, token_ids=tokens, host_positions=at, host_limit=limit)
+        return cls(positions, key_limit, logit_positions, token_ids=tokens, host_positions=at, host_limit=limit,
+                   host_slots=at)
 
     def restrict(self, keep: np.ndarray) -> "StepPlan":
         """The plan computing only its tokens ``keep`` [T] (host indices). The logits wanted
@@ -57,7 +60,7 @@ class StepPlan:
         pick = {name: getattr(self, name)[at] for name in ("positions", "key_limit", "slots", "token_ids",
                                                            "key_mask") if getattr(self, name) is not None}
         host = {name: None if getattr(self, name) is None else getattr(self, name)[keep]
-                for name in ("host_positions", "host_limit", "host_key_mask")}
+                for name in ("host_positions", "host_limit", "host_key_mask", "host_slots")}
         return replace(self, **pick, **host)
 
     def with_logits(self, positions: Tensor, seq: Sequence, shift: int) -> "StepPlan":
@@ -66,10 +69,11 @@ class StepPlan:
         if seq.params.cfg_scale > 0:
             half = self.logit_positions[: self.logit_positions.numel() // 2]
             logit_positions, logit_slots = unconditional_logits(seq, torch.cat([half, positions]), shift)
-            return replace(self, logit_positions=logit_positions, logit_slots=logit_slots)
+            return replace(self, logit_positions=logit_positions, logit_slots=logit_slots, host_logits=None,
+                           host_logit_slots=None)
         slots = None if self.logit_slots is None else torch.cat([self.logit_slots, positions - shift])
         return replace(self, logit_positions=torch.cat([self.logit_positions, positions]), logit_slots=slots,
-                       host_logits=None)
+                       host_logits=None, host_logit_slots=None)
 
     def with_tokens(self, seq: Sequence, shift: int, positions: Tensor, slots: Tensor, token_ids: Tensor,
                     key_mask: Tensor, predict: Tensor) -> "StepPlan":
@@ -153,7 +157,7 @@ def plan_steps(seqs: list[Sequence], shift: int, computed: Computed | None = Non
         sizes += [len(positions)] * 3 + [len(wanted)] * 2
     views = to_device(np.concatenate(parts).astype(np.int64), seqs[0].device).split(sizes)
     return [StepPlan(positions, limit, wanted, logit_slots=slots, token_ids=tokens, host_positions=at,
-                     host_limit=host_limit, host_logits=host_wanted)
+                     host_limit=host_limit, host_logits=host_wanted, host_slots=at, host_logit_slots=host_wanted - shift)
             for (positions, limit, tokens, wanted, slots), (at, host_limit, host_wanted)
             in zip(zip(*[iter(views)] * 5), hosts)]
 

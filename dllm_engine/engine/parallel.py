@@ -133,7 +133,7 @@ class ParallelRunner(Runner):
 # tiny-sdar block+focus 64,527 -> 56,371 (EvictionHooks carried each sequence's FocusState).
 def step_message(ops: list, step: StepInputs, where: tuple, hooks) -> tuple:
     """What rank 0 sends the other ranks for one step, plain data only (ints, bools, strings,
-    lists, tuples, dicts, tensors): the pool changes ``ops``, the step's tensors, the pool rows
+    lists, tuples, dicts, tensors, NumPy arrays of numbers: the plans' host slots): the pool changes ``ops``, the step's tensors, the pool rows
     ``where`` (cache id, first row, end row; None, None: the whole pool) and the layer hooks'
     ``rank_message`` with the class that rebuilds them (``rank_hooks``)."""
     fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}

@@ -38,6 +38,11 @@ class StepInputs:
     # [K] flat index into the [B * T] outputs of the tokens whose logits the step wants, when the
     # host knows them (``engine/batch_step.py``: no hook changes the token set)
     logit_index: Tensor | None = None
+    # per row, the cache slot of each token and the slots whose logits it wants, on the host
+    # (plans built there): the runner finds the logits rows without a read, unless a hook
+    # changed the token set without saying on the host what it kept
+    host_slots: list | None = None
+    host_logit_slots: list | None = None
 
 
 class Runner:
@@ -128,8 +133,11 @@ class Runner:
         logit_slots = pad_stack([p.logit_slots for p in plans], num_keys)
         if fixed:
             logit_slots = pad_to(logit_slots, rows, logit_slots.shape[1], num_keys)
+        known = all(p.host_slots is not None and p.host_logit_slots is not None for p in plans)
         return StepInputs(stack([p.token_ids for p in plans], 0), positions, valid, mask, num_keys,
-                          slots, lengths, logit_slots, span, fixed)
+                          slots, lengths, logit_slots, span, fixed,
+                          host_slots=[p.host_slots for p in plans] if known else None,
+                          host_logit_slots=[p.host_logit_slots for p in plans] if known else None)
 
     def context(self, step: StepInputs, cache, hooks: LayerHooks | None) -> ForwardContext:
         """The step's forward context (frozen: the layer loop derives any narrower one)."""
@@ -138,7 +146,9 @@ class Runner:
                               row_lengths=step.lengths,
                               slots=step.slots, slot_span=step.slot_span, shard=self.model.shard,
                               fixed_shapes=step.fixed_shapes,
-                              position_bound=step.num_keys)  # a query sees its own key: position < S
+                              position_bound=step.num_keys,  # a query sees its own key: position < S
+                              host_columns=None if step.host_slots is None else
+                              tuple(np.arange(n) for n in step.lengths))
 
     def run(self, step: StepInputs, ctx: ForwardContext
             ) -> tuple[Tensor, list[int], Tensor, list[float] | None]:
@@ -153,7 +163,28 @@ class Runner:
             hidden, ctx, processed = self.model.run_layers(step.token_ids, ctx)
         if step.logit_index is not None:
             return None, None, self.model.logits(hidden.reshape(-1, hidden.shape[-1])[step.logit_index]), processed
+        if ctx.host_columns is not None and step.host_logit_slots is not None:
+            return *self.host_logits(step, hidden, ctx), processed
         return *self.logits(step.logit_slots, hidden, ctx), processed
+
+    def host_logits(self, step: StepInputs, hidden: Tensor, ctx: ForwardContext) -> tuple[Tensor, list[int], Tensor]:
+        """``logits`` from the host's knowledge of the live set (``ctx.host_columns``) and of the
+        plans' slots: the same rows, found without a read; their indices go in one copy."""
+        s, width, n = ctx.key_length, hidden.shape[1], step.logit_slots.shape[1]
+        rows, flat, counts = [], [], []
+        for i, (columns, slots, wanted) in enumerate(zip(ctx.host_columns, step.host_slots, step.host_logit_slots)):
+            where = np.full(s + 1, -1)
+            live = slots[columns]
+            inside = live < s
+            where[live[inside]] = np.flatnonzero(inside)  # cache slot -> live column
+            src = where[np.where((wanted >= 0) & (wanted < s), wanted, s)]
+            found = np.flatnonzero(src >= 0)
+            rows.append(i * width + src[found])
+            flat.append(i * n + found)
+            counts.append(len(found))
+        sent = to_device(np.concatenate([*rows, *flat]).astype(np.int64), hidden.device)
+        total = sum(counts)
+        return sent[total:], counts, self.model.logits(hidden.reshape(-1, hidden.shape[-1])[sent[:total]])
 
     @staticmethod
     def attention_keys(plans: list[StepPlan], limit: Tensor, valid: Tensor, slots: Tensor | None = None,

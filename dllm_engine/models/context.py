@@ -49,17 +49,22 @@ class Kept(NamedTuple):
     valid: Tensor  # [B, K] False for row padding
     lengths: list[int]  # kept tokens per row (host ints; K = max)
     hidden_keys: Tensor | None = None  # [B, S] cache slots hidden from every query from now on
+    # per row, which of its live tokens are kept (host bools), when the hook knows it on the host
+    host_keep: list | None = None
 
 
-def compact(keep: Tensor, lengths: list[int] | None = None, hidden_keys: Tensor | None = None) -> Kept:
+def compact(keep: Tensor, lengths: list[int] | None = None, hidden_keys: Tensor | None = None,
+            host_keep: list | None = None) -> Kept:
     """``keep`` [B, T] bool as a ``Kept``: each row's kept tokens in order. ``lengths``: the kept
-    count per row when the caller knows it; else one host read (it sizes the new set)."""
+    count per row when the caller knows it; else one host read (it sizes the new set).
+    ``host_keep``: ``keep`` over each row's live tokens on the host, when the caller has it."""
     if lengths is None:
         lengths = keep.sum(1).tolist()
     width = max(lengths, default=0)
     index = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]
     counts = torch.tensor(lengths, device=keep.device)
-    return Kept(index, torch.arange(width, device=keep.device)[None] < counts[:, None], lengths, hidden_keys)
+    return Kept(index, torch.arange(width, device=keep.device)[None] < counts[:, None], lengths, hidden_keys,
+                host_keep)
 
 
 class LayerHooks(Protocol):
@@ -98,6 +103,9 @@ class ForwardContext:
     shard: object | None = None  # parallel.Shard of a tensor-parallel model; None in one process
     position_bound: int | None = None  # every position is below it (host); None: read once (RoPE)
     fixed_shapes: bool = False  # never pack or split rows (a fixed-shape step: engine/shapes.py)
+    # per row, the original column of each live token (host), while every hook that changed the
+    # live set said on the host what it kept; None: unknown (the runner reads the live set)
+    host_columns: tuple | None = None
     # memo of the live set's facts; not an init field, so ``replace`` starts a new one
     derived: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
@@ -198,6 +206,9 @@ class ForwardContext:
         skipping), prepared: the one place the live set changes. Its hidden keys come off the
         mask first (they concern every query, kept or not)."""
         index = kept.index
+        columns = None
+        if self.host_columns is not None and kept.host_keep is not None:
+            columns = tuple(c[k] for c, k in zip(self.host_columns, kept.host_keep))
         mask = self.attn_mask if kept.hidden_keys is None else self.masked_keys(kept.hidden_keys)
         if mask is not None:
             mask = torch.gather(mask, 2, index[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1]))
@@ -205,7 +216,8 @@ class ForwardContext:
         return replace(self, positions=self.gather(self.positions, index),
                        token_valid=self.gather(self.token_valid, index) & kept.valid,
                        token_index=self.gather(self.token_index, index), slots=self.gather(self.slots, index),
-                       row_lengths=kept.lengths, slot_span=None, attn_mask=mask, **cos_sin).prepare()
+                       row_lengths=kept.lengths, slot_span=None, attn_mask=mask, host_columns=columns,
+                       **cos_sin).prepare()
 
     def masked_keys(self, hidden: Tensor) -> Tensor:
         """[B, 1, T, S] mask in which no query attends to the keys ``hidden`` [B, S] marks."""

@@ -64,7 +64,8 @@ class AdaptiveLength(Strategy):
             sent = to_device(np.concatenate([wanted, wanted - shift]), seqs[0].device)
             sizes = [len(w) for _, w in extended]
             for (i, w), positions, slots in zip(extended, *(part.split(sizes) for part in sent.split(len(wanted)))):
-                out[i] = replace(plans[i], logit_positions=positions, logit_slots=slots, host_logits=w)
+                out[i] = replace(plans[i], logit_positions=positions, logit_slots=slots, host_logits=w,
+                                 host_logit_slots=w - shift)
         return out
 
     def inspected_slots(self, seq: Sequence, plan: StepPlan) -> Tensor:

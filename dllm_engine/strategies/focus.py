@@ -289,7 +289,8 @@ class EvictionHooks:
         for state, row in zip(self.states, evicted_host):
             state.evicted = row[: len(state.planned)]
         lengths = [n - int(row.sum()) for n, row in zip(ctx.row_lengths, evicted_host)]
-        return compact(ctx.token_valid & ~evicted, lengths, hidden_keys=hidden)
+        host_keep = [~row[:n] for n, row in zip(ctx.row_lengths, evicted_host)]
+        return compact(ctx.token_valid & ~evicted, lengths, hidden_keys=hidden, host_keep=host_keep)
 
     def after_layer(self, layer_idx: int, hidden: Tensor, ctx: ForwardContext) -> None:
         return None
