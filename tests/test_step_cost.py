@@ -41,6 +41,8 @@ CASES = [
     ("llada", "dual-cache:factor=1.0"),
     ("llada", "dual-cache:threshold=0.9,temperature=0.7,top_k=5"),
     ("llada", "dual-cache:steps=4,remasking=random"),
+    ("llada", "reference:steps=8,cfg_scale=1.0"),  # classifier-free guidance: two canvases per row
+    ("llada", "reference+adaptive-length:steps=8,cfg_scale=1.0,temperature=0.7"),
     ("Dream", "dual-cache:threshold=0.9"),
     ("sdar", "block:threshold=0.9"),
     ("sdar", "block:threshold=0.9,temperature=0.6,top_p=0.9"),

@@ -18,8 +18,8 @@ from .commit_rules import rule_for
 @dataclass
 class StepPlan:
     """What one sequence computes in one forward: the step's layout (positions, cache slots,
-    logit slots). ``plan_step`` builds it, and this module owns its rules: the decoder's key
-    limits (``span``), Dream's logit shift, CFG's two halves (``with_unconditional_copy``) and
+    logit slots). ``plan_steps`` builds it, and this module owns its rules: the decoder's key
+    limits (``span``), Dream's logit shift, CFG's two halves (``host_row``) and
     the defaults ``finalize`` fills. A strategy adjusts a plan only through the named operations
     (``span``, ``restrict``, ``with_logits``, ``with_tokens``), each returning a new plan; it does
     not set or re-derive fields itself."""
@@ -65,7 +65,7 @@ class StepPlan:
 
     def with_logits(self, positions: Tensor, seq: Sequence, shift: int) -> "StepPlan":
         """The plan also predicting canvas ``positions`` (after those it predicts already), from
-        tokens it computes; in both halves of a CFG plan (``with_unconditional_copy``)."""
+        tokens it computes; in both halves of a CFG plan (``host_row``)."""
         if seq.params.cfg_scale > 0:
             half = self.logit_positions[: self.logit_positions.numel() // 2]
             logit_positions, logit_slots = unconditional_logits(seq, torch.cat([half, positions]), shift)
@@ -116,9 +116,8 @@ def compute_range(seq: Sequence, shift: int) -> tuple[int, int]:
 
 
 def plan_step(seq: Sequence, shift: int) -> StepPlan:
-    # a named commit rule may predict more than the masks (joint-threshold)
-    plan = StepPlan.span(seq, *compute_range(seq, shift), seq.tensor(rule_for(seq).logit_index(seq)))
-    return with_unconditional_copy(seq, plan, shift) if seq.params.cfg_scale > 0 else plan
+    """One sequence's step plan (``plan_steps`` of a group of one)."""
+    return plan_steps([seq], shift)[0]
 
 
 def host_span(seq: Sequence, shift: int) -> tuple[np.ndarray, np.ndarray]:
@@ -139,53 +138,61 @@ def span_limits(seq: Sequence, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray
 Computed = Callable[[Sequence, np.ndarray], "np.ndarray | None"]  # a pipeline's ``computed``
 
 
-def plan_steps(seqs: list[Sequence], shift: int, computed: Computed | None = None) -> list[StepPlan]:
-    """``plan_step`` of every sequence of a forward group, built on the host and sent to the
-    device in one copy (each plan's tensors are views of it), not a few copies and ops per row.
-    ``computed(seq, positions)``: which planned positions are computed (bool, None: all),
-    applied on the host. A group with CFG plans row by row."""
-    if not seqs or any(s.params.cfg_scale > 0 for s in seqs):
-        return [restricted(plan_step(s, shift), s, computed) for s in seqs]
-    parts, sizes, hosts = [], [], []
-    for seq in seqs:
-        positions, limit = host_span(seq, shift)
-        if computed is not None and (keep := computed(seq, positions)) is not None:
-            positions, limit = positions[keep], limit[keep]
-        wanted = rule_for(seq).logit_index(seq)  # a named commit rule may predict more than the masks
-        hosts.append((positions, limit, wanted))
-        parts += [positions, limit, seq.canvas[positions], wanted, wanted - shift]
-        sizes += [len(positions)] * 3 + [len(wanted)] * 2
-    views = to_device(np.concatenate(parts).astype(np.int64), seqs[0].device).split(sizes)
-    return [StepPlan(positions, limit, wanted, logit_slots=slots, token_ids=tokens, host_positions=at,
-                     host_limit=host_limit, host_logits=host_wanted, host_slots=at, host_logit_slots=host_wanted - shift)
-            for (positions, limit, tokens, wanted, slots), (at, host_limit, host_wanted)
-            in zip(zip(*[iter(views)] * 5), hosts)]
+@dataclass
+class HostRow:
+    """One row's plan as host arrays (``plan_steps`` sends a group's in one copy)."""
+    positions: np.ndarray  # [T]
+    limit: np.ndarray  # [T]
+    tokens: np.ndarray  # [T]
+    wanted: np.ndarray  # [N] logit positions
+    logit_slots: np.ndarray  # [N]
+    slots: np.ndarray | None = None  # [T]; None: the positions
+    key_mask: np.ndarray | None = None  # [T, S]
 
 
-def restricted(plan: StepPlan, seq: Sequence, computed: Computed | None) -> StepPlan:
-    """``plan`` less the positions ``computed`` drops (a plan built row by row)."""
-    if computed is None or plan.host_positions is None:
-        return plan
-    keep = computed(seq, plan.host_positions)
-    return plan if keep is None or keep.all() else plan.restrict(np.flatnonzero(keep))
-
-
-def with_unconditional_copy(seq: Sequence, plan: StepPlan, shift: int) -> StepPlan:
-    """Classifier-free guidance (LLaDA): a second copy of the canvas with the prompt masked, in
-    cache slots [L, 2L), each copy attending only to itself. Logits come back cond then uncond."""
+def host_row(seq: Sequence, shift: int, computed: Computed | None) -> HostRow:
+    """``seq``'s step on the host: the decoder's range and key limits less what ``computed``
+    drops, the rule's logit positions (a named rule may predict more than the masks), and for
+    classifier-free guidance (LLaDA) a second copy of the canvas with the prompt masked, in
+    cache slots [L, 2L), each copy attending only to itself (logits cond, then uncond)."""
+    positions, limit = host_span(seq, shift)
+    if computed is not None and (keep := computed(seq, positions)) is not None:
+        positions, limit = positions[keep], limit[keep]
+    wanted = rule_for(seq).logit_index(seq)
+    row = HostRow(positions, limit, seq.canvas[positions], wanted, wanted - shift)
+    if seq.params.cfg_scale == 0:
+        return row
     n = seq.canvas_len
-    canvas = seq.tokens()
-    uncond = canvas.clone()
+    if not np.array_equal(positions, np.arange(n)):
+        raise RuntimeError("classifier-free guidance computes the whole canvas every step")
+    uncond = seq.canvas.copy()
     uncond[: seq.prompt_len] = seq.ids.mask_id
-    own = torch.arange(2 * n, device=seq.device) // n  # 0 = conditional, 1 = unconditional
-    logit_positions, logit_slots = unconditional_logits(seq, plan.logit_positions, shift)
-    return StepPlan(positions=torch.cat([plan.positions, plan.positions]),
-                    key_limit=torch.full((2 * n,), 2 * n, device=seq.device),
-                    logit_positions=logit_positions,
-                    logit_slots=logit_slots,
-                    slots=torch.arange(2 * n, device=seq.device),
-                    token_ids=torch.cat([canvas, uncond]),
-                    key_mask=own[:, None] == own[None, :])
+    own = np.arange(2 * n) // n  # 0 = conditional, 1 = unconditional
+    return HostRow(np.tile(positions, 2), np.full(2 * n, 2 * n), np.concatenate([seq.canvas, uncond]),
+                   np.tile(wanted, 2), np.concatenate([wanted - shift, wanted - shift + n]),
+                   slots=np.arange(2 * n), key_mask=own[:, None] == own[None, :])
+
+
+def plan_steps(seqs: list[Sequence], shift: int, computed: Computed | None = None) -> list[StepPlan]:
+    """The step plans of a forward group, built on the host and sent to the device in one copy
+    (each plan's tensors are views of it), not a few copies and ops per row; each keeps its host
+    arrays, from which the runner lays out the keys and finds the logits without a read.
+    ``computed(seq, positions)``: which planned positions are computed (bool, None: all)."""
+    rows = [host_row(seq, shift, computed) for seq in seqs]
+    if not rows:
+        return []
+    parts = [a for r in rows for a in (r.positions, r.limit, r.tokens, r.wanted, r.logit_slots)
+             + (() if r.slots is None else (r.slots,))]
+    views = iter(to_device(np.concatenate(parts).astype(np.int64), seqs[0].device).split([len(p) for p in parts]))
+    plans = []
+    for r in rows:
+        positions, limit, tokens, wanted, logit_slots = (next(views) for _ in range(5))
+        slots = None if r.slots is None else next(views)
+        plans.append(StepPlan(positions, limit, wanted, logit_slots=logit_slots, slots=slots, token_ids=tokens,
+                              host_positions=r.positions, host_limit=r.limit, host_logits=r.wanted,
+                              host_slots=r.positions if r.slots is None else r.slots,
+                              host_logit_slots=r.logit_slots, host_key_mask=r.key_mask))
+    return plans
 
 
 def unconditional_logits(seq: Sequence, positions: Tensor, shift: int) -> tuple[Tensor, Tensor]:
@@ -195,12 +202,27 @@ def unconditional_logits(seq: Sequence, positions: Tensor, shift: int) -> tuple[
     return torch.cat([positions, positions]), torch.cat([wanted, wanted + seq.canvas_len])
 
 
-def after_forward(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
-    """The decoder's view of a finished forward: a CFG plan's two halves become the guided
-    logits. Changes nothing (``after_step`` does, at the sequence's turn)."""
-    if seq.params.cfg_scale > 0:
-        return guided_logits(seq, positions, logits)
-    return positions, logits
+def after_forward_rows(seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """The decoder's view of a finished forward, for every row of a group: a CFG plan's two
+    halves become the guided logits u + (s + 1)(c - u), the rows that share a scale s at once.
+    Changes nothing (``after_step`` does, at the sequence's turn)."""
+    out = list(outputs)
+    scales: dict[float, list[int]] = {}
+    for i, seq in enumerate(seqs):
+        if seq.params.cfg_scale > 0:
+            scales.setdefault(seq.params.cfg_scale, []).append(i)
+    for scale, rows in scales.items():
+        halves = [outputs[i][0].numel() // 2 for i in rows]
+        starts = np.cumsum([0, *(2 * h for h in halves[:-1])])
+        cond = np.concatenate([np.arange(h) + lo for h, lo in zip(halves, starts)]).astype(np.int64)
+        index = to_device(np.concatenate([cond, cond + np.repeat(halves, halves)]), outputs[rows[0]][1].device)
+        positions = torch.cat([outputs[i][0] for i in rows])[index[: len(cond)]]
+        logits = torch.cat([outputs[i][1] for i in rows])
+        c, u = logits[index[: len(cond)]], logits[index[len(cond):]]
+        guided = u + (scale + 1) * (c - u)
+        for i, pos, lg in zip(rows, positions.split(halves), guided.split(halves)):
+            out[i] = (pos, lg)
+    return out
 
 
 def after_step(seq: Sequence) -> None:
@@ -208,13 +230,6 @@ def after_step(seq: Sequence) -> None:
     block diffusion's cache is final before the block (this forward wrote it)."""
     if seq.params.decoder.block_causal:
         seq.committed_len = seq.block[0]
-
-
-def guided_logits(seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
-    """u + (s + 1)(c - u) over the two halves returned for a CFG plan."""
-    n = positions.numel() // 2
-    cond, uncond = logits[:n], logits[n:]
-    return positions[:n], uncond + (seq.params.cfg_scale + 1) * (cond - uncond)
 
 
 def cache_len(seq: Sequence) -> int:

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import UserError
 from ..decoding.commit_rules import RowDecision
-from ..decoding.decoders import after_forward, after_step, cache_len
+from ..decoding.decoders import after_forward_rows, after_step, cache_len
 from ..models.layers import DiffusionLM
 from ..strategies.base import Pipeline
 from . import batch_step
@@ -140,7 +140,7 @@ class Engine:
         plans = pipeline.plans(seqs, self.runner.shift)
         hooks = pipeline.layer_hooks(seqs, plans)
         outputs, work = self.runner.forward_rows(seqs, plans, cache, hooks)
-        outputs = [after_forward(seq, *out) for seq, out in zip(seqs, outputs)]  # the decoder's view
+        outputs = after_forward_rows(seqs, outputs)  # the decoder's view
         ready = [(seq, *out) for seq, out in zip(seqs, pipeline.after_forward_rows(seqs, outputs))]
         decided = pipeline.decide_rows(seqs, [r[1] for r in ready], [r[2] for r in ready])  # one read
         for seq, w, decision in zip(seqs, work, decided):

@@ -52,25 +52,29 @@ class AdaptiveLength(Strategy):
             state["commit_positions"] = state["cut_to"] = state["step_cut"] = None  # this step's scratch
             if seq.step != 0:
                 continue
-            state["commit_positions"] = plan.host_logits if plan.host_logits is not None else plan.logit_positions
-            if plan.host_positions is None or plan.host_logits is None or seq.params.cfg_scale > 0:
-                extra = self.inspected_slots(seq, plan)  # a plan built row by row (CFG)
-                if extra.numel():
+            if plan.host_positions is None or plan.host_logits is None:  # a plan built with tensors
+                state["commit_positions"] = plan.logit_positions
+                if (extra := self.inspected_slots(seq, plan)).numel():
                     out[i] = plan.with_logits(extra, seq, shift)
-            elif len(extra := host_inspected(seq, plan)):
-                extended.append((i, np.concatenate([plan.host_logits, extra])))
+                continue
+            cfg = seq.params.cfg_scale > 0  # a CFG plan lists the canvas and its logits twice
+            wanted = plan.host_logits[: len(plan.host_logits) // 2] if cfg else plan.host_logits
+            state["commit_positions"] = wanted
+            if len(extra := host_inspected(seq, plan.host_positions, wanted)):
+                wanted = np.concatenate([wanted, extra])
+                slots = np.concatenate([wanted - shift, wanted - shift + seq.canvas_len]) if cfg else wanted - shift
+                extended.append((i, np.tile(wanted, 2) if cfg else wanted, slots))
         if extended:
-            wanted = np.concatenate([w for _, w in extended])
-            sent = to_device(np.concatenate([wanted, wanted - shift]), seqs[0].device)
-            sizes = [len(w) for _, w in extended]
-            for (i, w), positions, slots in zip(extended, *(part.split(sizes) for part in sent.split(len(wanted)))):
-                out[i] = replace(plans[i], logit_positions=positions, logit_slots=slots, host_logits=w,
-                                 host_logit_slots=w - shift)
+            sent = to_device(np.concatenate([a for _, w, sl in extended for a in (w, sl)]), seqs[0].device)
+            views = iter(sent.split([len(a) for _, w, sl in extended for a in (w, sl)]))
+            for i, wanted, slots in extended:
+                out[i] = replace(plans[i], logit_positions=next(views), logit_slots=next(views), host_logits=wanted,
+                                 host_logit_slots=slots)
         return out
 
     def inspected_slots(self, seq: Sequence, plan: StepPlan) -> Tensor:
         """Masked generation slots computed by this forward, not yet in the plan's logit set,
-        for a plan built with tensors (CFG's lists the canvas twice)."""
+        for a plan built with tensors (a CFG plan lists the canvas twice)."""
         pos = torch.unique(plan.positions)
         pos = pos[pos >= seq.prompt_len]
         pos = pos[seq.tensor(seq.undecided)[pos]]
@@ -125,12 +129,12 @@ class AdaptiveLength(Strategy):
 NO_STOP = 1 << 62  # a row's first stop position when it has none
 
 
-def host_inspected(seq: Sequence, plan: StepPlan) -> np.ndarray:
-    """``inspected_slots`` of a plan built on the host: its masked generation slots beyond its
-    logit positions."""
-    pos = plan.host_positions
+def host_inspected(seq: Sequence, positions: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """``inspected_slots`` of a plan built on the host: the masked generation slots among its
+    computed ``positions`` beyond its logit positions ``wanted``, ascending."""
+    pos = np.unique(positions)  # a CFG plan lists the canvas twice
     pos = pos[(pos >= seq.prompt_len) & seq.undecided[pos]]
-    return pos[~np.isin(pos, plan.host_logits)]
+    return pos[~np.isin(pos, wanted)]
 
 
 def row_facts(seqs: list[Sequence], counts: list[int], positions: Tensor) -> tuple[Tensor, Tensor]:
