@@ -388,7 +388,8 @@ def test_copy_predictions_of_all_copies_equal_the_per_copy_rule(options):
         want = plain_copy_predictions(seq, layout, logits)
         seq.stats.nfe -= 1  # copy_predictions keys the forward the turn will account (nfe + 1)
         positions = torch.from_numpy(np.concatenate([layout.masked[~d] for d in layout.drafted]))
-        got = on_grid(layout, *copy_predictions([seq], [layout], positions, logits.clone()))
+        _, predicted = copy_predictions([seq], [layout], [len(positions)], positions, logits.clone())
+        got = on_grid(layout, *predicted)
         for a, b in zip(got, want):
             assert torch.equal(a, b)
     assert layout.counts()[-1] == 0  # the last copy holds both drafts and predicts nothing

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..decoding.commit_rules import GroupCommit, RowDecision
+from ..decoding.commit_rules import GroupCommit, RowDecision, gathered
 from ..decoding.decide import GroupRules
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import greedy_predictions
@@ -167,39 +167,52 @@ class JumpShare(Strategy):
     # -- verify and commit -----------------------------------------------------------------
     def decide_rows(self, seqs: list[Sequence], positions: list[Tensor], logits: list[Tensor],
                     commit: Callable[..., GroupCommit]) -> list[RowDecision]:
-        """The group's step: rows without copies commit by their rule (``commit``: the group's
-        decision over them) and keep their argmax predictions as drafts; rows with copies verify
-        them, all copies of all rows predicted and selected at once. One read for both."""
+        """The group's step, every row at once: a row without copies commits by its decoder's
+        rule and keeps its argmax predictions as drafts; a row with copies verifies them. Every
+        row's copies (one for a base row) are rows of one ``copy_predictions`` pass, and one read
+        brings back their predictions, the candidates' positions and the base rows' drafts.
+        (``commit`` is not needed: no strategy that reweighs confidences composes with jump-share.)"""
         layouts = [s.strategy_state[KEY]["layout"] for s in seqs]
+        counts = [p.numel() for p in positions]
+        for layout, n in zip(layouts, counts):
+            if layout is not None and n != sum(layout.counts()):  # check_method refuses what could cause it
+                raise RuntimeError(f"jump-share expected {sum(layout.counts())} logit rows, got {n}: a "
+                                   f"strategy dropped tokens inside the forward")
+        if not seqs:
+            return []
+        at, everything = torch.cat(positions), torch.cat(logits)
+        masked_logits, predicted = copy_predictions(seqs, layouts, counts, at, everything)
+        starts = np.cumsum([0, *counts[:-1]])
         base = [i for i, layout in enumerate(layouts) if layout is None]
-        spec = [i for i, layout in enumerate(layouts) if layout is not None]
-        for i in spec:
-            if positions[i].numel() != sum(layouts[i].counts()):  # check_method refuses what could cause it
-                raise RuntimeError(f"jump-share expected {sum(layouts[i].counts())} logit rows, got "
-                                   f"{positions[i].numel()}: a strategy dropped tokens inside the forward")
-        decided = commit([seqs[i] for i in base], [positions[i] for i in base], [logits[i] for i in base])
-        extra = []
+        drafts = []
         if base:  # drafts: the base rows' argmax and its probability at each candidate
-            tokens, conf = greedy_predictions(torch.cat([logits[i] for i in base]),
-                                              seqs[base[0]].ids.mask_id)
-            extra += [tokens, conf.float().view(torch.int32).long()]
-        if spec:
-            extra += copy_predictions([seqs[i] for i in spec], [layouts[i] for i in spec],
-                                      torch.cat([positions[i] for i in spec]), torch.cat([logits[i] for i in spec]))
-        base_rows, read = decided.read(extra)
+            index = np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in base])
+            tokens, conf = greedy_predictions(everything[to_device(index, everything.device)], seqs[0].ids.mask_id)
+            drafts = [tokens, conf.float().view(torch.int32).long()]
+        read = torch.cat([at.long(), *predicted, *drafts]).cpu().numpy()  # the group's one read
+        k = len(at)
+        where, x0, conf_bits, chosen = read[:k], read[k: 2 * k], read[2 * k: 3 * k], read[3 * k: 4 * k].astype(bool)
+        conf = conf_bits.astype(np.int32).view(np.float32)
         out: list[RowDecision | None] = [None] * len(seqs)
+        for i, layout in enumerate(layouts):
+            if layout is not None:
+                own = slice(starts[i], starts[i] + counts[i])
+                out[i] = self.verified(seqs[i], layout, x0[own], conf[own], chosen[own])
         if base:
-            tokens, conf = read[0], read[1].astype(np.int32).view(np.float32)
-            sizes = np.cumsum([positions[i].numel() for i in base])[:-1]
-            for row, i, tok, cf in zip(base_rows, base, np.split(tokens, sizes), np.split(conf, sizes)):
-                row.after = partial(keep_drafts, drafts=argmax_drafts(seqs[i], row.candidates, tok, cf),
-                                    first=seqs[i].step == 0)
-                out[i] = row
-        if spec:
-            x0, conf, chosen = read[-3], read[-2].astype(np.int32).view(np.float32), read[-1].astype(bool)
-            sizes = np.cumsum([positions[i].numel() for i in spec])[:-1]
-            for i, *own in zip(spec, np.split(x0, sizes), np.split(conf, sizes), np.split(chosen, sizes)):
-                out[i] = self.verified(seqs[i], layouts[i], *own)
+            draft_tokens, draft_conf = read[4 * k:].reshape(2, -1)
+            draft_conf = draft_conf.astype(np.int32).view(np.float32)
+            picked = [np.flatnonzero(chosen[starts[i]: starts[i] + counts[i]]) for i in base]
+            rows = gathered(masked_logits, [seqs[i].trace is not None for i in base], picked, starts[base])
+            offset = 0
+            for i, mine, trace_rows in zip(base, picked, rows):
+                own = slice(starts[i], starts[i] + counts[i])
+                mine_drafts = slice(offset, offset + counts[i])
+                offset += counts[i]
+                candidates = where[own]
+                out[i] = RowDecision(candidates[mine], x0[own][mine], trace_rows, candidates=candidates,
+                                     after=partial(keep_drafts, first=seqs[i].step == 0,
+                                                   drafts=argmax_drafts(seqs[i], candidates, draft_tokens[mine_drafts],
+                                                                        draft_conf[mine_drafts])))
         return out
 
     def verified(self, seq: Sequence, layout: CopyLayout, x0: np.ndarray, conf: np.ndarray, chosen: np.ndarray
@@ -252,21 +265,23 @@ def keep_verified(seq: Sequence, drafts: Drafts, accepted: int, eight: bool) -> 
     state["eight"] = state["eight"] or eight
 
 
-def copy_predictions(seqs: list[Sequence], layouts: list[CopyLayout], positions: Tensor, logits: Tensor
-                     ) -> list[Tensor]:
-    """Every copy of every row in one pass: (sampled token, its confidence as float32 bits,
-    whether the decoder's rule commits it) for each candidate a copy predicts itself, laid out
-    row after row, copy after copy (``positions`` [K], ``logits`` [K, V]). Each copy is a row of
-    one ``GroupRules``, as if it were the sequence alone; a sampled copy draws with its own keys
-    (its index as the salt)."""
-    members, counts, salts = [], [], []
-    for seq, layout in zip(seqs, layouts):
-        members += [seq] * layout.num_copies
-        counts += layout.counts()
-        salts += list(range(layout.num_copies))
-    rules = GroupRules(members, counts, [s.stats.nfe + 1 for s in members], logits.device, salts)
-    _, x0, conf = rules.predict(logits, positions, owned=True)
-    return [x0, conf.float().view(torch.int32).long(), rules.select(conf).long()]
+def copy_predictions(seqs: list[Sequence], layouts: list[CopyLayout | None], counts: list[int], positions: Tensor,
+                     logits: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """Every copy of every row in one pass (a row without a layout is one copy, its base step):
+    (the logits with the mask excluded; [sampled token, its confidence as float32 bits, whether
+    the decoder's rule commits it]) for each candidate a copy predicts itself, laid out row after
+    row, copy after copy (``positions`` [K], ``logits`` [K, V]; ``counts`` per row). Each copy is
+    a row of one ``GroupRules``, as if it were the sequence alone; a sampled copy draws with its
+    own keys (its index as the salt, 0 for copy 0 and a base step)."""
+    members, rows, salts = [], [], []
+    for seq, layout, n in zip(seqs, layouts, counts):
+        copies = 1 if layout is None else layout.num_copies
+        members += [seq] * copies
+        rows += [n] if layout is None else layout.counts()
+        salts += list(range(copies))
+    rules = GroupRules(members, rows, [s.stats.nfe + 1 for s in members], logits.device, salts)
+    masked, x0, conf = rules.predict(logits, positions, owned=True)
+    return masked, [x0, conf.float().view(torch.int32).long(), rules.select(conf).long()]
 
 
 def commit_confidence(layout: CopyLayout, drafts: list[int], conf: np.ndarray) -> np.ndarray:
