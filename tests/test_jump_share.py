@@ -5,6 +5,7 @@ import torch
 
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.decoding.commit_rules import GroupCommit
+from dllm_engine.decoding.noise import Noise
 from dllm_engine.decoding.decoders import plan_step, plan_steps
 from dllm_engine.engine.sequence import Sequence, TokenIds
 from dllm_engine.methods import FULL_ATTENTION_METHODS
@@ -336,7 +337,11 @@ def plain_copy_predictions(seq, layout, logits):
     for i, rows in enumerate(logits.split(layout.counts())):
         own = torch.from_numpy(~layout.drafted[i])
         if rows.shape[0]:
-            noise = seq.noise(masked[own], salt=torch.full((rows.shape[0],), i))
+            noise = None
+            if p.temperature != 0 or p.remasking == "random":  # the keys: the request's seed, the position, the forward, the copy as the salt
+                m = rows.shape[0]
+                noise = Noise(torch.full((m,), seq.seed), masked[own], torch.full((m,), seq.stats.nfe),
+                              torch.full((m,), i))
             x0[i, own] = sample_tokens(rows, p.temperature, noise, p.top_k, p.top_p)
             conf[i, own] = confidence(rows, x0[i, own], p.remasking, noise).float()
             commit[i, own] = plain_select(seq, conf[i, own])

@@ -23,7 +23,6 @@ from torch import Tensor
 from ..engine.sequence import Sequence, to_device
 from ..methods import COMMIT_RULES, CommitRuleSpec
 from .decide import GroupRules
-from .rules import confidence, sample_tokens, without_mask
 
 
 @dataclass
@@ -77,21 +76,6 @@ class CommitRule:
 
 
 DECODER_RULE = CommitRule()
-
-
-def predict(seq: Sequence, positions: Tensor, logits: Tensor, salt: Tensor | None = None
-            ) -> tuple[Tensor, Tensor, Tensor]:
-    """A rule's predictions over candidate logits [N, V] at canvas ``positions`` [N], one
-    sequence's, as the decoder's own rule draws them: (the logits with the mask excluded, a new
-    tensor (their rows are what a committed token records as its logprobs); the token x0 [N]
-    drawn under the sequence's sampling options, the argmax when greedy; its confidence [N] under
-    ``remasking``). Random draws are keyed by ``seq.noise(positions, salt)`` (``salt``: jump-share's
-    copies). A whole group's candidates draw through ``decide.GroupRules`` instead."""
-    p = seq.params
-    logits = without_mask(logits, seq.ids.mask_id)
-    noise = seq.noise(positions, salt)
-    x0 = sample_tokens(logits, p.temperature, noise, p.top_k, p.top_p)
-    return logits, x0, confidence(logits, x0, p.remasking, noise)
 
 
 @cache

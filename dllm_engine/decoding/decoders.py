@@ -21,7 +21,7 @@ class StepPlan:
     logit slots). ``plan_steps`` builds it, and this module owns its rules: the decoder's key
     limits (``span``), Dream's logit shift, CFG's two halves (``host_row``) and
     the defaults ``finalize`` fills. A strategy adjusts a plan only through the named operations
-    (``span``, ``restrict``, ``with_logits``, ``with_tokens``), each returning a new plan; it does
+    (``span``, ``restrict``, ``with_logits``, ``predicting``), each returning a new plan; it does
     not set or re-derive fields itself."""
     positions: Tensor  # [T] RoPE positions of the computed tokens
     key_limit: Tensor  # [T] each token attends to cache indices below this
@@ -75,21 +75,11 @@ class StepPlan:
         return replace(self, logit_positions=torch.cat([self.logit_positions, positions]), logit_slots=slots,
                        host_logits=None, host_logit_slots=None)
 
-    def with_tokens(self, seq: Sequence, shift: int, positions: Tensor, slots: Tensor, token_ids: Tensor,
-                    key_mask: Tensor, predict: Tensor) -> "StepPlan":
-        """The plan plus tokens at canvas ``positions``, fed ``token_ids``, whose K/V go to cache
-        ``slots`` (past the canvas: copies of canvas positions). ``key_mask`` [T + t, S] gives
-        the keys every token of the result sees. Logits: the plan's, then those of the new
-        tokens ``predict`` (indices into them), each predicting its position + ``shift``."""
-        base = replace(self).finalize(seq, shift)  # a copy: the plan passed in stays as it was
-        limit = torch.full_like(positions, seq.canvas_len)  # not read: key_mask decides
-        return StepPlan(positions=torch.cat([base.positions, positions]),
-                        key_limit=torch.cat([base.key_limit, limit]),
-                        logit_positions=torch.cat([base.logit_positions, positions[predict] + shift]),
-                        logit_slots=torch.cat([base.logit_slots, slots[predict]]),
-                        slots=torch.cat([base.slots, slots]),
-                        token_ids=torch.cat([base.token_ids, token_ids]),
-                        key_mask=key_mask)
+    def predicting(self, positions: np.ndarray, slots: np.ndarray, sent: tuple[Tensor, Tensor]) -> "StepPlan":
+        """The plan predicting canvas ``positions`` instead, read at cache ``slots`` (host
+        arrays; ``sent``: the same on the device, sent by the caller with its group's)."""
+        return replace(self, logit_positions=sent[0], logit_slots=sent[1], host_logits=positions,
+                       host_logit_slots=slots)
 
     def finalize(self, seq: Sequence, shift: int) -> "StepPlan":
         """Fill the defaults: slots = positions, tokens from the canvas, and Dream's shift

@@ -194,5 +194,5 @@ def turn(runner: Runner, seq: Sequence, work: float, positions: np.ndarray, toke
     if logprobs is not None:
         seq.add_logprobs(positions, *logprobs)
     if seq.trace is not None:
-        seq.trace.end_step(seq, {})
+        seq.record_step({})
     seq.advance()

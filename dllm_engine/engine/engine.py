@@ -159,7 +159,7 @@ class Engine:
         decision.apply(seq)
         pipeline.after_commit(seq, decision.positions)
         if seq.trace is not None:  # record_steps: close the step's record (engine/trace.py)
-            seq.trace.end_step(seq, pipeline.step_records(seq))
+            seq.record_step(pipeline.step_records(seq))
         seq.advance()
 
     def release(self, keep: list[int]) -> None:

@@ -6,6 +6,7 @@ predicts, what a commit writes, when a block ends) costs no device op and no dev
 device sees a sequence only through the tensors a step builds from it (``engine/batch_step.py``)."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -13,7 +14,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..decoding.noise import Noise
 from ..sampling_params import SamplingParams
 from .trace import StepTrace
 
@@ -173,23 +173,6 @@ class Sequence:
     def block(self) -> tuple[int, int]:
         return self.blocks[self.block_idx]
 
-    def noise(self, positions: Tensor, salt: Tensor | None = None) -> Noise | None:
-        """The sampling keys of candidates at canvas ``positions`` in this forward (decoding/noise.py):
-        the request's seed, the position, the forwards so far; ``salt`` tells apart candidates
-        of one position in one forward (jump-share's copies). None when the request draws
-        nothing (``draws``)."""
-        if not self.draws:
-            return None
-        n = positions.shape[0]
-        full = dict(size=(n,), dtype=torch.long, device=positions.device)
-        return Noise(torch.full(fill_value=self.seed, **full), positions.long(),
-                     torch.full(fill_value=self.stats.nfe, **full), salt)
-
-    @property
-    def draws(self) -> bool:
-        """Whether the request's commit rule draws random numbers (sampling, random remasking)."""
-        return self.params.temperature != 0 or self.params.remasking == "random"
-
     def masked_index(self) -> np.ndarray:
         """The current block's undecided canvas positions (host)."""
         start, end = self.block
@@ -284,6 +267,12 @@ class Sequence:
     def output_logprobs(self, num_tokens: int) -> list[tuple[float, list[int], list[float]]]:
         """The recorded logprobs of the first ``num_tokens`` generated tokens."""
         return [self.logprobs[self.prompt_len + i] for i in range(num_tokens)]
+
+    def record_step(self, strategies: dict[str, dict]) -> None:
+        """``record_steps``: close the trace's record of the step just committed (its
+        strategies' ``step_record``s by name), before ``advance`` moves the cursor."""
+        self.trace.end_step(self.block_idx, self.block, self.step, self.canvas_len, self.stats.processed_tokens,
+                            time.perf_counter() - self.start_time, strategies)
 
     def advance(self) -> None:
         """After a step's commits: next step, next block, or finish."""

@@ -13,17 +13,12 @@ playground animates them); ``format_steps`` is ``dllm generate --show-steps``'s 
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from .sequence import Sequence
 
 MASK = None  # a slot not committed yet, in ``canvas_frames``
 
@@ -80,15 +75,16 @@ class StepTrace:
         for pos, tok, conf in zip(positions.tolist(), tokens.tolist(), confs):
             self.pending.append(Commit(pos, tok, conf))
 
-    def end_step(self, seq: "Sequence", strategies: dict[str, dict]) -> None:
-        """Close the step ``seq`` just committed (before ``Sequence.advance`` moves its cursor)."""
-        start, end = seq.block
-        processed = seq.stats.processed_tokens
+    def end_step(self, block: int, span: tuple[int, int], block_step: int, canvas_len: int, processed: float,
+                 seconds: float, strategies: dict[str, dict]) -> None:
+        """Close the step just committed (``Sequence.record_step``, before ``Sequence.advance``
+        moves the cursor): its block (index and canvas ``span``), the step within it, the canvas
+        length, the sequence's processed tokens so far and seconds since it started."""
         self.records.append(StepRecord(
-            step=len(self.records), block=seq.block_idx, block_start=start, block_end=end,
-            block_step=seq.step, canvas_len=seq.canvas_len,
+            step=len(self.records), block=block, block_start=span[0], block_end=span[1],
+            block_step=block_step, canvas_len=canvas_len,
             processed_tokens=round(processed - self.processed_before, 4),
-            seconds=round(time.perf_counter() - seq.start_time, 6),
+            seconds=round(seconds, 6),
             committed=sorted(self.pending, key=lambda c: c.position), strategies=strategies))
         self.pending = []
         self.processed_before = processed

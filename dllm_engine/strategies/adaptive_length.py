@@ -15,7 +15,6 @@ the current block, so ALP can at most end the sequence after the current block.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import ClassVar
 
 import numpy as np
@@ -68,8 +67,7 @@ class AdaptiveLength(Strategy):
             sent = to_device(np.concatenate([a for _, w, sl in extended for a in (w, sl)]), seqs[0].device)
             views = iter(sent.split([len(a) for _, w, sl in extended for a in (w, sl)]))
             for i, wanted, slots in extended:
-                out[i] = replace(plans[i], logit_positions=next(views), logit_slots=next(views), host_logits=wanted,
-                                 host_logit_slots=slots)
+                out[i] = plans[i].predicting(wanted, slots, (next(views), next(views)))
         return out
 
     def inspected_slots(self, seq: Sequence, plan: StepPlan) -> Tensor:
