@@ -89,6 +89,20 @@ def test_fixed_shapes_collapse_the_forward_shapes(llms):
     assert len(keys) > 1 and all(bucket(k) == k for k in keys)
 
 
+@pytest.mark.parametrize("family,method", [("sdar", "block+focus"), ("llada", "dual-cache+early-skip")])
+def test_strategies_that_drop_tokens_take_bucket_shapes_too(llms, family, method):
+    """FOCUS and early skipping shrink the token set inside the forward: with fixed shapes
+    their hooks are padded to the step's buckets and the kept set is bucketed, so every layer
+    of every forward has bucket rows, tokens and keys, and some layer runs fewer tokens than the
+    first (the strategy did drop tokens)."""
+    _, fixed = llms[family]
+    prompts = PROMPTS * 2
+    got = signatures(fixed, method, prompts)
+    entries = [entry for sig in got for entry in sig]
+    assert all(bucket(b) == b and bucket(t) == t and bucket(s) == s and masked for b, t, s, masked in entries)
+    assert any(sig[-1][1] < sig[0][1] for sig in got)
+
+
 def test_a_view_wider_than_its_pool_is_refused():
     cache = KVCache(1, 1, 4, torch.float32, "cpu")
     cache.arrange([7, 8, 9], 16, rows=4)

@@ -96,15 +96,19 @@ class Runner:
         caller accounts each row at its turn, so a step that fails mid-group leaves the rows
         after the failure as they were. Changes no sequence.
         Everything the layer loop needs is derived here, once (see ``ForwardContext``).
-        With ``fixed_shapes`` a forward without layer hooks runs bucketed on ``cache`` widened
-        to its padded rows (the pool keeps them spare); hooks that shrink the token set build
-        their tensors for the step's own shapes, so such a forward stays dynamic."""
+        With ``fixed_shapes`` the forward runs bucketed on ``cache`` widened to its padded rows
+        (the pool keeps them spare); layer hooks that shrink the token set (FOCUS, early
+        skipping) are padded to the step's rows and tokens (``pad_to``) and keep a bucketed set
+        (``compact(..., fixed=True)``), so their forwards take bucket shapes too; hooks without
+        ``pad_to`` keep the forward dynamic."""
         plans = [p.finalize(s, self.shift) for s, p in zip(seqs, plans)]
-        fixed = self.fixed_shapes and hooks is None
+        fixed = self.fixed_shapes and (hooks is None or hasattr(hooks, "pad_to"))
         rows = self.batch_rows(len(plans)) if fixed else len(plans)
         if rows > len(plans):
             cache = cache.widen(rows)
         step = self.inputs(plans, rows, fixed)
+        if fixed and hooks is not None:
+            hooks.pad_to(rows, step.positions.shape[1])
         flat, counts, logits, processed = self.run(step, self.context(step, cache, hooks))
         work = processed or [n * self.num_layers for n in step.lengths]
         positions = pad_stack([p.logit_positions for p in plans], 0).reshape(-1)[flat]
@@ -157,7 +161,7 @@ class Runner:
         count of computed tokens per row: None without hooks, when no layer changes the set).
         With ``step.logit_index`` the host knows the rows: (None, None, logits, processed)."""
         ctx = self.model.prepare_context(ctx)
-        if step.fixed_shapes and self.step_forward is not None:  # fixed: no hooks (``forward``)
+        if step.fixed_shapes and self.step_forward is not None and ctx.hooks is None:  # the compiled stack: no hooks
             hidden, processed = self.step_forward(step.token_ids, ctx), None
         else:
             hidden, ctx, processed = self.model.run_layers(step.token_ids, ctx)

@@ -13,7 +13,8 @@ never packs or splits rows, so the layer loop sees one signature per (B, T, S) b
 bucket of the block's end. The price is the padding's compute, which a GPU
 absorbs (the step is launch-bound at small batch) and a CPU pays in full; ``dllm profile``
 reports both the time and the shapes. Forwards whose hooks shrink the token set (FOCUS,
-early skip) change shapes inside the forward by data: they stay dynamic (``Runner.forward``).
+early skip) pad their hooks to the step's buckets and keep a bucketed set
+(``models.context.compact(..., fixed=True)``): their layers take bucket shapes too.
 """
 from __future__ import annotations
 

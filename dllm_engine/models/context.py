@@ -15,6 +15,8 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from ..engine.shapes import bucket
+
 PACK_BELOW = 0.75  # pack live tokens for the per-token layers when more than 1/4 is row padding
 
 NARROW_ROWS = 4  # rows with at most 1/4 of the padded width run attention as their own call ...
@@ -54,13 +56,17 @@ class Kept(NamedTuple):
 
 
 def compact(keep: Tensor, lengths: list[int] | None = None, hidden_keys: Tensor | None = None,
-            host_keep: list | None = None) -> Kept:
+            host_keep: list | None = None, fixed: bool = False) -> Kept:
     """``keep`` [B, T] bool as a ``Kept``: each row's kept tokens in order. ``lengths``: the kept
     count per row when the caller knows it; else one host read (it sizes the new set).
-    ``host_keep``: ``keep`` over each row's live tokens on the host, when the caller has it."""
+    ``host_keep``: ``keep`` over each row's live tokens on the host, when the caller has it.
+    ``fixed``: a fixed-shape step's (``ForwardContext.fixed_shapes``): the kept set's width is
+    the bucket of the widest row (``engine/shapes.bucket``), its padding not valid."""
     if lengths is None:
         lengths = keep.sum(1).tolist()
     width = max(lengths, default=0)
+    if fixed:
+        width = min(bucket(width), keep.shape[1])
     index = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]
     counts = torch.tensor(lengths, device=keep.device)
     return Kept(index, torch.arange(width, device=keep.device)[None] < counts[:, None], lengths, hidden_keys,

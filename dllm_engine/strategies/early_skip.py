@@ -51,6 +51,7 @@ from torch import Tensor
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import greedy_tokens, rank_in_row
 from ..engine.sequence import Sequence, host, to_device
+from ..engine.shapes import pad_to
 from ..models.context import ForwardContext, Kept, compact
 from ..models.layers import DiffusionLM
 from .base import Strategy
@@ -177,6 +178,17 @@ class SkipHooks:
         # steps; the last column is a sink for the tokens a partial update leaves out
         self.num_candidates = num_candidates  # per row: live block tokens that may be skipped
 
+    def pad_to(self, rows: int, width: int) -> None:
+        """A fixed-shape step's [rows, width] (``Runner.forward_rows``): padding rows have no
+        candidate, no window and keep nothing."""
+        b = len(self.num_candidates)
+        self.rows = {name: pad_to(x, rows, width, 0) if x.dim() == 2 else pad_to(x[:, None], rows, 1, 0)[:, 0]
+                     for name, x in self.rows.items()}
+        self.window = pad_to(self.window, rows, self.window.shape[1], 0)
+        self.previous = {layer: pad_to(x, rows, x.shape[1], 0) for layer, x in self.previous.items()}
+        self.counts = {layer: c + [0] * (rows - b) for layer, c in self.counts.items()}
+        self.num_candidates = self.num_candidates + [0] * (rows - b)
+
     def rank_message(self) -> dict:
         """What another tensor-parallel rank needs to prune as this one does (plain data; it
         keeps no hidden states for sequences: ``from_rank_message`` gives it none)."""
@@ -205,7 +217,7 @@ class SkipHooks:
                 for b, seq in enumerate(self.seqs):
                     state(seq).skipped.append((layer_idx, ctx.positions[b], candidate[b] & ~keep[b]))
         self.store(layer_idx, hidden, offset, keep & in_window)
-        return None if lengths is None else compact(keep, lengths)
+        return None if lengths is None else compact(keep, lengths, fixed=ctx.fixed_shapes)
 
     def kept_lengths(self, layer_idx: int, live: list[int]) -> list[int] | None:
         """Live tokens per row after pruning at ``layer_idx`` (the top ``count`` candidates go

@@ -41,6 +41,7 @@ from torch import Tensor
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import greedy_predictions, rank_in_row
 from ..engine.sequence import Sequence, host, to_device
+from ..engine.shapes import pad_to
 from ..models.context import ForwardContext, Kept, compact
 from .base import Strategy
 
@@ -253,6 +254,18 @@ class EvictionHooks:
         k_m = torch.gather(k, 2, qi.expand(-1, k.shape[1], -1, k.shape[3]))  # [B, Hkv, M, D]
         return masked_importance(q_m, k_m, valid)
 
+    def pad_to(self, rows: int, width: int) -> None:
+        """A fixed-shape step's [rows, width] (``Runner.forward_rows``): padding rows and tokens
+        are no candidates, their masked tokens not valid, their budget 0."""
+        b, t = self.candidate.shape
+        self.candidate, self.never = (pad_to(x, rows, width, False) for x in (self.candidate, self.never))
+        m = self.index.shape[1]
+        self.index, self.valid, self.positions, self.never_masked = (
+            pad_to(x, rows, m, 0) for x in (self.index, self.valid, self.positions, self.never_masked))
+        self.budget = pad_to(self.budget[:, None], rows, 1, 0)[:, 0]
+        if self.evicting is not None:
+            self.evicting = np.concatenate([self.evicting, np.zeros(rows - b, dtype=bool)])
+
     def rank_message(self) -> dict:
         """What another tensor-parallel rank needs to decide as this one does (plain data; it
         records nothing on sequences: ``from_rank_message`` gives it no states)."""
@@ -290,7 +303,8 @@ class EvictionHooks:
             state.evicted = row[: len(state.planned)]
         lengths = [n - int(row.sum()) for n, row in zip(ctx.row_lengths, evicted_host)]
         host_keep = [~row[:n] for n, row in zip(ctx.row_lengths, evicted_host)]
-        return compact(ctx.token_valid & ~evicted, lengths, hidden_keys=hidden, host_keep=host_keep)
+        return compact(ctx.token_valid & ~evicted, lengths, hidden_keys=hidden, host_keep=host_keep,
+                       fixed=ctx.fixed_shapes)
 
     def after_layer(self, layer_idx: int, hidden: Tensor, ctx: ForwardContext) -> None:
         return None
