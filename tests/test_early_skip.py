@@ -178,15 +178,16 @@ def test_block_start_forwards_from_the_last_commits(llms, model_type, monkeypatc
     llm = llms[model_type, 8]
     shift = 1 if model_type == "Dream" else 0
     seen = []
-    original = early_skip.EarlySkip.plan
+    original = early_skip.EarlySkip.plan_rows
 
-    def spy(self, seq, plan):
-        last = early_skip.state(seq).last_committed.copy()
-        out = original(self, seq, plan)
-        seen.append((seq.block_idx, seq.step, last, out.positions.clone(), seq.block))
+    def spy(self, seqs, plans):
+        lasts = [early_skip.state(seq).last_committed.copy() for seq in seqs]
+        out = original(self, seqs, plans)
+        for seq, last, plan in zip(seqs, lasts, out):
+            seen.append((seq.block_idx, seq.step, last, plan.positions.clone(), seq.block))
         return out
 
-    monkeypatch.setattr(early_skip.EarlySkip, "plan", spy)
+    monkeypatch.setattr(early_skip.EarlySkip, "plan_rows", spy)
     kw = dict(max_new_tokens=24, block_length=8, keep_fractions=(1.0,), skip_depths=(0.0,),
               stop_at_eos=False)
     got = tokens(llm, [PROMPTS[0]], method=ES, skip_block_start="last-commits", **kw)[0]
@@ -482,14 +483,15 @@ def test_block_starts_recompute_the_prefix_by_default(llms, model_type, monkeypa
     """The official schedule: every block start recomputes [0, block end) without skipping."""
     llm = llms[model_type, 8]
     seen = []
-    original = early_skip.EarlySkip.plan
+    original = early_skip.EarlySkip.plan_rows
 
-    def spy(self, seq, plan):
-        out = original(self, seq, plan)
-        seen.append((seq.block_idx, seq.step, out.positions.tolist(), seq.block, early_skip.state(seq).skip))
+    def spy(self, seqs, plans):
+        out = original(self, seqs, plans)
+        for seq, plan in zip(seqs, out):
+            seen.append((seq.block_idx, seq.step, plan.positions.tolist(), seq.block, early_skip.state(seq).skip))
         return out
 
-    monkeypatch.setattr(early_skip.EarlySkip, "plan", spy)
+    monkeypatch.setattr(early_skip.EarlySkip, "plan_rows", spy)
     tokens(llm, [PROMPTS[0]], method=ES, max_new_tokens=24, block_length=8)
     starts = [s for s in seen if s[1] == 0]
     assert [s[0] for s in starts] == [0, 1, 2]

@@ -168,12 +168,24 @@ def plan_steps(seqs: list[Sequence], shift: int, computed: Computed | None = Non
     (each plan's tensors are views of it), not a few copies and ops per row; each keeps its host
     arrays, from which the runner lays out the keys and finds the logits without a read.
     ``computed(seq, positions)``: which planned positions are computed (bool, None: all)."""
-    rows = [host_row(seq, shift, computed) for seq in seqs]
+    return sent_rows([host_row(seq, shift, computed) for seq in seqs], seqs[0].device if seqs else None)
+
+
+def span_row(seq: Sequence, lo: int, hi: int, wanted: np.ndarray, shift: int) -> HostRow:
+    """A row computing canvas positions [lo, hi) under the decoder's key limits and predicting
+    ``wanted`` (host arrays: ``StepPlan.span`` for a plan sent with its group's)."""
+    positions, limit = span_limits(seq, lo, hi)
+    return HostRow(positions, limit, seq.canvas[positions], wanted, wanted - shift)
+
+
+def sent_rows(rows: list[HostRow], device: torch.device | None) -> list[StepPlan]:
+    """The plans of host rows, sent in one copy (each plan's tensors are views of it); each keeps
+    its host arrays."""
     if not rows:
         return []
     parts = [a for r in rows for a in (r.positions, r.limit, r.tokens, r.wanted, r.logit_slots)
              + (() if r.slots is None else (r.slots,))]
-    views = iter(to_device(np.concatenate(parts).astype(np.int64), seqs[0].device).split([len(p) for p in parts]))
+    views = iter(to_device(np.concatenate(parts).astype(np.int64), device).split([len(p) for p in parts]))
     plans = []
     for r in rows:
         positions, limit, tokens, wanted, logit_slots = (next(views) for _ in range(5))

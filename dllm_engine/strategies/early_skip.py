@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..decoding.decoders import StepPlan
+from ..decoding.decoders import StepPlan, sent_rows, span_row
 from ..decoding.rules import greedy_tokens, rank_in_row
 from ..engine.sequence import Sequence, host, to_device
 from ..engine.shapes import pad_to
@@ -274,35 +274,51 @@ class EarlySkip(Strategy):
 
     # -- step planning -------------------------------------------------------------------------
     def plan(self, seq: Sequence, plan: StepPlan) -> StepPlan:
-        """What this step computes (no side effect but ``skip``, rewritten at every plan)."""
+        return self.plan_rows([seq], [plan])[0]
+
+    def plan_rows(self, seqs: list[Sequence], plans: list[StepPlan]) -> list[StepPlan]:
+        """What each row computes this step (no side effect but ``skip``, rewritten at every
+        plan): a refresh recomputes from ``refresh_start`` to the block end, the same logits; the
+        refreshed rows' plans built on the host and sent in one copy."""
+        out, spans = list(plans), []
+        for i, (seq, plan) in enumerate(zip(seqs, plans)):
+            p = seq.params
+            count = seq.block_idx * p.block_length + seq.step  # the official step counter
+            positions = plan.host_positions
+            if (lo := self.refresh_start(seq, count)) is not None:
+                end = seq.block[1]
+                if plan.host_logits is not None:
+                    spans.append((i, span_row(seq, lo, end, plan.host_logits, self.shift)))
+                else:  # a plan built with tensors
+                    out[i] = StepPlan.span(seq, lo, end, plan.logit_positions)
+                positions = np.arange(lo, end)
+            no_skip_step = p.block_refresh is not None and count % p.block_refresh == 0
+            state(seq).skip = self.block_only(seq, positions) and not no_skip_step
+        for (i, _), plan in zip(spans, sent_rows([row for _, row in spans], seqs[0].device)):
+            out[i] = plan
+        return out
+
+    def refresh_start(self, seq: Sequence, count: int) -> int | None:
+        """Where this step's recomputation starts when it refreshes (None: the decoder's plan):
+        the official prompt refresh every ``prompt_refresh`` steps and, at a block's first step,
+        ``skip_block_start`` "prefix" (from position 0) or "last-commits" (from the leftmost
+        position committed at the previous step, whose K/V were computed while it was still
+        masked; at most the block start, Dream's token before it)."""
         p = seq.params
-        count = seq.block_idx * p.block_length + seq.step  # the official step counter
         if count > 0 and p.prompt_refresh is not None and count % p.prompt_refresh == 0:
-            plan = self.prefix(seq, plan)
-        elif count > 0 and seq.step == 0 and p.skip_block_start == "prefix":
-            plan = self.prefix(seq, plan)
-        elif count > 0 and seq.step == 0 and p.skip_block_start == "last-commits":
-            plan = self.from_last_commits(seq, plan)
-        no_skip_step = p.block_refresh is not None and count % p.block_refresh == 0
-        state(seq).skip = self.block_only(seq, plan) and not no_skip_step
-        return plan
+            return 0
+        if count > 0 and seq.step == 0 and p.skip_block_start == "prefix":
+            return 0
+        if count > 0 and seq.step == 0 and p.skip_block_start == "last-commits":
+            start, last = seq.block[0], state(seq).last_committed
+            return min(int(last.min()) if last.size else start, start - self.shift)
+        return None
 
-    def prefix(self, seq: Sequence, plan: StepPlan) -> StepPlan:
-        """The official refresh: every position up to the block end (same logits)."""
-        return StepPlan.span(seq, 0, seq.block[1], plan.logit_positions)
-
-    def from_last_commits(self, seq: Sequence, plan: StepPlan) -> StepPlan:
-        """A block's first step without a cache rebuild: from the leftmost position committed at
-        the previous step (its K/V were computed while it was still masked) to the block end."""
+    def block_only(self, seq: Sequence, positions: np.ndarray) -> bool:
+        """Whether a step computing ``positions`` is a normal dual-cache step (the block, plus
+        Dream's token before it)."""
         start, end = seq.block
-        last = state(seq).last_committed
-        lo = min(int(last.min()) if last.size else start, start - self.shift)
-        return StepPlan.span(seq, lo, end, plan.logit_positions)
-
-    def block_only(self, seq: Sequence, plan: StepPlan) -> bool:
-        """Whether the plan is a normal dual-cache step (the block, plus Dream's token before it)."""
-        start, end = seq.block
-        return bool(((plan.host_positions >= start - self.shift) & (plan.host_positions < end)).all())
+        return bool(((positions >= start - self.shift) & (positions < end)).all())
 
     # -- the layer hook ------------------------------------------------------------------------
     def layer_hooks(self, seqs: list[Sequence], plans: list[StepPlan]) -> SkipHooks:
