@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[test,lm-eval,distributed,ui]"
 	touch $@
 
-.PHONY: venv demo test test-fast wheel browser playground
+.PHONY: venv demo test test-fast wheel browser playground gpu-check
 venv: $(VENV)/.installed
 
 # Chromium from Debian's packages, for the playground's browser check (tests/test_playground_browser.py);
@@ -31,6 +31,11 @@ demo: venv
 test: venv browser
 	@echo "running the test suite: under 10 minutes on 2 CPU cores"
 	$(PY) -m pytest -q
+
+# the one prepared device check (scripts/gpu_check.py; docs/performance.md): on a GPU machine, with
+# the torch installed there (no venv: the CPU wheel is the venv's); writes gpu-check-out/
+gpu-check:
+	python3 scripts/gpu_check.py --out gpu-check-out
 
 # the inner loop: every test not marked slow (pyproject.toml's markers), under a minute
 test-fast: venv

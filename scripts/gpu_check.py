@@ -1,0 +1,186 @@
+"""One prepared device check: correctness on the device against the CPU, then what a step costs.
+
+    python scripts/gpu_check.py --out DIR                      # on a GPU (make gpu-check)
+    python scripts/gpu_check.py --device cpu --tiny --out DIR  # the same, tiny, in CI (< 1 min)
+
+Writes DIR/gpu_check.json and DIR/gpu_check.md. Two parts:
+
+1. **Correctness.** Each embedded checkpoint (tiny-llada, tiny-sdar) decodes held-out prompts on
+   the device and on the CPU, for each method: greedy tokens must match (a float32 model; a
+   mismatch is reported with the share of rows that agree). A sampled request (temperature 0.6,
+   SDAR's chat default) must run on the device (the draws are counter-based: no CPU generator)
+   and its agreement with the CPU is reported.
+2. **Step cost.** Random-weight models shaped like LLaDA-8B (dense, full attention) and
+   LLaDA2.0-mini (MoE, block diffusion), in bfloat16 on the device (``--layers`` of their layers:
+   a step's host work does not depend on the depth, its forward grows with it), profiled as
+   ``dllm profile`` does: per step the time, the forward alone (``floor``), the share outside
+   the forward, host reads and ops outside the layer loop, at each batch size, for the base
+   decoder and its strategies. ``--tiny`` shrinks the shapes to run anywhere in seconds.
+
+Nothing is downloaded; the random checkpoints are written to a temporary folder.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dllm_engine import LLM, SamplingParams  # noqa: E402
+from dllm_engine.bench.offline import check_prompts, resolve_specs  # noqa: E402
+from dllm_engine.bench.profile import run_profile  # noqa: E402
+from dllm_engine.config import ModelConfig, MoEConfig  # noqa: E402
+from dllm_engine.models import DiffusionLM, get_family, save_model  # noqa: E402
+from dllm_engine.tasks import load_split  # noqa: E402
+from dllm_engine.tokenizer import save_tokenizer  # noqa: E402
+
+CHECKPOINTS = {"tiny-llada": ["dual-cache:threshold=0.9", "dual-cache+focus:threshold=0.9",
+                              "dual-cache+early-skip:threshold=0.9",
+                              "dual-cache+adaptive-length+jump-share:threshold=0.9",
+                              "dual-cache:threshold=0.9,commit_rule=credit"],
+               "tiny-sdar": ["block:threshold=0.9", "block+focus:threshold=0.9",
+                             "block:commit_rule=joint-threshold,preset=S"]}
+IDS = dict(mask_token_id=4, eos_token_id=3, pad_token_id=3, bos_token_id=2)  # the project's llada tokenizer
+
+
+def shapes(tiny: bool, layers: int) -> dict[str, tuple[ModelConfig, list[str]]]:
+    """The step-cost models and the methods each runs (their real widths unless ``tiny``)."""
+    if tiny:
+        dense = dict(hidden_size=64, num_heads=4, num_kv_heads=4, intermediate_size=128, vocab_size=256)
+        moe = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, num_shared_experts=1,
+                        n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1)
+        mini = dict(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=256,
+                    rotary_dim=8, moe=moe)
+    else:  # LLaDA-8B-Instruct's config.json; LLaDA2.0-mini's (shared/notes/llada2.md)
+        dense = dict(hidden_size=4096, num_heads=32, num_kv_heads=32, intermediate_size=12288, vocab_size=126464)
+        moe = MoEConfig(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, num_shared_experts=1,
+                        n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=1)
+        mini = dict(hidden_size=2048, num_heads=16, num_kv_heads=4, intermediate_size=5120, vocab_size=157184,
+                    rotary_dim=64, moe=moe)
+    llada = ModelConfig(model_type="llada", num_layers=layers, rope_theta=500000.0, rms_norm_eps=1e-5,
+                        **dense, **IDS)
+    llada2 = ModelConfig(model_type="llada2_moe", num_layers=layers, rope_theta=600000.0, rms_norm_eps=1e-6,
+                         qk_norm=True, block_size=32, **mini, **IDS)
+    return {"llada-8b-shaped": (llada, ["dual-cache:threshold=0.9", "dual-cache+focus:threshold=0.9",
+                                        "dual-cache+early-skip:threshold=0.9"]),
+            "llada2-mini-shaped": (llada2, ["block:threshold=0.9", "block+focus:threshold=0.9"])}
+
+
+def random_checkpoint(config: ModelConfig, folder: Path) -> Path:
+    """A random-weight bfloat16 checkpoint of ``config`` in its family's released layout."""
+    family = get_family(config.model_type)
+    config = family.config_from_hf(family.config_to_hf(config))  # as a loaded checkpoint has it
+    torch.manual_seed(0)
+    model = DiffusionLM(config).to(torch.bfloat16)
+    model.family = family
+    save_model(model, folder, family)
+    save_tokenizer(folder, "llada")  # the embedded checkpoints' words (202 ids); special ids as ``IDS``
+    return folder
+
+
+def correctness(device: str, tiny: bool) -> list[dict]:
+    """Greedy tokens on ``device`` against the CPU, per checkpoint and method; a sampled
+    request's agreement."""
+    examples = load_split("worked", limit=1 if tiny else 4)
+    rows = []
+    for name, methods in CHECKPOINTS.items():
+        here, cpu = LLM(ROOT / "checkpoints" / name, device=device), LLM(ROOT / "checkpoints" / name)
+        defaults = {"max_new_tokens": 16 if tiny else 128}
+        params = resolve_specs(methods, cpu.resolve, defaults)
+        prompts = check_prompts(cpu, params, examples)
+        sampled = {"temperature": 0.6, "seed": 7}
+        for spec in methods:
+            for label, p in (("greedy", params[spec]), ("sampled", params[spec].replace(**sampled))):
+                start = time.perf_counter()
+                got = here.generate(prompts, p, use_tqdm=False)
+                seconds = time.perf_counter() - start
+                want = cpu.generate(prompts, p, use_tqdm=False)
+                same = [a.token_ids == b.token_ids for a, b in zip(got, want)]
+                rows.append({"checkpoint": name, "method": spec, "draw": label, "prompts": len(prompts),
+                             "rows_equal": sum(same), "equal": all(same), "seconds": round(seconds, 3)})
+        here.close()
+        cpu.close()
+    return rows
+
+
+def step_cost(device: str, tiny: bool, layers: int, batch_sizes: list[int], root: Path) -> list[dict]:
+    """``dllm profile``'s records for the shaped random models on ``device``."""
+    examples = load_split("worked", limit=1 if tiny else 4)
+    rows = []
+    for name, (config, methods) in shapes(tiny, layers).items():
+        folder = random_checkpoint(config, root / name)
+        llm = LLM(folder, device=device, dtype="bfloat16")
+        defaults = {"max_new_tokens": 16 if tiny else 128, "stop_at_eos": False}
+        for record in run_profile(llm, methods, batch_sizes, examples, defaults, progress=lambda line: None):
+            rows.append({"model": name, "layers": config.num_layers, **asdict(record)})
+        llm.close()
+        if device.startswith("cuda"):
+            rows[-1]["peak_memory_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return rows
+
+
+def markdown(report: dict) -> str:
+    """The report's two tables."""
+    lines = [f"*`scripts/gpu_check.py` on {report['device_name']}, commit {report['commit']}, {report['date']}; "
+             f"torch {report['torch']}; command: `{report['command']}`*", "",
+             "| checkpoint | method | draw | rows equal to the CPU's | seconds |", "|---|---|---|---|---|"]
+    for r in report["correctness"]:
+        lines.append(f"| {r['checkpoint']} | `{r['method']}` | {r['draw']} | {r['rows_equal']} / {r['prompts']} | "
+                     f"{r['seconds']} |")
+    lines += ["", "| model | method | batch | step ms | forward ms | outside the forward | host reads / step | "
+                  "ops outside the layer loop | tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["step_cost"]:
+        lines.append(f"| {r['model']} ({r['layers']} layers) | `{r['method']}` | {r['batch_size']} | {r['step_ms']} | "
+                     f"{r['floor_ms']} | {r['overhead']:.1%} | {r['syncs_per_step']} | {r['ops_per_step']} | "
+                     f"{r['throughput']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes: the check runs anywhere in seconds")
+    p.add_argument("--layers", type=int, default=None, help="layers of the shaped models (default 4; tiny 2)")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,64,128; tiny 2)")
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; run with --device cpu --tiny to check the script itself",
+              file=sys.stderr)
+        return 2
+    layers = args.layers or (2 if args.tiny else 4)
+    batch_sizes = [int(b) for b in (args.batch_sizes or ("2" if args.tiny else "1,64,128")).split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    report = {"device": args.device, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
+              or "CPU", "torch": torch.__version__, "command": " ".join(["python scripts/gpu_check.py", *sys.argv[1:]]
+                                                                            if argv is None else argv)}
+    started = time.perf_counter()
+    report["correctness"] = correctness(args.device, args.tiny)
+    with tempfile.TemporaryDirectory() as tmp:
+        report["step_cost"] = step_cost(args.device, args.tiny, layers, batch_sizes, Path(tmp))
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    (out / "gpu_check.md").write_text(markdown(report))
+    print(markdown(report))
+    greedy_ok = all(r["equal"] for r in report["correctness"] if r["draw"] == "greedy")
+    print(f"gpu_check: {'greedy tokens match the CPU' if greedy_ok else 'GREEDY TOKENS DIFFER FROM THE CPU'}; "
+          f"{report['seconds']} s; wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
+    return 0 if greedy_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""scripts/gpu_check.py, the one prepared device check, runs here on the CPU with tiny shapes
+(``--device cpu --tiny``), so it cannot rot before a GPU is lent."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow  # a subprocess that decodes and profiles (~20 s)
+def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--tiny",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    checks = report["correctness"]
+    assert {r["checkpoint"] for r in checks} == {"tiny-llada", "tiny-sdar"}
+    assert {r["draw"] for r in checks} == {"greedy", "sampled"}
+    assert all(r["equal"] and r["rows_equal"] == r["prompts"] > 0 for r in checks)  # the CPU against itself
+    cost = report["step_cost"]
+    assert {r["model"] for r in cost} == {"llada-8b-shaped", "llada2-mini-shaped"}
+    assert {r["method"] for r in cost} >= {"dual-cache:threshold=0.9", "block+focus:threshold=0.9"}
+    for r in cost:
+        assert r["steps"] > 0 and 0 < r["floor_ms"] and r["syncs_per_step"] >= 1 and r["ops_per_step"] > 0
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert table.count("\n| llada") == len(cost) and "rows equal to the CPU's" in table
+
+
+def test_the_gpu_check_says_when_there_is_no_gpu(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "no CUDA device" in run.stderr
