@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dllm_engine import LLM, SamplingParams  # noqa: E402
+from dllm_engine import LLM  # noqa: E402
 from dllm_engine.bench.offline import check_prompts, resolve_specs  # noqa: E402
 from dllm_engine.bench.profile import run_profile  # noqa: E402
 from dllm_engine.config import ModelConfig, MoEConfig  # noqa: E402
