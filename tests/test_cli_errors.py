@@ -92,6 +92,12 @@ def cases(ckpt, tmp_path_factory) -> dict[str, tuple[list[str], str]]:
                                     "use --fixed-shapes here, and dllm bench --compile-step for its speed"),
         "replicas under tensor parallel": (["serve", str(ckpt), "--replicas", "2", "--tensor-parallel-size", "2"],
                                            "--tensor-parallel-size with --replicas is not supported"),
+        "replicas with a memory budget": (["serve", str(ckpt), "--replicas", "2", "--kv-cache-memory", "1GiB"],
+                                          "--kv-cache-memory with --replicas is not supported"),
+        "a memory budget that is no size": (["generate", *model, "--kv-cache-memory", "lots"],
+                                            "kv_cache_memory must be a number of bytes such as 2GiB"),
+        "a request larger than the memory budget": (["generate", *model, "--kv-cache-memory", "64KiB"],
+                                                    "more than the budget of 64.0 KiB (kv_cache_memory)"),
         # an output that cannot be written fails before the run, not after it
         "eval json into a missing folder": (["eval", *model, "--tasks", "sort", "--limit", "1", "--json",
                                              "/nonexistent-dllm/x.json"], "folder /nonexistent-dllm does not exist"),

@@ -49,6 +49,10 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                    help="torch.compile the layers' norms and MLPs (dynamic shapes; not bit-exact: "
                         "last bits of the logits; off by default; dllm bench --compile runs each "
                         "spec eager and compiled)")
+    p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+                   help="a memory budget for the KV cache and a step's temporaries, e.g. 2GiB: a request "
+                        "joins the running batch when it fits, waits while it does not, and one that never "
+                        "could is refused (default: no budget, --max-num-seqs alone)")
     p.add_argument("--fixed-shapes", action="store_true",
                    help="round every step's rows, tokens and keys up to buckets (at most a quarter "
                         "more), with a mask and indexed K/V writes: the shapes a CUDA graph can capture "
@@ -64,6 +68,7 @@ def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     kw.setdefault("compile", getattr(args, "compile", False))
     kw.setdefault("fixed_shapes", getattr(args, "fixed_shapes", False))
     kw.setdefault("compile_step", getattr(args, "compile_step", False))
+    kw.setdefault("kv_cache_memory", getattr(args, "kv_cache_memory", None))
     if getattr(args, "seed", None) is not None:
         kw.setdefault("seed", args.seed)
     return LLM(model or args.model, revision=args.revision, dtype=args.dtype, device=args.device,

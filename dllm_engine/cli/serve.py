@@ -105,6 +105,9 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
     if args.tensor_parallel_size != 1:
         raise UserError("--tensor-parallel-size with --replicas is not supported yet: a replica "
                         "runs in one process; use one or the other")
+    if args.kv_cache_memory is not None:
+        raise UserError("--kv-cache-memory with --replicas is not supported yet: each replica would "
+                        "need its own share; use one or the other")
     try:
         from ..server.replicated import ReplicaOptions, Scaling, run_replicated
     except ImportError as e:

@@ -26,6 +26,14 @@ from .sequence import Sequence
 GroupKey = tuple[str, int]  # (method, length class)
 
 
+def size(nbytes: int) -> str:
+    """``nbytes`` in binary units: 512 B, 3.0 KiB, 1.5 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
 def length_class(positions: int) -> int:
     """The power of two at or above ``positions``: sequences of one class share a pool."""
     return 1 << max(positions - 1, 0).bit_length()
@@ -33,12 +41,19 @@ def length_class(positions: int) -> int:
 
 class Engine:
     def __init__(self, model: DiffusionLM, max_num_seqs: int = 256, runner: Runner | None = None,
-                 fixed_shapes: bool = False, compile_step: bool = False) -> None:
+                 fixed_shapes: bool = False, compile_step: bool = False, kv_cache_memory: int | None = None) -> None:
         """``runner``: how a step's forward runs (default: in this process; a tensor-parallel
         runner also drives the other ranks). ``fixed_shapes``: bucketed step shapes
-        (``engine/shapes.py``); ``compile_step``: and their layer stack compiled."""
+        (``engine/shapes.py``); ``compile_step``: and their layer stack compiled.
+        ``kv_cache_memory``: a budget in bytes for the KV pools and a step's temporaries
+        (``memory_needed``): a sequence joins the running batch only when everything fits, one
+        that never can is refused (``check_fits``); None: no budget (``max_num_seqs`` alone)."""
         if max_num_seqs < 1:
             raise UserError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if kv_cache_memory is not None and kv_cache_memory < 1:
+            raise UserError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory}")
+        self.memory_budget = kv_cache_memory
+        self.waiting_for_memory = 0  # sequences the last admission left waiting for memory
         self.model = model
         self.runner = runner if runner is not None else Runner(model)
         self.runner.set_step_shapes(fixed_shapes, compile_step)
@@ -70,8 +85,57 @@ class Engine:
         return self.pipelines[method]
 
     def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
         self.pipeline(seq.params.method).setup(seq)
         self.waiting.append(seq)
+
+    # -- memory ------------------------------------------------------------------------------
+    def check_fits(self, seq: Sequence) -> None:
+        """Refuse a sequence that could not run even alone within the memory budget."""
+        if self.memory_budget is not None and (need := self.memory_needed([seq], fresh=True)) > self.memory_budget:
+            raise UserError(f"this request needs about {size(need)} of KV cache and step memory (prompt "
+                            f"{seq.prompt_len} + {seq.canvas_len - seq.prompt_len} answer slots), more than the "
+                            f"budget of {size(self.memory_budget)} (kv_cache_memory); shorten it or raise the budget")
+
+    def memory_needed(self, seqs: list[Sequence], fresh: bool = False) -> int:
+        """Bytes the KV pools take once ``seqs`` run together (each group's pool as
+        ``KVCache.arrange`` would leave it: kept while large enough and not twice too large,
+        else reallocated exactly; ``fresh``: as if no pool existed), plus their step's
+        temporaries (``step_bytes``)."""
+        groups: dict[GroupKey, list[Sequence]] = {}
+        for s in seqs:
+            key = self.group_of.get(s.seq_id) or (s.params.method, length_class(self.cache_len(s)))
+            groups.setdefault(key, []).append(s)
+        total = 0
+        for key, group in groups.items():
+            rows = self.runner.batch_rows(len(group))
+            length = self.runner.pool_length(max(self.cache_len(s) for s in group))
+            cache = None if fresh else self.caches.get(key)
+            if cache is not None and not cache.must_resize(rows, length):
+                total += cache.nbytes
+            else:
+                total += rows * (length + 1) * self.kv_position_bytes
+            total += sum(self.step_bytes(s) for s in group)
+        return total
+
+    @property
+    def kv_position_bytes(self) -> int:
+        """Bytes of one cache position of one row: K and V of every layer (this process's heads)."""
+        c, p = self.model.config, next(self.model.parameters())
+        return 2 * c.num_layers * self.model.num_kv_heads * c.head_dim * p.element_size()
+
+    def step_bytes(self, seq: Sequence) -> int:
+        """An estimate of a step's temporaries for ``seq``: the activations of every position a
+        forward may compute (its cache length: the canvas, CFG's second copy, jump-share's
+        copies) through a layer, and the float32 logits of the positions it may predict (a
+        block's, each jump-share copy's; every answer slot under adaptive length)."""
+        c, p = self.model.config, next(self.model.parameters())
+        activations = self.cache_len(seq) * (4 * c.hidden_size + 3 * c.intermediate_size) * p.element_size()
+        names = seq.params.method.split("+")[1:]
+        rows = seq.params.block_length * (seq.params.max_copies if "jump-share" in names else 1)
+        if "adaptive-length" in names:
+            rows = max(rows, seq.canvas_len - seq.prompt_len)
+        return activations + rows * c.vocab_size * 4
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -80,8 +144,17 @@ class Engine:
         return cache_len(seq) + self.pipeline(seq.params.method).extra_cache_slots(seq)
 
     def admit(self) -> None:
+        """Waiting sequences join, in order, while the batch has room: ``max_num_seqs`` and, with
+        a memory budget, the bytes ``memory_needed`` (the first that does not fit waits, and
+        those behind it: no request overtakes another)."""
         new = []
-        while self.waiting and len(self.running) + len(new) < self.max_num_seqs:
+        running = self.running
+        self.waiting_for_memory = 0
+        while self.waiting and len(running) + len(new) < self.max_num_seqs:
+            if self.memory_budget is not None and (running or new) and \
+                    self.memory_needed(running + new + [self.waiting[0]]) > self.memory_budget:
+                self.waiting_for_memory = len(self.waiting)
+                break
             seq = self.waiting.popleft()
             seq.start_time = time.perf_counter()
             self.group_of[seq.seq_id] = (seq.params.method, length_class(self.cache_len(seq)))

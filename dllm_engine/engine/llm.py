@@ -73,11 +73,31 @@ def quiet_transformers():
         hf_logging.set_verbosity(verbosity)
 
 
+UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
+         "g": 2**30, "gb": 2**30, "gib": 2**30}
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """A byte count from an int or a string such as ``512MiB``, ``4G`` or ``1.5GiB`` (binary units)."""
+    if value is None or isinstance(value, int):
+        return value
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("abgikm")
+    unit = text[len(number):]
+    try:
+        if unit not in UNITS:
+            raise ValueError
+        return int(float(number) * UNITS[unit])
+    except ValueError:
+        raise UserError(f"kv_cache_memory must be a number of bytes such as 2GiB or 512MiB, got {value!r}") from None
+
+
 class LLM:
     def __init__(self, model: str | Path, dtype: str = "auto", device: str = "cpu",
                  max_num_seqs: int = 256, keep_freed_memory: bool = False,
                  tensor_parallel_size: int = 1, compile: bool = False, fixed_shapes: bool = False,
-                 compile_step: bool = False, revision: str | None = None, seed: int | None = 0) -> None:
+                 compile_step: bool = False, revision: str | None = None, seed: int | None = 0,
+                 kv_cache_memory: int | str | None = None) -> None:
         """``model``: a checkpoint folder, or a Hugging Face id (``org/name``) at ``revision``
         (a branch, tag or commit hash; default ``main``), fetched into huggingface_hub's cache
         unless it is there already (``hub.resolve_model``; docs/models/hub.md). ``name`` is the
@@ -133,7 +153,7 @@ class LLM:
         self.token_ids = self.resolve_ids()
         runner = self.parallel.runner if self.parallel is not None else None
         self.engine = Engine(self.model, max_num_seqs=max_num_seqs, runner=runner, fixed_shapes=fixed_shapes,
-                             compile_step=compile_step)
+                             compile_step=compile_step, kv_cache_memory=parse_bytes(kv_cache_memory))
         self.counter = itertools.count()
 
     @property
@@ -261,7 +281,9 @@ class LLM:
         ids = self.token_ids
         if p.stop_token_ids:
             ids = TokenIds(ids.mask_id, ids.eos_id, ids.stop_ids | frozenset(p.stop_token_ids))
-        return Sequence(next(self.counter), prompt_ids, p, ids, self.device)
+        seq = Sequence(next(self.counter), prompt_ids, p, ids, self.device)
+        self.engine.check_fits(seq)  # a request that could never fit the memory budget: refused now
+        return seq
 
     # -- generation ------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]] | str,

@@ -106,4 +106,6 @@ class InProcessEngine:
     async def render_metrics(self, front: Metrics) -> str:
         # the loop records into ``front`` itself when the app made it share one Metrics
         metrics = front if front is self.loop.metrics else front.merged([self.loop.metrics])
-        return metrics.render(self.loop.queue_depth(), self.loop.num_running())
+        engine = self.llm.engine
+        return metrics.render(self.loop.queue_depth(), self.loop.num_running(),
+                              (engine.memory_budget, engine.cache_bytes, engine.waiting_for_memory))

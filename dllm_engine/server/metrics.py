@@ -94,7 +94,9 @@ class Metrics:
             self.totals = SequenceStats.total([self.totals, stats], 0.0)
             self.prompt_tokens += prompt_tokens
 
-    def render(self, queue_depth: int, running: int) -> str:
+    def render(self, queue_depth: int, running: int, memory: tuple[int | None, int, int] | None = None) -> str:
+        """Prometheus text; ``memory``: (the engine's memory budget in bytes or None, bytes its KV
+        pools hold, sequences waiting for memory)."""
         with self.lock:
             t = self.totals
             lines = self.family("requests_total", "counter", "Finished requests by final status.",
@@ -114,7 +116,12 @@ class Metrics:
                     ("redundancy", round(t.redundancy, 6), "processed_tokens / decoded_tokens so far."),
                     ("queue_depth", queue_depth, "Sequences waiting for a slot."),
                     ("running_sequences", running, "Sequences in the running batch."),
-            ]:
+            ] + ([] if memory is None else [
+                    ("kv_cache_memory_budget_bytes", -1 if memory[0] is None else memory[0],
+                     "The memory budget for KV pools and step temporaries (-1: none)."),
+                    ("kv_cache_bytes", memory[1], "Bytes the KV pools hold."),
+                    ("waiting_for_memory", memory[2], "Sequences waiting because the budget is full."),
+            ]):
                 lines += self.family(name, "gauge", doc, [f"{PREFIX}{name} {value}"])
             for name, hist, doc in [
                     ("request_latency_seconds", self.latency, "Time from request to its last byte."),

@@ -1,0 +1,82 @@
+"""Admission by memory (``LLM(..., kv_cache_memory=...)``, ``--kv-cache-memory``): a budget that
+fits 16 sequences under 256 requests runs them all, at most the budget in KV pools at any time,
+each with the tokens it gets alone; a request that could never fit is refused with a clear error,
+offline (``UserError``) and through the server (400); ``/metrics`` shows the budget."""
+import httpx
+import pytest
+
+from dllm_engine import LLM, SamplingParams
+from dllm_engine.engine.engine import Engine
+from dllm_engine.engine.llm import parse_bytes
+from dllm_engine.errors import UserError
+from fixtures import write_checkpoint
+
+PARAMS = SamplingParams(method="dual-cache", threshold=0.9, max_new_tokens=16, block_length=8)
+PROMPTS = [[5 + i % 7, 6, 7, 8, 9, 10 + i % 5] for i in range(256)]  # one length: one pool
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt"), "llada")
+
+
+def budget_for(llm: LLM, count: int) -> int:
+    """The bytes ``count`` of the test's sequences need together."""
+    seqs = [llm.make_sequence(p, PARAMS) for p in PROMPTS[:count]]
+    return llm.engine.memory_needed(seqs, fresh=True)
+
+
+def test_a_budget_for_16_runs_256_requests_within_it(folder, monkeypatch):
+    free = LLM(folder)
+    budget = budget_for(free, 16)
+    assert budget_for(free, 17) > budget  # the budget really holds 16 at most
+    want = free.generate(PROMPTS, PARAMS)
+    peaks, widths = [], []
+    arrange = Engine.arrange
+
+    def recording(self, seqs):
+        arrange(self, seqs)
+        peaks.append(self.cache_bytes)
+        widths.append(len(seqs))
+
+    monkeypatch.setattr(Engine, "arrange", recording)
+    llm = LLM(folder, kv_cache_memory=budget)
+    got = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert max(peaks) <= budget and max(widths) == 16  # as many as fit, never more
+    for i in (0, 100, 255):  # the tokens each gets alone
+        assert free.generate([PROMPTS[i]], PARAMS)[0].token_ids == got[i].token_ids
+    assert llm.engine.waiting_for_memory == 0 and not llm.engine.has_work()
+
+
+def test_a_request_that_can_never_fit_is_refused_and_the_engine_stays_usable(folder):
+    small = LLM(folder, kv_cache_memory=budget_for(LLM(folder), 1))
+    refused = r"needs about [\d.]+ \w+ of KV cache .* more than the budget of [\d.]+ \w+ \(kv_cache_memory\)"
+    with pytest.raises(UserError, match=refused):
+        small.generate([PROMPTS[0], PROMPTS[1]], PARAMS.replace(max_new_tokens=256, block_length=32))
+    assert not small.engine.has_work()
+    assert small.generate([PROMPTS[0]], PARAMS)[0].token_ids  # one that fits still runs
+
+
+def test_budgets_are_bytes_or_sizes_with_units(folder):
+    assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("512M") == 512 << 20 and parse_bytes(1000) == 1000
+    for bad in ("lots", "-1", 0):
+        with pytest.raises(UserError, match="kv_cache_memory"):
+            LLM(folder, kv_cache_memory=bad)
+
+
+@pytest.mark.slow  # a live server
+def test_the_server_refuses_what_cannot_fit_and_shows_the_budget(folder):
+    from test_server import NAME, serving
+    budget = budget_for(LLM(folder), 2)
+    llm = LLM(folder, kv_cache_memory=budget)
+    with serving(llm) as (url, _):
+        ok = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "sort : c b a", "max_tokens": 8},
+                        timeout=60)
+        assert ok.status_code == 200
+        big = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "sort : c b a", "max_tokens": 512,
+                                                         "block_length": 32}, timeout=60)
+        assert big.status_code == 400 and "kv_cache_memory" in big.json()["error"]["message"]
+        text = httpx.get(url + "/metrics", timeout=30).text
+    assert f"dllm_kv_cache_memory_budget_bytes {budget}" in text
+    assert "# TYPE dllm_kv_cache_bytes gauge" in text and "dllm_waiting_for_memory 0" in text
