@@ -3,6 +3,7 @@ fits 16 sequences under 256 requests runs them all, at most the budget in KV poo
 each with the tokens it gets alone; a request that could never fit is refused with a clear error,
 offline (``UserError``) and through the server (400); ``/metrics`` shows the budget."""
 import httpx
+import torch
 import pytest
 
 from dllm_engine import LLM, SamplingParams
@@ -80,3 +81,28 @@ def test_the_server_refuses_what_cannot_fit_and_shows_the_budget(folder):
         text = httpx.get(url + "/metrics", timeout=30).text
     assert f"dllm_kv_cache_memory_budget_bytes {budget}" in text
     assert "# TYPE dllm_kv_cache_bytes gauge" in text and "dllm_waiting_for_memory 0" in text
+
+
+@pytest.mark.parametrize("method,fixed_shapes", [("dual-cache", False), ("dual-cache", True),
+                                                 ("dual-cache+early-skip", False), ("dual-cache+jump-share", False)])
+def test_out_of_memory_in_a_step_halves_the_group_and_loses_nothing(folder, monkeypatch, method, fixed_shapes):
+    """A device out-of-memory error in a forward of more than 4 rows (injected: a CPU has none):
+    the engine steps the halves instead, every request finishes with its own tokens, and no more
+    than half the failed group is admitted afterwards."""
+    from dllm_engine.engine.runner import Runner
+    llm, params = LLM(folder, fixed_shapes=fixed_shapes), PARAMS.replace(method=method)
+    want = llm.generate(PROMPTS[:24], params)
+    run, sizes = Runner.run, []
+
+    def tight(self, step, ctx):
+        live = sum(n > 0 for n in step.lengths)  # rows of sequences (not a fixed shape's padding)
+        sizes.append(live)
+        if live > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return run(self, step, ctx)
+
+    monkeypatch.setattr(Runner, "run", tight)
+    got = llm.generate(PROMPTS[:24], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.stats.nfe for o in got] == [o.stats.nfe for o in want]
+    assert max(sizes) > 4 and llm.engine.oom_limit <= 12 and not llm.engine.has_work()

@@ -7,6 +7,7 @@ order (``KVCache.arrange``), so a group's forward reads its pool without a copy 
 request widens only the rows of its class."""
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -23,6 +24,7 @@ from .kv_cache import KVCache
 from .runner import Runner
 from .sequence import Sequence
 
+log = logging.getLogger(__name__)
 GroupKey = tuple[str, int]  # (method, length class)
 
 
@@ -54,6 +56,7 @@ class Engine:
             raise UserError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory}")
         self.memory_budget = kv_cache_memory
         self.waiting_for_memory = 0  # sequences the last admission left waiting for memory
+        self.oom_limit: int | None = None  # running sequences at most, after a device out-of-memory error
         self.model = model
         self.runner = runner if runner is not None else Runner(model)
         self.runner.set_step_shapes(fixed_shapes, compile_step)
@@ -150,7 +153,8 @@ class Engine:
         new = []
         running = self.running
         self.waiting_for_memory = 0
-        while self.waiting and len(running) + len(new) < self.max_num_seqs:
+        limit = self.max_num_seqs if self.oom_limit is None else min(self.max_num_seqs, self.oom_limit)
+        while self.waiting and len(running) + len(new) < limit:
             if self.memory_budget is not None and (running or new) and \
                     self.memory_needed(running + new + [self.waiting[0]]) > self.memory_budget:
                 self.waiting_for_memory = len(self.waiting)
@@ -184,8 +188,30 @@ class Engine:
         """One denoising step for every running sequence; returns those that finished."""
         self.admit()
         for key, seqs in list(self.groups.items()):  # rows [0, n) of a pool may have spares after
-            self.step_group(self.pipeline(key[0]), seqs, self.caches[key].view(0, len(seqs)))
+            self.step_rows(self.pipeline(key[0]), seqs, self.caches[key], 0)
         return self.release_finished()
+
+    def step_rows(self, pipeline: Pipeline, seqs: list[Sequence], cache: KVCache, start: int) -> None:
+        """``step_group`` of the pool rows [start, start + len(seqs)). A device out-of-memory
+        error before any row's turn (the plans, the forward or the decision: nothing changed on
+        a sequence) steps the two halves one after the other instead, and admits no more
+        sequences than a half from then on (``oom_limit``); a single row, or an error after a turn
+        began, is raised (the server fails or replays those rows)."""
+        try:
+            self.step_group(pipeline, seqs, cache.view(start, start + len(seqs)))
+        except torch.OutOfMemoryError:
+            if len(seqs) == 1 or any(s.step_error is not None for s in seqs):
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            half = len(seqs) // 2
+            if self.runner.fixed_shapes:  # the second part a power of two, so each fits its padded rows
+                half = len(seqs) - (1 << (len(seqs) - 1).bit_length() - 1)
+            self.oom_limit = min(self.oom_limit or len(seqs) // 2, len(seqs) // 2)
+            log.warning("out of device memory stepping %d sequences: stepping them in halves and admitting "
+                        "at most %d from now on", len(seqs), self.oom_limit)
+            self.step_rows(pipeline, seqs[:half], cache, start)
+            self.step_rows(pipeline, seqs[half:], cache, start + half)
 
     @torch.inference_mode()
     def step_alone(self, seq: Sequence) -> None:
