@@ -181,6 +181,14 @@ def test_grouped_kv_heads_attend_as_if_repeated(monkeypatch, in_sdpa):
     assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)
 
 
+def test_torch_versions_compare_as_numbers():
+    from dllm_engine.models.layers import GQA_IN_SDPA, torch_at_least
+    assert torch_at_least(2, 5, "2.13.0+cpu") and torch_at_least(2, 5, "2.5.0") and torch_at_least(2, 5, "3.0")
+    assert not torch_at_least(2, 5, "2.4.1+cu121") and not torch_at_least(2, 5, "1.13.1")
+    assert torch_at_least(2, 6, "2.6.0a0+git1234")
+    assert GQA_IN_SDPA == torch_at_least(2, 5)
+
+
 def test_rotary_table_equals_computing_cos_sin():
     """The cached RoPE table gives each position exactly what ``rope_cos_sin`` computes, grows
     when a step reaches past it, and reads the largest position itself when given no bound."""

@@ -21,7 +21,14 @@ from .parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, 
 # SDPA reads grouped K/V heads itself from torch 2.5 (``enable_gqa``); before, each layer copies
 # every K/V head ``num_heads / num_kv_heads`` times first (at batch 64 the copy cost more than
 # the attention it fed)
-GQA_IN_SDPA = torch.__version__ >= "2.5"
+def torch_at_least(major: int, minor: int, version: str = torch.__version__) -> bool:
+    """Whether ``version`` (torch's, e.g. ``2.13.0+cpu``) is at least ``major.minor``, compared as
+    numbers (as strings, "2.13" sorts before "2.5")."""
+    numbers = version.split("+")[0].split(".")[:2]
+    return tuple(int("".join(c for c in n if c.isdigit()) or 0) for n in numbers) >= (major, minor)
+
+
+GQA_IN_SDPA = torch_at_least(2, 5)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
