@@ -158,14 +158,11 @@ def test_row_groups_split_only_when_the_narrow_rows_shed_enough_width():
     assert row_groups([n, 1], n) is None  # sheds n - 1 tokens
 
 
-@pytest.mark.parametrize("in_sdpa", [True, False])
-def test_grouped_kv_heads_attend_as_if_repeated(monkeypatch, in_sdpa):
-    """K/V with fewer heads than Q (GQA 4/2): SDPA reading them in place (torch >= 2.5) and the
-    older repeat give what attention over explicitly repeated heads gives, in one call and in
-    row groups."""
+def test_grouped_kv_heads_attend_as_if_repeated():
+    """K/V with fewer heads than Q (GQA 4/2): SDPA reading them in place gives what attention over
+    explicitly repeated heads gives, in one call and in row groups."""
     from dllm_engine.models import layers
     from dllm_engine.models.context import row_groups
-    monkeypatch.setattr(layers, "GQA_IN_SDPA", in_sdpa and layers.GQA_IN_SDPA)
     torch.manual_seed(1)
     b, t, s, d = 3, 80, 12, 8
     q, k, v = torch.randn(b, 4, t, d), torch.randn(b, 2, s, d), torch.randn(b, 2, s, d)
@@ -181,12 +178,15 @@ def test_grouped_kv_heads_attend_as_if_repeated(monkeypatch, in_sdpa):
     assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)
 
 
-def test_torch_versions_compare_as_numbers():
-    from dllm_engine.models.layers import GQA_IN_SDPA, torch_at_least
-    assert torch_at_least(2, 5, "2.13.0+cpu") and torch_at_least(2, 5, "2.5.0") and torch_at_least(2, 5, "3.0")
-    assert not torch_at_least(2, 5, "2.4.1+cu121") and not torch_at_least(2, 5, "1.13.1")
-    assert torch_at_least(2, 6, "2.6.0a0+git1234")
-    assert GQA_IN_SDPA == torch_at_least(2, 5)
+def test_torch_versions_compare_as_numbers_and_an_old_torch_is_refused():
+    from dllm_engine.errors import UserError
+    from dllm_engine.models.loader import check_torch, torch_at_least
+    assert torch_at_least((2, 5), "2.13.0+cpu") and torch_at_least((2, 5), "2.5.0") and torch_at_least((2, 5), "3.0")
+    assert not torch_at_least((2, 5), "2.4.1+cu121") and not torch_at_least((2, 5), "1.13.1")
+    assert torch_at_least((2, 6), "2.6.0a0+git1234")
+    check_torch()  # this one
+    with pytest.raises(UserError, match=r"needs torch >= 2\.6 .* this is torch 2\.5\.1"):
+        check_torch("2.5.1+cu124")
 
 
 def test_rotary_table_equals_computing_cos_sin():

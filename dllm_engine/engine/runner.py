@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..decoding.decoders import StepPlan
-from ..models.context import ForwardContext, LayerHooks
+from ..models.context import ForwardContext, LayerHooks, nonzero_index
 from ..models.layers import DiffusionLM
 from .kv_cache import KVCache
 from .sequence import Sequence, to_device
@@ -255,7 +255,7 @@ class Runner:
         src = where.gather(1, torch.where((wanted >= 0) & (wanted < s), wanted, s))  # [B, N]
         ok = src >= 0
         counts = ok.sum(1).tolist()
-        flat = torch.nonzero_static(ok.reshape(-1), size=sum(counts))[:, 0]
+        flat = nonzero_index(ok.reshape(-1), sum(counts))
         rows = flat // ok.shape[1]
         return flat, counts, self.model.logits(hidden[rows, src.reshape(-1)[flat]])
 

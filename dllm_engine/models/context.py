@@ -55,6 +55,15 @@ class Kept(NamedTuple):
     host_keep: list | None = None
 
 
+def nonzero_index(mask: Tensor, size: int) -> Tensor:
+    """The indices of the True entries of a 1-D ``mask``, ``size`` of them (known on the host, so
+    no device read: ``torch.nonzero_static``); an empty mask gives an empty index (nonzero_static
+    on an empty CUDA tensor crashes before torch 2.9)."""
+    if mask.numel() == 0 or size == 0:
+        return torch.zeros(0, dtype=torch.long, device=mask.device)
+    return torch.nonzero_static(mask, size=size)[:, 0]
+
+
 def compact(keep: Tensor, lengths: list[int] | None = None, hidden_keys: Tensor | None = None,
             host_keep: list | None = None, fixed: bool = False) -> Kept:
     """``keep`` [B, T] bool as a ``Kept``: each row's kept tokens in order. ``lengths``: the kept
@@ -175,7 +184,7 @@ class ForwardContext:
             total = sum(self.live_counts())
             sparse = total < PACK_BELOW * self.token_valid.numel()
             # the size is known, so no device read: nonzero_static, not nonzero
-            index = torch.nonzero_static(self.token_valid.reshape(-1), size=total)[:, 0]
+            index = nonzero_index(self.token_valid.reshape(-1), total)
             self.derived["live"] = index if sparse else None
         return self.derived["live"]
 

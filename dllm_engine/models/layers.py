@@ -18,19 +18,6 @@ from .context import ForwardContext, block_causal_mask
 from .parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
                        VocabParallelEmbedding, kv_heads_of)
 
-# SDPA reads grouped K/V heads itself from torch 2.5 (``enable_gqa``); before, each layer copies
-# every K/V head ``num_heads / num_kv_heads`` times first (at batch 64 the copy cost more than
-# the attention it fed)
-def torch_at_least(major: int, minor: int, version: str = torch.__version__) -> bool:
-    """Whether ``version`` (torch's, e.g. ``2.13.0+cpu``) is at least ``major.minor``, compared as
-    numbers (as strings, "2.13" sorts before "2.5")."""
-    numbers = version.split("+")[0].split(".")[:2]
-    return tuple(int("".join(c for c in n if c.isdigit()) or 0) for n in numbers) >= (major, minor)
-
-
-GQA_IN_SDPA = torch_at_least(2, 5)
-
-
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Normalise in fp32, cast back, then scale (LLaDA and Qwen agree on this order); also the
     function ``--compile`` compiles (``models/compiled.py``)."""
@@ -107,14 +94,8 @@ def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     row. Each row's result is the same either way.
 
     k, v may hold fewer heads than q (grouped-query attention: query head h reads K/V head
-    h // (H / Hkv)); SDPA reads them in place (``GQA_IN_SDPA``), older torch gets them repeated."""
-    gqa = {}
-    if k.shape[1] != q.shape[1]:
-        if GQA_IN_SDPA:
-            gqa = {"enable_gqa": True}
-        else:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    h // (H / Hkv)); SDPA reads them in place (``enable_gqa``), no copy of the heads."""
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if groups is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
     out = q.new_zeros(q.shape[:3] + v.shape[-1:])

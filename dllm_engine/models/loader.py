@@ -70,8 +70,30 @@ def stored_dtype(folder: Path) -> torch.dtype | None:
     return max(counts, key=counts.get) if counts else None
 
 
+# the oldest torch whose CUDA build has every op the engine uses: nonzero_static on CUDA (2.6;
+# SDPA's enable_gqa is 2.5, torch.compile's mark_static_address(guard=False) older)
+TORCH_FLOOR = (2, 6)
+
+
+def torch_at_least(floor: tuple[int, int], version: str = torch.__version__) -> bool:
+    """Whether ``version`` (torch's, e.g. ``2.13.0+cpu``) is at least ``floor``, compared as
+    numbers (as strings, "2.13" sorts before "2.5")."""
+    numbers = version.split("+")[0].split(".")[:2]
+    return tuple(int("".join(c for c in n if c.isdigit()) or 0) for n in numbers) >= floor
+
+
+def check_torch(version: str = torch.__version__) -> None:
+    """Refuse a torch older than ``TORCH_FLOOR``, naming what it lacks."""
+    if not torch_at_least(TORCH_FLOOR, version):
+        raise UserError(f"dllm-engine needs torch >= {TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (nonzero_static on CUDA, "
+                        f"SDPA's enable_gqa); this is torch {version}: pip install 'torch>="
+                        f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}'")
+
+
 def parse_device(device: str | torch.device) -> torch.device:
-    """A device this torch build can use: cpu, or cuda[:N] / mps where available."""
+    """A device this torch build can use: cpu, or cuda[:N] / mps where available (and a torch
+    at or above the floor, ``check_torch``)."""
+    check_torch()
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

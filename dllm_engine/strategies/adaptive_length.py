@@ -24,6 +24,7 @@ from torch import Tensor
 from ..decoding.decoders import StepPlan
 from ..decoding.rules import greedy_predictions
 from ..engine.sequence import Sequence, host, to_device
+from ..models.context import nonzero_index
 from .base import Strategy
 
 KEY = "adaptive-length"
@@ -102,7 +103,7 @@ class AdaptiveLength(Strategy):
         firsts, kept = torch.stack([stop, kept]).tolist()
         for i, first in zip(rows, firsts):  # decided on the canvas the forward saw
             seqs[i].strategy_state[KEY]["cut_to"] = None if first == NO_STOP else cut_at(seqs[i], first)
-        index = torch.nonzero_static(is_commit, size=sum(kept))[:, 0]
+        index = nonzero_index(is_commit, sum(kept))
         out = list(outputs)
         for i, pos, lg in zip(rows, positions[index].split(kept), logits[index].split(kept)):
             out[i] = (pos, lg)
