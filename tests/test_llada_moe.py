@@ -35,8 +35,7 @@ from dllm_engine import LLM, SamplingParams
 from dllm_engine.config import MoEConfig
 from dllm_engine.models import family_of, get_family, load_model, read_config
 from dllm_engine.models.layers import MoE
-from fixtures import (left_padded_batch, random_llada_moe_model, tiny_config, tiny_llada_moe_config, write_checkpoint,
-                      write_llada_moe_checkpoint)
+from fixtures import left_padded_batch, tiny_config, tiny_llada_moe_config, write_llada_moe_checkpoint
 from test_decoders import PROMPTS, llada_reference
 
 

@@ -2,9 +2,6 @@
 decoder, strategy and allowed composition rebuild the output exactly, and each strategy reports
 what it did."""
 import itertools
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
