@@ -76,5 +76,15 @@ def test_the_engine_has_no_import_circle():
     assert cycles(graph) == []
 
 
+def test_the_step_plan_is_a_leaf():
+    """The step-plan type imports nothing of the engine but the host/device transfer helpers,
+    which import nothing of it at all."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(files)
+    assert imports(files["dllm_engine.decoding.plan"], modules) <= {"dllm_engine.engine.transfer",
+                                                                    "dllm_engine.engine", "dllm_engine.decoding"}
+    assert imports(files["dllm_engine.engine.transfer"], modules) <= {"dllm_engine.engine"}
+
+
 def test_a_circle_is_found():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -3,7 +3,7 @@ which masked positions it commits (the commit rule). What each decoder does is d
 ``dllm_engine.methods`` (``Decoder``); this module reads those properties, never a name."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -13,84 +13,7 @@ from torch import Tensor
 from ..engine.sequence import Sequence, to_device
 from ..models.context import block_causal_limit
 from .commit_rules import rule_for
-
-
-@dataclass
-class StepPlan:
-    """What one sequence computes in one forward: the step's layout (positions, cache slots,
-    logit slots). ``plan_steps`` builds it, and this module owns its rules: the decoder's key
-    limits (``span``), Dream's logit shift, CFG's two halves (``host_row``) and
-    the defaults ``finalize`` fills. A strategy adjusts a plan only through the named operations
-    (``span``, ``restrict``, ``with_logits``, ``predicting``), each returning a new plan; it does
-    not set or re-derive fields itself."""
-    positions: Tensor  # [T] RoPE positions of the computed tokens
-    key_limit: Tensor  # [T] each token attends to cache indices below this
-    logit_positions: Tensor  # [N] canvas positions to predict (candidates to commit)
-    logit_slots: Tensor | None = None  # [N] cache slot whose output predicts each (default below)
-    slots: Tensor | None = None  # [T] cache index each token's K/V goes to (default: positions)
-    token_ids: Tensor | None = None  # [T] tokens fed (default: the canvas at positions)
-    key_mask: Tensor | None = None  # [T, S] bool, overrides key_limit (e.g. isolated copies)
-    host_positions: np.ndarray | None = None  # [T] ``positions`` on the host, where planned there
-    host_limit: np.ndarray | None = None  # [T] ``key_limit`` on the host, where planned there
-    host_logits: np.ndarray | None = None  # [N] ``logit_positions`` on the host, where planned there
-    host_slots: np.ndarray | None = None  # [T] ``slots`` (or ``positions`` when it has none) on the host
-    host_logit_slots: np.ndarray | None = None  # [N] ``logit_slots`` on the host, where planned there
-    # [T, S] bool on the host: the keys each token sees, overriding key_limit (jump-share's
-    # isolated copies); the runner builds the step's mask from it with the others' host limits
-    host_key_mask: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return self.positions.numel()
-
-    @classmethod
-    def span(cls, seq: Sequence, lo: int, hi: int, logit_positions: Tensor) -> "StepPlan":
-        """Compute canvas positions [lo, hi) under the decoder's key limits (block-causal for
-        ``block``: a token sees its own block and all before it; else the whole canvas) and
-        predict ``logit_positions``."""
-        at, limit = span_limits(seq, lo, hi)
-        positions, key_limit, tokens = to_device(np.stack([at, limit, seq.canvas[lo:hi]]), seq.device).unbind(0)
-        return cls(positions, key_limit, logit_positions, token_ids=tokens, host_positions=at, host_limit=limit,
-                   host_slots=at)
-
-    def restrict(self, keep: np.ndarray) -> "StepPlan":
-        """The plan computing only its tokens ``keep`` [T] (host indices). The logits wanted
-        stay: one whose slot's token is dropped does not come back (the runner returns the
-        logits of live tokens only)."""
-        at = to_device(keep, self.positions.device)
-        pick = {name: getattr(self, name)[at] for name in ("positions", "key_limit", "slots", "token_ids",
-                                                           "key_mask") if getattr(self, name) is not None}
-        host = {name: None if getattr(self, name) is None else getattr(self, name)[keep]
-                for name in ("host_positions", "host_limit", "host_key_mask", "host_slots")}
-        return replace(self, **pick, **host)
-
-    def with_logits(self, positions: Tensor, seq: Sequence, shift: int) -> "StepPlan":
-        """The plan also predicting canvas ``positions`` (after those it predicts already), from
-        tokens it computes; in both halves of a CFG plan (``host_row``)."""
-        if seq.params.cfg_scale > 0:
-            half = self.logit_positions[: self.logit_positions.numel() // 2]
-            logit_positions, logit_slots = unconditional_logits(seq, torch.cat([half, positions]), shift)
-            return replace(self, logit_positions=logit_positions, logit_slots=logit_slots, host_logits=None,
-                           host_logit_slots=None)
-        slots = None if self.logit_slots is None else torch.cat([self.logit_slots, positions - shift])
-        return replace(self, logit_positions=torch.cat([self.logit_positions, positions]), logit_slots=slots,
-                       host_logits=None, host_logit_slots=None)
-
-    def predicting(self, positions: np.ndarray, slots: np.ndarray, sent: tuple[Tensor, Tensor]) -> "StepPlan":
-        """The plan predicting canvas ``positions`` instead, read at cache ``slots`` (host
-        arrays; ``sent``: the same on the device, sent by the caller with its group's)."""
-        return replace(self, logit_positions=sent[0], logit_slots=sent[1], host_logits=positions,
-                       host_logit_slots=slots)
-
-    def finalize(self, seq: Sequence, shift: int) -> "StepPlan":
-        """Fill the defaults: slots = positions, tokens from the canvas, and Dream's shift
-        (position p is predicted by the output at p - 1)."""
-        if self.slots is None:
-            self.slots = self.positions
-        if self.token_ids is None:
-            self.token_ids = seq.tokens(self.positions)
-        if self.logit_slots is None:
-            self.logit_slots = self.logit_positions - shift
-        return self
+from .plan import StepPlan
 
 
 def compute_range(seq: Sequence, shift: int) -> tuple[int, int]:
@@ -111,7 +34,7 @@ def plan_step(seq: Sequence, shift: int) -> StepPlan:
 
 
 def host_span(seq: Sequence, shift: int) -> tuple[np.ndarray, np.ndarray]:
-    """``StepPlan.span`` of this step's ``compute_range`` on the host: the canvas positions it
+    """This step's ``compute_range`` on the host: the canvas positions it
     computes and each one's key limit."""
     return span_limits(seq, *compute_range(seq, shift))
 
@@ -173,7 +96,7 @@ def plan_steps(seqs: list[Sequence], shift: int, computed: Computed | None = Non
 
 def span_row(seq: Sequence, lo: int, hi: int, wanted: np.ndarray, shift: int) -> HostRow:
     """A row computing canvas positions [lo, hi) under the decoder's key limits and predicting
-    ``wanted`` (host arrays: ``StepPlan.span`` for a plan sent with its group's)."""
+    ``wanted`` (host arrays, sent with its group's by ``sent_rows``)."""
     positions, limit = span_limits(seq, lo, hi)
     return HostRow(positions, limit, seq.canvas[positions], wanted, wanted - shift)
 
@@ -195,13 +118,6 @@ def sent_rows(rows: list[HostRow], device: torch.device | None) -> list[StepPlan
                               host_slots=r.positions if r.slots is None else r.slots,
                               host_logit_slots=r.logit_slots, host_key_mask=r.key_mask))
     return plans
-
-
-def unconditional_logits(seq: Sequence, positions: Tensor, shift: int) -> tuple[Tensor, Tensor]:
-    """(logit_positions, logit_slots) of a CFG plan predicting canvas ``positions``: each read
-    from the conditional canvas (slots [0, L)), then from the unconditional copy ([L, 2L))."""
-    wanted = positions - shift
-    return torch.cat([positions, positions]), torch.cat([wanted, wanted + seq.canvas_len])
 
 
 def after_forward_rows(seqs: list[Sequence], outputs: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:

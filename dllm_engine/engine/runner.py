@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..decoding.decoders import StepPlan
+from ..decoding.plan import StepPlan
 from ..models.context import ForwardContext, LayerHooks, nonzero_index
 from ..models.layers import DiffusionLM
 from .kv_cache import KVCache

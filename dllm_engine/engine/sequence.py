@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..sampling_params import SamplingParams
 from .trace import StepTrace
+from .transfer import host, to_device  # noqa: F401 (imported from here by the engine's modules)
 
 
 def stop_share(output_tokens: int, decoded_tokens: int) -> float:
@@ -316,14 +317,3 @@ class Sequence:
             if tok in self.ids.stop_ids:
                 return gen[:i]
         return gen
-
-
-def to_device(host: np.ndarray, device: torch.device) -> Tensor:
-    """A host array on ``device``: a view on the CPU, one copy on a GPU that does not wait for
-    the device (the array is staged at once; nothing writes it afterwards)."""
-    return torch.from_numpy(host).to(device, non_blocking=True)
-
-
-def host(x: Tensor | np.ndarray) -> np.ndarray:
-    """``x`` as a host array (a tensor is read from its device: one host read)."""
-    return x.detach().cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..decoding.decoders import StepPlan
+from ..decoding.plan import StepPlan
 from ..decoding.rules import greedy_predictions
 from ..engine.sequence import Sequence, host, to_device
 from ..models.context import nonzero_index
@@ -43,8 +43,8 @@ class AdaptiveLength(Strategy):
 
     def plan_rows(self, seqs: list[Sequence], plans: list[StepPlan]) -> list[StepPlan]:
         """On a block's first step, also ask for the logits of every masked generation slot
-        the forward computes (the current block's stay first, for the commit rule). Rows planned
-        on the host get their new logit positions in one copy for the group."""
+        the forward computes (the current block's stay first, for the commit rule): decided on
+        the host, the group's new logit positions sent in one copy."""
         shift = self.model.config.logit_shift
         out, extended = list(plans), []
         for i, (seq, plan) in enumerate(zip(seqs, plans)):
@@ -52,11 +52,8 @@ class AdaptiveLength(Strategy):
             state["commit_positions"] = state["cut_to"] = state["step_cut"] = None  # this step's scratch
             if seq.step != 0:
                 continue
-            if plan.host_positions is None or plan.host_logits is None:  # a plan built with tensors
-                state["commit_positions"] = plan.logit_positions
-                if (extra := self.inspected_slots(seq, plan)).numel():
-                    out[i] = plan.with_logits(extra, seq, shift)
-                continue
+            if plan.host_positions is None or plan.host_logits is None:
+                raise RuntimeError(f"{self.name}: a plan without host arrays (every plan is built on the host)")
             cfg = seq.params.cfg_scale > 0  # a CFG plan lists the canvas and its logits twice
             wanted = plan.host_logits[: len(plan.host_logits) // 2] if cfg else plan.host_logits
             state["commit_positions"] = wanted
@@ -70,14 +67,6 @@ class AdaptiveLength(Strategy):
             for i, wanted, slots in extended:
                 out[i] = plans[i].predicting(wanted, slots, (next(views), next(views)))
         return out
-
-    def inspected_slots(self, seq: Sequence, plan: StepPlan) -> Tensor:
-        """Masked generation slots computed by this forward, not yet in the plan's logit set,
-        for a plan built with tensors (a CFG plan lists the canvas twice)."""
-        pos = torch.unique(plan.positions)
-        pos = pos[pos >= seq.prompt_len]
-        pos = pos[seq.tensor(seq.undecided)[pos]]
-        return pos[~torch.isin(pos, plan.logit_positions)]
 
     def after_forward(self, seq: Sequence, positions: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
         return self.after_forward_rows([seq], [(positions, logits)])[0]
@@ -129,8 +118,8 @@ NO_STOP = 1 << 62  # a row's first stop position when it has none
 
 
 def host_inspected(seq: Sequence, positions: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-    """``inspected_slots`` of a plan built on the host: the masked generation slots among its
-    computed ``positions`` beyond its logit positions ``wanted``, ascending."""
+    """The slots a block's first step inspects: the masked generation slots among its computed
+    ``positions`` beyond its logit positions ``wanted``, ascending."""
     pos = np.unique(positions)  # a CFG plan lists the canvas twice
     pos = pos[(pos >= seq.prompt_len) & seq.undecided[pos]]
     return pos[~np.isin(pos, wanted)]

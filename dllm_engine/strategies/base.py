@@ -44,7 +44,8 @@ from torch import Tensor
 
 from ..errors import UserError
 from ..decoding.commit_rules import GroupCommit, RowDecision
-from ..decoding.decoders import StepPlan, plan_steps
+from ..decoding.decoders import plan_steps
+from ..decoding.plan import StepPlan
 from ..engine.sequence import Sequence
 from ..methods import STRATEGIES, StrategySpec
 from ..models.context import LayerHooks

@@ -48,7 +48,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..decoding.decoders import StepPlan, sent_rows, span_row
+from ..decoding.decoders import sent_rows, span_row
+from ..decoding.plan import StepPlan
 from ..decoding.rules import greedy_tokens, rank_in_row
 from ..engine.sequence import Sequence, host, to_device
 from ..engine.shapes import pad_to
@@ -287,10 +288,9 @@ class EarlySkip(Strategy):
             positions = plan.host_positions
             if (lo := self.refresh_start(seq, count)) is not None:
                 end = seq.block[1]
-                if plan.host_logits is not None:
-                    spans.append((i, span_row(seq, lo, end, plan.host_logits, self.shift)))
-                else:  # a plan built with tensors
-                    out[i] = StepPlan.span(seq, lo, end, plan.logit_positions)
+                if plan.host_logits is None:
+                    raise RuntimeError(f"{self.name}: a plan without host arrays (every plan is built on the host)")
+                spans.append((i, span_row(seq, lo, end, plan.host_logits, self.shift)))
                 positions = np.arange(lo, end)
             no_skip_step = p.block_refresh is not None and count % p.block_refresh == 0
             state(seq).skip = self.block_only(seq, positions) and not no_skip_step

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..decoding.decoders import StepPlan
+from ..decoding.plan import StepPlan
 from ..decoding.rules import greedy_predictions, rank_in_row
 from ..engine.sequence import Sequence, host, to_device
 from ..engine.shapes import pad_to

@@ -64,7 +64,7 @@ from torch import Tensor
 
 from ..decoding.commit_rules import GroupCommit, RowDecision, gathered
 from ..decoding.decide import GroupRules
-from ..decoding.decoders import StepPlan
+from ..decoding.plan import StepPlan
 from ..decoding.rules import greedy_predictions
 from ..engine.sequence import Sequence, host, to_device
 from .base import Strategy
