@@ -106,3 +106,20 @@ def test_out_of_memory_in_a_step_halves_the_group_and_loses_nothing(folder, monk
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.stats.nfe for o in got] == [o.stats.nfe for o in want]
     assert max(sizes) > 4 and llm.engine.oom_limit <= 12 and not llm.engine.has_work()
+
+
+def test_on_cuda_the_default_budget_is_a_share_of_the_device_less_the_weights(monkeypatch):
+    """No GPU here: torch.cuda's memory queries are stood in for. 90% of an 80 GiB device less
+    16 GiB of weights; an explicit budget wins; a CPU gets none; a share that leaves nothing is
+    refused."""
+    from dllm_engine.engine.llm import memory_budget
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 16 << 30)
+    cuda = torch.device("cuda", 0)
+    assert memory_budget(cuda, None, 0.9) == int(0.9 * (80 << 30)) - (16 << 30)
+    assert memory_budget(cuda, 1 << 30, 0.9) == 1 << 30
+    assert memory_budget(torch.device("cpu"), None, 0.9) is None
+    with pytest.raises(UserError, match="leaves no memory for the KV cache"):
+        memory_budget(cuda, None, 0.1)
+    with pytest.raises(UserError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        memory_budget(cuda, None, 1.5)

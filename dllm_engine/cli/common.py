@@ -53,6 +53,9 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                    help="a memory budget for the KV cache and a step's temporaries, e.g. 2GiB: a request "
                         "joins the running batch when it fits, waits while it does not, and one that never "
                         "could is refused (default: no budget, --max-num-seqs alone)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="on CUDA without --kv-cache-memory: the budget is this share of the device's "
+                        "memory less the weights (default 0.9)")
     p.add_argument("--fixed-shapes", action="store_true",
                    help="round every step's rows, tokens and keys up to buckets (at most a quarter "
                         "more), with a mask and indexed K/V writes: the shapes a CUDA graph can capture "
@@ -69,6 +72,7 @@ def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     kw.setdefault("fixed_shapes", getattr(args, "fixed_shapes", False))
     kw.setdefault("compile_step", getattr(args, "compile_step", False))
     kw.setdefault("kv_cache_memory", getattr(args, "kv_cache_memory", None))
+    kw.setdefault("gpu_memory_utilization", getattr(args, "gpu_memory_utilization", 0.9))
     if getattr(args, "seed", None) is not None:
         kw.setdefault("seed", args.seed)
     return LLM(model or args.model, revision=args.revision, dtype=args.dtype, device=args.device,

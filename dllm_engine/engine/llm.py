@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from ..errors import UserError
@@ -73,6 +74,23 @@ def quiet_transformers():
         hf_logging.set_verbosity(verbosity)
 
 
+def memory_budget(device: torch.device, kv_cache_memory: int | None, utilization: float) -> int | None:
+    """The engine's memory budget: ``kv_cache_memory`` when given; on CUDA by default the share
+    ``utilization`` of the device's memory less what this process holds already (the weights), as
+    vLLM's ``gpu_memory_utilization``; elsewhere none (a CPU's memory is the host's)."""
+    if not 0 < utilization <= 1:
+        raise UserError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    if kv_cache_memory is not None or device.type != "cuda":
+        return kv_cache_memory
+    _, total = torch.cuda.mem_get_info(device)
+    budget = int(utilization * total) - torch.cuda.memory_allocated(device)
+    if budget <= 0:
+        raise UserError(f"gpu_memory_utilization {utilization} leaves no memory for the KV cache: the "
+                        f"weights take {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB of "
+                        f"{total / 2**30:.1f} GiB; raise it or give kv_cache_memory")
+    return budget
+
+
 UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
          "g": 2**30, "gb": 2**30, "gib": 2**30}
 
@@ -97,7 +115,7 @@ class LLM:
                  max_num_seqs: int = 256, keep_freed_memory: bool = False,
                  tensor_parallel_size: int = 1, compile: bool = False, fixed_shapes: bool = False,
                  compile_step: bool = False, revision: str | None = None, seed: int | None = 0,
-                 kv_cache_memory: int | str | None = None) -> None:
+                 kv_cache_memory: int | str | None = None, gpu_memory_utilization: float = 0.9) -> None:
         """``model``: a checkpoint folder, or a Hugging Face id (``org/name``) at ``revision``
         (a branch, tag or commit hash; default ``main``), fetched into huggingface_hub's cache
         unless it is there already (``hub.resolve_model``; docs/models/hub.md). ``name`` is the
@@ -153,7 +171,9 @@ class LLM:
         self.token_ids = self.resolve_ids()
         runner = self.parallel.runner if self.parallel is not None else None
         self.engine = Engine(self.model, max_num_seqs=max_num_seqs, runner=runner, fixed_shapes=fixed_shapes,
-                             compile_step=compile_step, kv_cache_memory=parse_bytes(kv_cache_memory))
+                             compile_step=compile_step,
+                             kv_cache_memory=memory_budget(self.device, parse_bytes(kv_cache_memory),
+                                                           gpu_memory_utilization))
         self.counter = itertools.count()
 
     @property
