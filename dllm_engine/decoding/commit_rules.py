@@ -27,8 +27,8 @@ from .decide import GroupRules
 
 @dataclass
 class GroupDecision:
-    """What a rule decided for the K candidates of its rows, on the device (``decide.decide``
-    reads it in the group's one read)."""
+    """What a rule decided for the K candidates of its rows, on the device (``GroupCommit.read``
+    brings it to the host in the group's one read)."""
     logits: Tensor  # [K, V] the candidates' logits, mask excluded (a commit's logprobs rows)
     x0: Tensor  # [K] the token each candidate drew
     chosen: Tensor  # [K] bool: commits (mask -> token)

@@ -14,6 +14,7 @@ from collections import deque
 import torch
 
 from ..errors import UserError
+from ..methods import strategy_names
 from ..decoding.commit_rules import RowDecision
 from ..decoding.decoders import after_forward_rows, after_step, cache_len
 from ..models.layers import DiffusionLM
@@ -107,8 +108,7 @@ class Engine:
         temporaries (``step_bytes``)."""
         groups: dict[GroupKey, list[Sequence]] = {}
         for s in seqs:
-            key = self.group_of.get(s.seq_id) or (s.params.method, length_class(self.cache_len(s)))
-            groups.setdefault(key, []).append(s)
+            groups.setdefault(self.group_of.get(s.seq_id) or self.group_key(s), []).append(s)
         total = 0
         for key, group in groups.items():
             rows = self.runner.batch_rows(len(group))
@@ -134,7 +134,7 @@ class Engine:
         block's, each jump-share copy's; every answer slot under adaptive length)."""
         c, p = self.model.config, next(self.model.parameters())
         activations = self.cache_len(seq) * (4 * c.hidden_size + 3 * c.intermediate_size) * p.element_size()
-        names = seq.params.method.split("+")[1:]
+        names = strategy_names(seq.params.method)
         rows = seq.params.block_length * (seq.params.max_copies if "jump-share" in names else 1)
         if "adaptive-length" in names:
             rows = max(rows, seq.canvas_len - seq.prompt_len)
@@ -142,6 +142,10 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def group_key(self, seq: Sequence) -> GroupKey:
+        """The forward group ``seq`` runs in: its method and the length class of its cache rows."""
+        return seq.params.method, length_class(self.cache_len(seq))
 
     def cache_len(self, seq: Sequence) -> int:
         return cache_len(seq) + self.pipeline(seq.params.method).extra_cache_slots(seq)
@@ -161,7 +165,7 @@ class Engine:
                 break
             seq = self.waiting.popleft()
             seq.start_time = time.perf_counter()
-            self.group_of[seq.seq_id] = (seq.params.method, length_class(self.cache_len(seq)))
+            self.group_of[seq.seq_id] = self.group_key(seq)
             new.append(seq)
         if new:
             self.arrange(self.running + new)

@@ -66,7 +66,7 @@ from ..decoding.commit_rules import GroupCommit, RowDecision, gathered
 from ..decoding.decide import GroupRules
 from ..decoding.plan import StepPlan
 from ..decoding.rules import greedy_predictions
-from ..engine.sequence import Sequence, host, to_device
+from ..engine.sequence import Sequence, to_device
 from .base import Strategy
 
 KEY = "jump-share"
@@ -152,7 +152,9 @@ class JumpShare(Strategy):
         state["layout"] = state["accepted"] = None
         if seq.step == 0:
             return None
-        masked = plan.host_logits if plan.host_logits is not None else host(plan.logit_positions)
+        if plan.host_logits is None or plan.host_positions is None or plan.host_limit is None:
+            raise RuntimeError(f"{self.name}: a plan without host arrays (every plan is built on the host)")
+        masked = plan.host_logits
         if not len(masked):
             return None
         p = seq.params
@@ -377,8 +379,7 @@ def share_plan(seq: Sequence, plan: StepPlan, layout: CopyLayout, shift: int) ->
     ones, or the whole block), their drafts filled in, in cache slots past the canvas. Logits:
     copy 0's masked positions, then each copy's (``shift`` is 0: ``check_method`` refuses
     jump-share on a model with a logit shift). Built on the host from the base plan's host arrays."""
-    positions = plan.host_positions if plan.host_positions is not None else host(plan.positions)
-    limit = plan.host_limit if plan.host_limit is not None else host(plan.key_limit)
+    positions, limit = plan.host_positions, plan.host_limit
     copied, extra = layout.copied, layout.num_copies - 1
     current = seq.canvas[copied]
     drafted = layout.over_copied(layout.drafted)  # [C, r]
