@@ -1,6 +1,6 @@
 # Two entry points: `make demo` (generate with the embedded checkpoint) and `make test`.
 # Both create .venv first; torch is pinned to the CPU wheel available offline. The venv holds the
-# test, lm-eval, distributed (Ray Serve) and ui (Gradio) extras, so their tests run too.
+# test, lm-eval, distributed (Ray Serve), ui (Gradio) and quant (torchao) extras, so their tests run too.
 VENV := .venv
 PY := $(VENV)/bin/python
 
@@ -8,7 +8,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e ".[test,lm-eval,distributed,ui]"
+	$(VENV)/bin/pip install -q -e ".[test,lm-eval,distributed,ui,quant]"
 	touch $@
 
 .PHONY: venv demo test test-fast wheel browser playground gpu-check

@@ -15,13 +15,16 @@ Writes DIR/gpu_check.json and DIR/gpu_check.md. Two parts:
    a step's host work does not depend on the depth, its forward grows with it), profiled as
    ``dllm profile`` does: per step the time, the forward alone (``floor``), the share outside
    the forward, host reads and ops outside the layer loop, at each batch size, for the base
-   decoder and its strategies. ``--tiny`` shrinks the shapes to run anywhere in seconds.
+   decoder and its strategies; the base decoder also with int8 (and, on CUDA, int4) weights
+   and with compiled layers, each row with its weights' size. ``--tiny`` shrinks the shapes
+   to run anywhere in seconds.
 
 Nothing is downloaded; the random checkpoints are written to a temporary folder.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import subprocess
@@ -41,6 +44,7 @@ from dllm_engine.bench.offline import check_prompts, resolve_specs  # noqa: E402
 from dllm_engine.bench.profile import run_profile  # noqa: E402
 from dllm_engine.config import ModelConfig, MoEConfig  # noqa: E402
 from dllm_engine.models import DiffusionLM, get_family, save_model  # noqa: E402
+from dllm_engine.models.quantize import weight_bytes  # noqa: E402
 from dllm_engine.tasks import load_split  # noqa: E402
 from dllm_engine.tokenizer import save_tokenizer  # noqa: E402
 
@@ -113,19 +117,36 @@ def correctness(device: str, tiny: bool) -> list[dict]:
     return rows
 
 
+def variants(device: str) -> dict[str, dict]:
+    """The weights and compilation each shaped model runs under beside plain bf16 (its base
+    decoder only): torchao's int8 (and int4 on CUDA) weight-only quantization, and the
+    compiled layers (``--compile``)."""
+    methods = ["int8", "int4"] if device.startswith("cuda") else ["int8"]
+    if importlib.util.find_spec("torchao") is None:  # the rows say so by their absence; main prints why
+        methods = []
+    quantized = {q: {"quantization": q} for q in methods}
+    return {"bf16": {}, **quantized, "compiled": {"compile": True}}
+
+
 def step_cost(device: str, tiny: bool, layers: int, batch_sizes: list[int], root: Path) -> list[dict]:
-    """``dllm profile``'s records for the shaped random models on ``device``."""
+    """``dllm profile``'s records for the shaped random models on ``device``: every method in
+    bf16, the base method under each other variant, with the weights' bytes and peak memory."""
     examples = load_split("worked", limit=1 if tiny else 4)
     rows = []
     for name, (config, methods) in shapes(tiny, layers).items():
         folder = random_checkpoint(config, root / name)
-        llm = LLM(folder, device=device, dtype="bfloat16")
-        defaults = {"max_new_tokens": 16 if tiny else 128, "stop_at_eos": False}
-        for record in run_profile(llm, methods, batch_sizes, examples, defaults, progress=lambda line: None):
-            rows.append({"model": name, "layers": config.num_layers, **asdict(record)})
-        llm.close()
-        if device.startswith("cuda"):
-            rows[-1]["peak_memory_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        for variant, options in variants(device).items():
+            if device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            llm = LLM(folder, device=device, dtype="bfloat16", **options)
+            defaults = {"max_new_tokens": 16 if tiny else 128, "stop_at_eos": False}
+            run = methods if variant == "bf16" else methods[:1]
+            for record in run_profile(llm, run, batch_sizes, examples, defaults, progress=lambda line: None):
+                rows.append({"model": name, "layers": config.num_layers, "variant": variant,
+                             "weights_mb": round(weight_bytes(llm.model) / 2**20, 3), **asdict(record)})
+            llm.close()
+            if device.startswith("cuda"):
+                rows[-1]["peak_memory_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     return rows
 
 
@@ -137,12 +158,13 @@ def markdown(report: dict) -> str:
     for r in report["correctness"]:
         lines.append(f"| {r['checkpoint']} | `{r['method']}` | {r['draw']} | {r['rows_equal']} / {r['prompts']} | "
                      f"{r['seconds']} |")
-    lines += ["", "| model | method | batch | step ms | forward ms | outside the forward | host reads / step | "
-                  "ops outside the layer loop | tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | weights | method | batch | step ms | forward ms | outside the forward | "
+                  "host reads / step | ops outside the layer loop | tok/s | weights MB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["step_cost"]:
-        lines.append(f"| {r['model']} ({r['layers']} layers) | `{r['method']}` | {r['batch_size']} | {r['step_ms']} | "
-                     f"{r['floor_ms']} | {r['overhead']:.1%} | {r['syncs_per_step']} | {r['ops_per_step']} | "
-                     f"{r['throughput']} |")
+        lines.append(f"| {r['model']} ({r['layers']} layers) | {r['variant']} | `{r['method']}` | {r['batch_size']} | "
+                     f"{r['step_ms']} | {r['floor_ms']} | {r['overhead']:.1%} | {r['syncs_per_step']} | "
+                     f"{r['ops_per_step']} | {r['throughput']} | {r['weights_mb']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -168,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
               "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
               or "CPU", "torch": torch.__version__, "command": " ".join(["python scripts/gpu_check.py", *sys.argv[1:]]
                                                                             if argv is None else argv)}
+    if importlib.util.find_spec("torchao") is None:
+        print("gpu_check: torchao is not installed here: no int8 / int4 rows (pip install torchao)", file=sys.stderr)
     started = time.perf_counter()
     report["correctness"] = correctness(args.device, args.tiny)
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,6 +23,7 @@ from ..engine.sequence import stop_share
 from ..eval import evaluate
 from ..eval.evaluate import chat_prompt
 from ..models.compiled import compile_model, uncompile_model
+from ..models.quantize import QUANTIZATIONS, check_quantization, quantize_reversibly, weight_bytes
 from ..models.loader import read_config, read_generation_config
 from ..outputs import BenchInterrupted, prepare_out_dir, saved, write_json_atomic
 from ..resolve import resolve_params, trained_block_size
@@ -88,6 +89,18 @@ class BenchRecord:
     # every timed pass's seconds, round by round (``repeats``); ``seconds`` is the fastest pass's
     runs_seconds: list[float] = dataclasses.field(default_factory=list)
     edits: int = 0  # committed tokens rewritten (joint-threshold), beside decoded_tokens
+    weight_mb: float = 0.0  # the model's weights as stored (quantized ones at their own size); rank 0's under TP
+    # a variant's row: the share of the as-loaded row's output tokens it reproduces, position by
+    # position (``agreement``); None for a row measured as loaded
+    agreement: float | None = None
+    # every prompt's output token ids, in order (kept in memory for ``agreement``; not written)
+    outputs: list[list[int]] = dataclasses.field(default_factory=list, repr=False)
+
+    def as_row(self) -> dict:
+        """The record as results.json stores it (without the outputs)."""
+        row = dataclasses.asdict(self)
+        del row["outputs"]
+        return row
 
     def add_run(self, other: "BenchRecord") -> None:
         """Fold a later round's pass of the same spec in: its time joins ``runs_seconds``,
@@ -129,21 +142,54 @@ def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Exampl
                        output_tokens=s.output_tokens, processed_tokens=round(s.processed_tokens, 1),
                        redundancy=round(s.redundancy, 3), prefill_tokens=s.prefill_tokens,
                        peak_memory_mb=mem.mb, tasks=list(dict.fromkeys(e.task for e in examples)),
-                       peak_memory_mb_per_rank=per_rank, runs_seconds=[round(s.seconds, 3)], edits=s.edits)
+                       peak_memory_mb_per_rank=per_rank, runs_seconds=[round(s.seconds, 3)], edits=s.edits,
+                       weight_mb=round(weight_bytes(llm.model) / 2**20, 2), outputs=report.outputs)
 
 
-def set_step_shapes(fixed: bool, compiled: bool = False):
-    return lambda llm: llm.engine.runner.set_step_shapes(fixed, compiled)
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of token positions where ``outputs`` equal ``reference``, prompt by prompt,
+    over the longer of the two answers (a shorter or longer answer disagrees on the rest)."""
+    same = sum(sum(a == b for a, b in zip(x, y)) for x, y in zip(outputs, reference))
+    total = sum(max(len(x), len(y)) for x, y in zip(outputs, reference))
+    return round(same / total, 4) if total else 1.0
+
+
+def compiled(llm: LLM):
+    compile_model(llm.model)
+    return lambda: uncompile_model(llm.model)
+
+
+def step_shapes(fixed: bool, compiled: bool = False):
+    def apply(llm: LLM):
+        llm.engine.runner.set_step_shapes(fixed, compiled)
+        return lambda: llm.engine.runner.set_step_shapes(False)
+    return apply
+
+
+def per_sequence_step(llm: LLM):
+    llm.engine.batch_step = False
+    return lambda: setattr(llm.engine, "batch_step", True)
+
+
+def quantized(method: str):
+    def apply(llm: LLM):
+        if llm.parallel is not None:
+            raise UserError("a quantization variant needs one process: load the model with --quantization "
+                            "under tensor parallelism instead")
+        check_quantization(method, llm.device, next(llm.model.parameters()).dtype)
+        return quantize_reversibly(llm.model, method)
+    return apply
 
 
 # an engine variant a spec also runs under (``SPEC [name]``, its speed-up over ``SPEC``):
-# name -> (apply, undo, warm_all), apply and undo functions of the LLM; warm_all: see bench_one
+# name -> (apply, warm_all); apply(llm) changes the LLM and returns the function that undoes
+# it; warm_all: see bench_one
 VARIANTS = {
-    "compiled": (lambda llm: compile_model(llm.model), lambda llm: uncompile_model(llm.model), False),
-    "fixed shapes": (set_step_shapes(True), set_step_shapes(False), False),
-    "compiled step": (set_step_shapes(True, True), set_step_shapes(False), True),
-    "per-sequence step": (lambda llm: setattr(llm.engine, "batch_step", False),
-                          lambda llm: setattr(llm.engine, "batch_step", True), False),
+    "compiled": (compiled, False),
+    "fixed shapes": (step_shapes(True), False),
+    "compiled step": (step_shapes(True, True), True),
+    "per-sequence step": (per_sequence_step, False),
+    **{method: (quantized(method), False) for method in QUANTIZATIONS},
 }
 
 
@@ -188,6 +234,8 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
                         running = f"spec {label!r} at batch size {bs}" + (
                             f", round {round_} of {repeats}" if repeats > 1 else "")
                         record = bench_variant(llm, spec, name, params[spec], examples, bs, use_tqdm)
+                        if name is not None:
+                            record.agreement = agreement(record.outputs, rows[i, None].outputs)
                         if (i, name) in rows:
                             rows[i, name].add_run(record)
                         else:
@@ -209,19 +257,19 @@ def bench_variant(llm: LLM, spec: str, name: str | None, params: SamplingParams,
     """One timed pass of ``spec`` as loaded (``name`` None) or under the variant ``name``."""
     if name is None:
         return bench_one(llm, spec, params, examples, batch_size, use_tqdm=use_tqdm)
-    apply, undo, warm_all = VARIANTS[name]
-    apply(llm)
+    apply, warm_all = VARIANTS[name]
+    undo = apply(llm)
     try:
         return bench_one(llm, f"{spec} [{name}]", params, examples, batch_size, warm_all, use_tqdm)
     finally:
-        undo(llm)
+        undo()
 
 
 def save(records: list[BenchRecord], record: BenchRecord, path: Path, progress, meta: dict) -> None:
     """Add one measured row and rewrite results.json with every row so far (atomically: Ctrl-C
     or a failing spec later in the run keeps it), and meta.json / table.md beside it."""
     records.append(record)
-    rows = [dataclasses.asdict(r) for r in records]
+    rows = [r.as_row() for r in records]
     write_json_atomic(path, rows)
     write_table(path.parent, rows, meta)
     progress(format_row(record))
@@ -296,7 +344,7 @@ def per_rank_memory(r: BenchRecord) -> str:
 
 def table(records: list[BenchRecord]) -> str:
     """Markdown table of ``records`` (``report.table``)."""
-    return report_table([dataclasses.asdict(r) for r in records])
+    return report_table([r.as_row() for r in records])
 
 
 def plot(records: list[BenchRecord], path: Path) -> None:

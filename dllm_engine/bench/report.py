@@ -96,10 +96,15 @@ def table(rows: list[dict]) -> str:
             base.setdefault(r["batch_size"], r)
     loaded: dict[tuple[str, int], dict] = {}  # a spec's as-loaded row, before its variants'
     repeated = any(len(r.get("runs_seconds", [])) > 1 for r in rows)
+    # a run whose variants change the tokens (quantized, compiled) or the weights' size: their columns
+    agreed = any(r.get("agreement") is not None for r in rows)
+    weights = len({r.get("weight_mb") for r in rows}) > 1
     lines = ["| method | batch | accuracy | throughput (tok/s) | speed-up |" + (" rounds |" if repeated else "")
              + " forwards | query tokens | nfe | tokens/step | answer tokens / forward | redundancy"
-               " | stop share | prefill tokens | peak MB |",
-             "|---|---|---|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|---|---|---|"]
+               " | stop share | prefill tokens | peak MB |" + (" weights MB |" if weights else "")
+             + (" token agreement |" if agreed else ""),
+             "|---|---|---|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|---|---|---|"
+             + ("---|" if weights else "") + ("---|" if agreed else "")]
     for r in rows:
         ref = base.get(r["batch_size"])
         variant = VARIANT.match(r["method"])
@@ -113,7 +118,9 @@ def table(rows: list[dict]) -> str:
             f"| `{r['method']}` | {r['batch_size']} | {r['accuracy']:.1%} | {r['throughput']:.1f} | "
             f"{speedup:.2f}× |{spread} {ratio(ref, r, 'nfe')} | {ratio(ref, r, query_tokens)} | {r['nfe']} | "
             f"{r['decoded_tokens'] / max(1, r['nfe']):.2f} | {r['output_tokens'] / max(1, r['nfe']):.2f} | "
-            f"{r['redundancy']:.2f} | {stop_share(r):.1%} | {r['prefill_tokens']} | {r['peak_memory_mb']:.0f} |")
+            f"{r['redundancy']:.2f} | {stop_share(r):.1%} | {r['prefill_tokens']} | {r['peak_memory_mb']:.0f} |"
+            + (f" {r.get('weight_mb', 0):.2f} |" if weights else "")
+            + (f" {agreement(r)} |" if agreed else ""))
     return "\n".join(lines)
 
 
@@ -123,6 +130,12 @@ def ratio(ref: dict | None, row: dict, key) -> str:
     if ref is None or not get(row):
         return "–"
     return f"{get(ref) / get(row):.2f}×"
+
+
+def agreement(row: dict) -> str:
+    """A variant row's share of its as-loaded row's output tokens; – for an as-loaded row."""
+    share = row.get("agreement")
+    return "–" if share is None else f"{share:.1%}"
 
 
 def stop_share(row: dict) -> float:

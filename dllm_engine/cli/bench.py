@@ -5,7 +5,7 @@ import argparse
 
 from ..errors import UserError
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
-from .common import add_model_args, prepare_out, set_threads, split_ints
+from .common import add_model_args, prepare_out, set_threads, split_ints, split_quantizations
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +27,10 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--per-sequence-step", action="store_true",
                    help="each spec also runs with the per-sequence step (the path strategies take) in place "
                         "of the batch-shaped one, as a row 'SPEC [per-sequence step]'")
+    p.add_argument("--compare-quantization", type=split_quantizations, default=[], metavar="METHODS",
+                   help="each spec also runs with its linear layers quantized, e.g. int8 or int8,int4, as "
+                        "rows 'SPEC [int8]' with their token agreement with the spec's row and their "
+                        "weights' size (one model, quantized and put back in turn)")
     add_model_args(p)
 
 
@@ -64,6 +68,7 @@ def run_bench(args: argparse.Namespace) -> None:
     llm = common.load_llm(args, folder, compile=False, fixed_shapes=False, compile_step=False)
     variants = [name for name, on in (("fixed shapes", args.fixed_shapes), ("compiled step", args.compile_step),
                                       ("per-sequence step", args.per_sequence_step)) if on]
+    variants += args.compare_quantization
     check_prompts(llm, {spec: llm.resolve(p) for spec, p in resolved.items()}, examples)  # before the header
     for spec, params in resolved.items():
         print(f"method: {spec} = {params.describe()}")

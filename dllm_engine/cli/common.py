@@ -49,6 +49,9 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                    help="torch.compile the layers' norms and MLPs (dynamic shapes; not bit-exact: "
                         "last bits of the logits; off by default; dllm bench --compile runs each "
                         "spec eager and compiled)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the linear layers on load, through torchao: int8 (CPU "
+                        "and CUDA) or int4 (CUDA, bfloat16); not bit-exact (docs/quantization.md)")
     p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
                    help="a memory budget for the KV cache and a step's temporaries, e.g. 2GiB: a request "
                         "joins the running batch when it fits, waits while it does not, and one that never "
@@ -72,6 +75,7 @@ def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     kw.setdefault("fixed_shapes", getattr(args, "fixed_shapes", False))
     kw.setdefault("compile_step", getattr(args, "compile_step", False))
     kw.setdefault("kv_cache_memory", getattr(args, "kv_cache_memory", None))
+    kw.setdefault("quantization", getattr(args, "quantization", None))
     kw.setdefault("gpu_memory_utilization", getattr(args, "gpu_memory_utilization", 0.9))
     if getattr(args, "seed", None) is not None:
         kw.setdefault("seed", args.seed)
@@ -131,6 +135,17 @@ def split_ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
     return values
+
+
+def split_quantizations(text: str) -> list[str]:
+    """Comma-separated quantization methods (int8, int4)."""
+    from ..models.quantize import QUANTIZATIONS
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in QUANTIZATIONS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected comma-separated quantization methods "
+                                         f"({', '.join(QUANTIZATIONS)}), got {text!r}")
+    return list(dict.fromkeys(names))
 
 
 def non_negative_int(text: str) -> int:

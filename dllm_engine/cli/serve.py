@@ -112,7 +112,9 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
         from ..server.replicated import ReplicaOptions, Scaling, run_replicated
     except ImportError as e:
         raise UserError(f"--replicas needs Ray Serve ({e}): pip install -e '.[distributed]'") from None
+    import torch
     from .. import LLM
+    from ..models.quantize import check_quantization
     model = serve_model(args)
     scaling = Scaling(None if args.replicas == "auto" else args.replicas, args.min_replicas,
                       args.max_replicas, args.target_ongoing_requests)
@@ -121,10 +123,13 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
         threads = max(1, (os.cpu_count() or 1) // scaling.most)
     replica = ReplicaOptions(model, args.dtype, args.device, args.max_num_seqs, args.max_queue,
                              threads, args.shutdown_timeout, args.keep_freed_memory, args.compile,
-                             args.fixed_shapes, args.compile_step, revision=args.revision, seed=args.seed)
+                             args.fixed_shapes, args.compile_step, revision=args.revision, seed=args.seed,
+                             quantization=args.quantization)
     defaults = sampling_params(args)
     # reads no weights (an id is fetched here once); refuses a bad default
     front = LLM(model, dtype=args.dtype, device="meta", revision=args.revision, seed=args.seed)
     front.resolve(defaults)
+    # a quantization the replicas' device cannot run fails here (the front may have no GPU)
+    check_quantization(args.quantization, torch.device(args.device), front.model.embed_tokens.weight.dtype)
     print(seed_policy(front.seeds))
     run_replicated(replica, scaling, defaults, args.served_model_name, args.host, args.port, args.ray_address)

@@ -18,6 +18,7 @@ from ..models import load_model
 from ..models.compiled import check_compile, compile_model
 from ..models.family import token_id
 from ..models.loader import parse_device, read_generation_config
+from ..models.quantize import check_quantization
 from ..resolve import check_prompt, resolve_params, trained_block_size
 from ..sampling_params import ParamError, SamplingParams
 from ..seeds import SeedStream
@@ -115,7 +116,8 @@ class LLM:
                  max_num_seqs: int = 256, keep_freed_memory: bool = False,
                  tensor_parallel_size: int = 1, compile: bool = False, fixed_shapes: bool = False,
                  compile_step: bool = False, revision: str | None = None, seed: int | None = 0,
-                 kv_cache_memory: int | str | None = None, gpu_memory_utilization: float = 0.9) -> None:
+                 kv_cache_memory: int | str | None = None, gpu_memory_utilization: float = 0.9,
+                 quantization: str | None = None) -> None:
         """``model``: a checkpoint folder, or a Hugging Face id (``org/name``) at ``revision``
         (a branch, tag or commit hash; default ``main``), fetched into huggingface_hub's cache
         unless it is there already (``hub.resolve_model``; docs/models/hub.md). ``name`` is the
@@ -145,25 +147,31 @@ class LLM:
         can capture one step per shape (``engine/shapes.py``; same tokens; off by default: padding costs compute).
         ``compile_step``: fixed shapes, and the layer stack of every step without layer hooks
         compiled, one graph per shape (``models/compiled.compile_step``; CUDA graphs on CUDA;
-        not bit-exact; one process only)."""
+        not bit-exact; one process only).
+
+        ``quantization``: ``"int8"`` (CPU and CUDA) or ``"int4"`` (CUDA, bfloat16) weight-only
+        quantization of the linear layers through torchao, from the checkpoint's own weights on
+        load (``models/quantize.py``, docs/quantization.md; ``model.quantization`` says what it
+        quantized). Not bit-exact with the unquantized model."""
         self.device = parse_device(device)
         self.seeds = SeedStream(seed)
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise UserError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         check_compile(compile, tensor_parallel_size, compile_step)
+        check_quantization(quantization, self.device, None)  # the dtype's check comes with the config
         self.path = resolve_model(model, revision)  # bad options above fail before any download
         self.name = model_name(model)
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
         self.parallel = None
         if tensor_parallel_size > 1 and self.device.type != "meta":
-            from .parallel import TensorParallel
-            self.parallel = TensorParallel.start(self.path, dtype, self.device, tensor_parallel_size,
-                                                 keep_freed_memory)
+            from .parallel import TensorParallel, Weights
+            self.parallel = TensorParallel.start(Weights(str(self.path), dtype, quantization), self.device,
+                                                 tensor_parallel_size, keep_freed_memory)
             weakref.finalize(self, self.parallel.close)
             self.model = self.parallel.model
         else:
-            self.model = load_model(self.path, dtype=dtype, device=self.device)
+            self.model = load_model(self.path, dtype=dtype, device=self.device, quantization=quantization)
         if compile:
             compile_model(self.model)
         self.tokenizer = self.load_tokenizer()

@@ -32,7 +32,7 @@ import sys
 import time
 import weakref
 from datetime import timedelta
-from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,14 @@ log = logging.getLogger(__name__)
 TIMEOUT_S = float(os.environ.get("DLLM_TP_TIMEOUT", "300"))  # bound on every collective
 IDLE_TIMEOUT = timedelta(days=7)  # a worker waiting for rank 0's next step (rank 0 death ends it sooner)
 JOIN_POLL_S = 0.05
+
+
+class Weights(NamedTuple):
+    """What every rank loads: the checkpoint folder, the dtype (a name or "auto") and the
+    quantization (None or a name); plain values, so a spawned worker gets them pickled."""
+    path: str
+    dtype: str
+    quantization: str | None = None
 
 
 class WorkerDied(RuntimeError):
@@ -167,14 +175,14 @@ class TensorParallel:
 
     # -- starting ----------------------------------------------------------------------------
     @classmethod
-    def start(cls, path: str | Path, dtype: str, device: str | torch.device, size: int,
+    def start(cls, weights: Weights, device: str | torch.device, size: int,
               keep_freed_memory: bool = False) -> "TensorParallel":
         """Rank 0 of ``size`` ranks: spawn the workers, or join torchrun's group."""
-        _, _, cfg = read_config(path)
+        _, _, cfg = read_config(weights.path)
         check_shardable(cfg, size)  # before any process starts
         device = parse_device(device)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            return cls.join_torchrun(path, dtype, device, size)
+            return cls.join_torchrun(weights, device, size)
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group; one "
                                "tensor-parallel LLM per process (close the other one first)")
@@ -182,7 +190,7 @@ class TensorParallel:
                               wait_for_workers=False)
         spawn = mp.get_context("spawn")
         procs = [spawn.Process(target=worker_main, daemon=True, name=f"dllm-tp-rank{r}",
-                               args=(str(path), dtype, str(device), r, size, store.port,
+                               args=(weights, str(device), r, size, store.port,
                                      torch.get_num_threads(), keep_freed_memory))
                  for r in range(1, size)]
         for p in procs:
@@ -191,7 +199,7 @@ class TensorParallel:
             wait_for_workers(store, procs)
             dist.init_process_group(backend_of(device), store=store, rank=0, world_size=size,
                                     timeout=timedelta(seconds=TIMEOUT_S))
-            return cls.load(path, dtype, rank_device(device, 0), size, procs, owns_group=True)
+            return cls.load(weights, rank_device(device, 0), size, procs, owns_group=True)
         except BaseException:
             stop(procs)
             if dist.is_initialized():
@@ -199,7 +207,7 @@ class TensorParallel:
             raise
 
     @classmethod
-    def join_torchrun(cls, path, dtype, device: torch.device, size: int) -> "TensorParallel":
+    def join_torchrun(cls, weights: Weights, device: torch.device, size: int) -> "TensorParallel":
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if world != size:
             raise UserError(f"tensor_parallel_size {size} but torchrun started WORLD_SIZE {world} "
@@ -208,14 +216,14 @@ class TensorParallel:
         if not dist.is_initialized():
             dist.init_process_group(backend_of(device), timeout=timedelta(seconds=TIMEOUT_S))
         if rank == 0:
-            return cls.load(path, dtype, device, size, [], owns_group=True)
-        serve_rank(path, dtype, device, rank, size)
+            return cls.load(weights, device, size, [], owns_group=True)
+        serve_rank(weights, device, rank, size)
         raise SystemExit(0)  # a torchrun worker's program ends when rank 0 closes the engine
 
     @classmethod
-    def load(cls, path, dtype, device, size, procs, owns_group) -> "TensorParallel":
+    def load(cls, weights: Weights, device, size, procs, owns_group) -> "TensorParallel":
         channel = Channel(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT), device)
-        model, error = load_shard(path, dtype, device, 0, size)
+        model, error = load_shard(weights, device, 0, size)
         errors = gather_errors(channel.group, error)
         if errors:  # every rank saw them: the workers return, rank 0 raises
             stop(procs)
@@ -302,10 +310,11 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
     return device
 
 
-def load_shard(path, dtype, device, rank: int, size: int) -> tuple[DiffusionLM | None, str | None]:
+def load_shard(weights: Weights, device, rank: int, size: int) -> tuple[DiffusionLM | None, str | None]:
     try:
         shard = Shard(rank, size, dist.group.WORLD)
-        return load_model(path, dtype=dtype, device=device, shard=shard), None
+        return load_model(weights.path, dtype=weights.dtype, device=device, shard=shard,
+                          quantization=weights.quantization), None
     except Exception as e:  # reported to rank 0, which raises it
         return None, f"rank {rank}: {type(e).__name__}: {e}"
 
@@ -376,7 +385,7 @@ def stop(procs: list, timeout: float = 10.0) -> None:
 
 
 # -- the other ranks ------------------------------------------------------------------------------
-def worker_main(path: str, dtype: str, device: str, rank: int, size: int, port: int, threads: int,
+def worker_main(weights: Weights, device: str, rank: int, size: int, port: int, threads: int,
                 keep_freed_memory: bool) -> None:
     """A spawned worker: join rank 0's store, then serve steps until told to stop."""
     torch.set_num_threads(threads)
@@ -389,7 +398,7 @@ def worker_main(path: str, dtype: str, device: str, rank: int, size: int, port: 
     dist.init_process_group(backend_of(dev), store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=TIMEOUT_S))
     try:
-        serve_rank(path, dtype, dev, rank, size)
+        serve_rank(weights, dev, rank, size)
     finally:
         try:
             dist.destroy_process_group()
@@ -397,9 +406,9 @@ def worker_main(path: str, dtype: str, device: str, rank: int, size: int, port: 
             log.debug("destroy_process_group failed", exc_info=True)
 
 
-def serve_rank(path, dtype, device: torch.device, rank: int, size: int) -> None:
+def serve_rank(weights: Weights, device: torch.device, rank: int, size: int) -> None:
     channel = Channel(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT), device)
-    model, error = load_shard(path, dtype, device, rank, size)
+    model, error = load_shard(weights, device, rank, size)
     if gather_errors(channel.group, error):
         return
     try:

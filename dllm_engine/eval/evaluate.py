@@ -94,6 +94,7 @@ class EvalReport:
     tasks: dict[str, TaskResult] = field(default_factory=dict)
     stats: SequenceStats = field(default_factory=SequenceStats)
     diagnostics: dict = field(default_factory=dict)  # from diagnostic strategies (focus-probe)
+    outputs: list[list[int]] = field(default_factory=list)  # each prompt's answer token ids, in order
 
     @property
     def accuracy(self) -> float:
@@ -192,6 +193,7 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
                 ok, final_ok, form_ok = grade(ex, out.text), grade_final(ex, out.text), grade_form(ex, out.text)
                 report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(ok, out.stats, final_ok, form_ok)
                 all_stats.append(out.stats)
+                report.outputs.append(list(out.token_ids))
                 if log is not None:
                     log.write(json.dumps(sample_record(ex, out.text, out.stats, ok, final_ok, form_ok)) + "\n")
             if log is not None:

@@ -16,6 +16,7 @@ from ..errors import UserError
 from .family import Family
 from .layers import DiffusionLM, Router
 from .parallel import Shard, check_shardable, read_slices
+from .quantize import check_quantization, quantize_model
 from .registry import family_of
 from ..config import ModelConfig
 
@@ -280,7 +281,8 @@ def cast_model(model: DiffusionLM, dtype: torch.dtype) -> DiffusionLM:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu", shard: Shard | None = None) -> DiffusionLM:
+               device: str | torch.device = "cpu", shard: Shard | None = None,
+               quantization: str | None = None) -> DiffusionLM:
     """Build the family's model from a local checkpoint folder. On the ``meta`` device the
     weights are not read: the model has its config and shapes only (an HTTP front that
     tokenizes and validates for replicas elsewhere needs nothing more).
@@ -291,16 +293,22 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
     a wider dtype.
 
     ``shard``: build and read only this tensor-parallel rank's slices (``model.loaded_bytes``
-    says how many bytes of weights it read)."""
+    says how many bytes of weights it read).
+
+    ``quantization``: ``"int8"`` / ``"int4"``: the linear layers quantized once loaded
+    (``models/quantize.py``; ``model.quantization`` reports what was); checked before any
+    weight is read."""
     folder = Path(path)
     device = parse_device(device)
     hf, family, cfg = read_config(folder)
     dtype = resolve_dtype(dtype, hf, folder)
+    quantization = check_quantization(quantization, device, dtype)
     if shard is not None:
         check_shardable(cfg, shard.size)
     with torch.device("meta"):
         model = DiffusionLM(cfg, shard)
     model.family = family
+    model.quantization = None
     if device.type == "meta":
         return cast_model(model, dtype).eval()
     plan = load_plan(folder, model, family)
@@ -310,6 +318,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
     nbytes = read_weights(model, plan)
     if shard is not None:
         model.loaded_bytes = nbytes
+    if quantization is not None:
+        model.quantization = quantize_model(model, quantization)
     return model.eval()
 
 

@@ -71,6 +71,7 @@ class ReplicaOptions:
     compile_step: bool = False
     revision: str | None = None  # of a Hugging Face id: each replica resolves it in its own cache
     seed: int | None = None  # the front's stream of request seeds (--seed; None: fresh per request)
+    quantization: str | None = None  # --quantization: each replica quantizes its own copy on load
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -153,7 +154,8 @@ class EngineReplica:
         self.llm = LLM(options.model, dtype=options.dtype, device=options.device,
                        max_num_seqs=options.max_num_seqs, keep_freed_memory=options.keep_freed_memory,
                        compile=options.compile, fixed_shapes=options.fixed_shapes,
-                       compile_step=options.compile_step, revision=options.revision)
+                       compile_step=options.compile_step, revision=options.revision,
+                       quantization=options.quantization)
         self.metrics = Metrics()
         self.engine = InProcessEngine(self.llm, options.max_queue, self.metrics)
         self.engine.start()
