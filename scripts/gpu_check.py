@@ -43,10 +43,9 @@ from dllm_engine import LLM  # noqa: E402
 from dllm_engine.bench.offline import check_prompts, resolve_specs  # noqa: E402
 from dllm_engine.bench.profile import run_profile  # noqa: E402
 from dllm_engine.config import ModelConfig, MoEConfig  # noqa: E402
-from dllm_engine.models import DiffusionLM, get_family, save_model  # noqa: E402
 from dllm_engine.models.quantize import weight_bytes  # noqa: E402
 from dllm_engine.tasks import load_split  # noqa: E402
-from dllm_engine.tokenizer import save_tokenizer  # noqa: E402
+from scripts.random_checkpoint import IDS, random_checkpoint  # noqa: E402
 
 CHECKPOINTS = {"tiny-llada": ["dual-cache:threshold=0.9", "dual-cache+focus:threshold=0.9",
                               "dual-cache+early-skip:threshold=0.9",
@@ -54,7 +53,6 @@ CHECKPOINTS = {"tiny-llada": ["dual-cache:threshold=0.9", "dual-cache+focus:thre
                               "dual-cache:threshold=0.9,commit_rule=credit"],
                "tiny-sdar": ["block:threshold=0.9", "block+focus:threshold=0.9",
                              "block:commit_rule=joint-threshold,preset=S"]}
-IDS = dict(mask_token_id=4, eos_token_id=3, pad_token_id=3, bos_token_id=2)  # the project's llada tokenizer
 
 
 def shapes(tiny: bool, layers: int) -> dict[str, tuple[ModelConfig, list[str]]]:
@@ -78,18 +76,6 @@ def shapes(tiny: bool, layers: int) -> dict[str, tuple[ModelConfig, list[str]]]:
     return {"llada-8b-shaped": (llada, ["dual-cache:threshold=0.9", "dual-cache+focus:threshold=0.9",
                                         "dual-cache+early-skip:threshold=0.9"]),
             "llada2-mini-shaped": (llada2, ["block:threshold=0.9", "block+focus:threshold=0.9"])}
-
-
-def random_checkpoint(config: ModelConfig, folder: Path) -> Path:
-    """A random-weight bfloat16 checkpoint of ``config`` in its family's released layout."""
-    family = get_family(config.model_type)
-    config = family.config_from_hf(family.config_to_hf(config))  # as a loaded checkpoint has it
-    torch.manual_seed(0)
-    model = DiffusionLM(config).to(torch.bfloat16)
-    model.family = family
-    save_model(model, folder, family)
-    save_tokenizer(folder, "llada")  # the embedded checkpoints' words (202 ids); special ids as ``IDS``
-    return folder
 
 
 def correctness(device: str, tiny: bool) -> list[dict]:
