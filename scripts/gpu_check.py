@@ -9,7 +9,8 @@ Writes DIR/gpu_check.json and DIR/gpu_check.md. Two parts:
    the device and on the CPU, for each method: greedy tokens must match (a float32 model; a
    mismatch is reported with the share of rows that agree). A sampled request (temperature 0.6,
    SDAR's chat default) must run on the device (the draws are counter-based: no CPU generator)
-   and its agreement with the CPU is reported.
+   and its agreement with the CPU is reported. Each method must also decode with attention held
+   to SDPA's fused kernels (no math fallback), masks and grouped-query heads included.
 2. **Step cost.** Random-weight models shaped like LLaDA-8B (dense, full attention) and
    LLaDA2.0-mini (MoE, block diffusion), in bfloat16 on the device (``--layers`` of their layers:
    a step's host work does not depend on the depth, its forward grows with it), profiled as
@@ -114,6 +115,30 @@ def variants(device: str) -> dict[str, dict]:
     return {"bf16": {}, **quantized, "compiled": {"compile": True}}
 
 
+def fused_attention(device: str, tiny: bool) -> list[dict]:
+    """Each checkpoint and method decodes with SDPA held to its fused kernels (flash,
+    memory-efficient, cuDNN; the math fallback, which materialises every score, excluded): a
+    mask or a grouped-query layout they cannot take raises, and the row says so."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    examples = load_split("worked", limit=1)
+    rows = []
+    for name, methods in CHECKPOINTS.items():
+        llm = LLM(ROOT / "checkpoints" / name, device=device)
+        params = resolve_specs(methods, llm.resolve, {"max_new_tokens": 16 if tiny else 64})
+        prompts = check_prompts(llm, params, examples)
+        for spec in methods:
+            try:
+                with sdpa_kernel(fused):
+                    llm.generate(prompts, params[spec], use_tqdm=False)
+                error = None
+            except RuntimeError as e:
+                error = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            rows.append({"checkpoint": name, "method": spec, "fused": error is None, "error": error})
+        llm.close()
+    return rows
+
+
 def step_cost(device: str, tiny: bool, layers: int, batch_sizes: list[int], root: Path) -> list[dict]:
     """``dllm profile``'s records for the shaped random models on ``device``: every method in
     bf16, the base method under each other variant, with the weights' bytes and peak memory."""
@@ -144,6 +169,9 @@ def markdown(report: dict) -> str:
     for r in report["correctness"]:
         lines.append(f"| {r['checkpoint']} | `{r['method']}` | {r['draw']} | {r['rows_equal']} / {r['prompts']} | "
                      f"{r['seconds']} |")
+    lines += ["", "| checkpoint | method | attention in fused kernels only |", "|---|---|---|"]
+    for r in report["fused_attention"]:
+        lines.append(f"| {r['checkpoint']} | `{r['method']}` | {'yes' if r['fused'] else 'no: ' + r['error']} |")
     lines += ["", "| model | weights | method | batch | step ms | forward ms | outside the forward | "
                   "host reads / step | ops outside the layer loop | tok/s | weights MB |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -180,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: torchao is not installed here: no int8 / int4 rows (pip install torchao)", file=sys.stderr)
     started = time.perf_counter()
     report["correctness"] = correctness(args.device, args.tiny)
+    report["fused_attention"] = fused_attention(args.device, args.tiny)
     with tempfile.TemporaryDirectory() as tmp:
         report["step_cost"] = step_cost(args.device, args.tiny, layers, batch_sizes, Path(tmp))
     report["seconds"] = round(time.perf_counter() - started, 1)
@@ -187,9 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / "gpu_check.md").write_text(markdown(report))
     print(markdown(report))
     greedy_ok = all(r["equal"] for r in report["correctness"] if r["draw"] == "greedy")
+    fused_ok = all(r["fused"] for r in report["fused_attention"])
     print(f"gpu_check: {'greedy tokens match the CPU' if greedy_ok else 'GREEDY TOKENS DIFFER FROM THE CPU'}; "
+          f"{'attention runs in fused kernels' if fused_ok else 'ATTENTION FALLS BACK TO THE MATH KERNEL'}; "
           f"{report['seconds']} s; wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
-    return 0 if greedy_ok else 1
+    return 0 if greedy_ok and fused_ok else 1
 
 
 if __name__ == "__main__":

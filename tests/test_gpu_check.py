@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # a subprocess that decodes and profiles (~20 s)
+@pytest.mark.slow  # a subprocess that decodes and profiles (~45 s)
 def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--tiny",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
@@ -20,6 +20,9 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(tmp_path):
     assert {r["checkpoint"] for r in checks} == {"tiny-llada", "tiny-sdar"}
     assert {r["draw"] for r in checks} == {"greedy", "sampled"}
     assert all(r["equal"] and r["rows_equal"] == r["prompts"] > 0 for r in checks)  # the CPU against itself
+    # the CPU's fused SDPA kernel takes every mask and grouped-query layout the methods use
+    fused = report["fused_attention"]
+    assert len(fused) == len(checks) // 2 and all(r["fused"] and r["error"] is None for r in fused)
     cost = report["step_cost"]
     assert {r["model"] for r in cost} == {"llada-8b-shaped", "llada2-mini-shaped"}
     assert {r["method"] for r in cost} >= {"dual-cache:threshold=0.9", "block+focus:threshold=0.9"}

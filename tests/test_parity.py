@@ -158,11 +158,18 @@ def test_row_groups_split_only_when_the_narrow_rows_shed_enough_width():
     assert row_groups([n, 1], n) is None  # sheds n - 1 tokens
 
 
-def test_grouped_kv_heads_attend_as_if_repeated():
+@pytest.mark.parametrize("expand", [False, True], ids=["in place", "expanded as on CUDA"])
+def test_grouped_kv_heads_attend_as_if_repeated(expand, monkeypatch):
     """K/V with fewer heads than Q (GQA 4/2): SDPA reading them in place gives what attention over
-    explicitly repeated heads gives, in one call and in row groups."""
+    explicitly repeated heads gives, in one call and in row groups; so does the expansion CUDA
+    takes with a mask (``grouped_heads``: its fused kernels take no enable_gqa with a mask)."""
     from dllm_engine.models import layers
     from dllm_engine.models.context import row_groups
+    if expand:
+        monkeypatch.setattr(layers, "EXPAND_GQA_WITH_MASK", frozenset({"cpu"}))
+    k_, v_, gqa = layers.grouped_heads(torch.zeros(1, 4, 1, 2), torch.zeros(1, 2, 1, 2), torch.zeros(1, 2, 1, 2),
+                                       torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    assert (k_.shape[1], gqa) == ((4, {}) if expand else (2, {"enable_gqa": True}))
     torch.manual_seed(1)
     b, t, s, d = 3, 80, 12, 8
     q, k, v = torch.randn(b, 4, t, d), torch.randn(b, 2, s, d), torch.randn(b, 2, s, d)

@@ -83,6 +83,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
 
 
+# devices whose fused SDPA kernels take a mask but not ``enable_gqa`` (``grouped_heads``)
+EXPAND_GQA_WITH_MASK = frozenset({"cuda"})
+
+
 def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                      groups: list[tuple[Tensor, int]] | None) -> Tensor:
     """SDPA of q [B, H, T, D], one call per ``groups`` entry (``context.row_groups``). ``mask``
@@ -94,8 +98,8 @@ def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     row. Each row's result is the same either way.
 
     k, v may hold fewer heads than q (grouped-query attention: query head h reads K/V head
-    h // (H / Hkv)); SDPA reads them in place (``enable_gqa``), no copy of the heads."""
-    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    h // (H / Hkv)); ``grouped_heads`` says how they are read."""
+    k, v, gqa = grouped_heads(q, k, v, mask)
     if groups is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
     out = q.new_zeros(q.shape[:3] + v.shape[-1:])
@@ -104,6 +108,24 @@ def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
             q[rows, :, :width], k[rows], v[rows], attn_mask=None if mask is None else mask[rows, :, :width],
             **gqa)
     return out
+
+
+def grouped_heads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, dict]:
+    """K/V as SDPA should read them, and its ``enable_gqa`` argument, chosen per device.
+
+    Grouped-query attention (fewer K/V heads than query heads) is read in place through
+    ``enable_gqa``, except on CUDA with a mask (block-causal families; a padded batch): there
+    only the math kernel takes a mask together with ``enable_gqa`` (flash takes no mask, the
+    memory-efficient and cuDNN kernels no ``enable_gqa``), and it materialises every score. K/V
+    are then expanded to the query heads, one copy per layer, so the memory-efficient kernel
+    takes the bool mask. The CPU keeps ``enable_gqa`` (its fused kernel takes both). Same
+    values either way."""
+    if k.shape[1] == q.shape[1]:
+        return k, v, {}
+    if mask is not None and q.device.type in EXPAND_GQA_WITH_MASK:
+        repeat = q.shape[1] // k.shape[1]
+        return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), {}
+    return k, v, {"enable_gqa": True}
 
 
 class Attention(nn.Module):
