@@ -783,3 +783,71 @@ def test_dllm_serve_start_up_lines_state_the_seed_policy(ckpt, monkeypatch, caps
     assert policy in out
     method = next(line for line in out.splitlines() if line.startswith("default method: "))
     assert "seed=" not in method
+
+
+# -- what one request may cost ----------------------------------------------------------------
+def test_a_body_over_the_limit_is_refused_before_it_is_read(ckpt):
+    """413 at once from a Content-Length over --max-request-bytes, and from a chunked body as
+    soon as its bytes pass it; the server answers /health meanwhile and afterwards."""
+    with serving(LLM(ckpt), defaults=DEFAULTS, max_request_bytes=4096) as (url, _):
+        r = httpx.post(url + "/v1/completions", content=json.dumps({**SHORT, "prompt": "a " * 50_000}),
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+        assert "larger than 4,096 bytes" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: the limit is counted as the body arrives
+            yield b'{"prompt": "'
+            for _ in range(100):
+                yield b"a " * 500
+            yield b'"}'
+        r = httpx.post(url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        r = httpx.post(url + "/v1/completions", json=SHORT, timeout=60)  # under the limit: served
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+        assert metric(url, "requests_total", '{status="413"}') == 2
+
+
+def test_a_prompt_too_long_for_the_positions_is_refused_from_its_prefix(live, monkeypatch):
+    """A text far past the model's positions is refused from a prefix: the tokenizer never sees
+    it whole. A short one is tokenized whole as before."""
+    llm = live[1].state.server.llm
+    seen = []
+    encode = llm.tokenizer.encode
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda text, **kw: seen.append(len(text)) or encode(text, **kw))
+    huge = "sort : " + "b a " * 1_000_000  # 4 MB: under the body limit, ~2M tokens
+    r = httpx.post(live[0] + "/v1/completions", json={**SHORT, "prompt": huge}, timeout=60)
+    assert r.status_code == 400 and "longer than the model's" in r.json()["error"]["message"]
+    r = httpx.post(live[0] + "/v1/chat/completions", json={"model": NAME, "messages": [
+        {"role": "user", "content": huge}]}, timeout=60)
+    assert r.status_code == 400 and "positions" in r.json()["error"]["message"]
+    assert seen and max(seen) < len(huge) // 10  # prefixes only
+    seen.clear()
+    assert httpx.post(live[0] + "/v1/completions", json=SHORT, timeout=60).status_code == 200
+    assert seen == [len(SHORT["prompt"])]
+
+
+def test_tokenizing_runs_off_the_event_loop(live, monkeypatch):
+    """While one request's prompt is being prepared (held here until /health has answered),
+    /health answers (other prompts wait for the tokenizer, which one thread uses at a time)."""
+    llm = live[1].state.server.llm
+    release, entered = threading.Event(), threading.Event()
+    encode = llm.encode
+
+    def slow(prompt):
+        if prompt == "sort : hold":
+            entered.set()
+            assert release.wait(30), "never released"
+        return encode(prompt)
+    monkeypatch.setattr(llm, "encode", slow)
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, live[0] + "/v1/completions", json={**SHORT, "prompt": "sort : hold"},
+                           timeout=60)
+        assert entered.wait(30)
+        try:
+            assert httpx.get(live[0] + "/health", timeout=10).json() == {"status": "ok"}
+            assert httpx.get(live[0] + "/v1/models", timeout=10).status_code == 200
+        finally:
+            release.set()
+        assert held.result().status_code == 200

@@ -24,9 +24,23 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* (default: open)")
+    p.add_argument("--max-request-bytes", type=byte_count, default="8MiB", metavar="BYTES",
+                   help="a larger request body is refused with 413 before it is read (default 8MiB)")
     add_model_args(p, model=False)
     add_sampling_args(p)  # the defaults of requests that leave an option out
     add_replica_args(p)
+
+
+def byte_count(text: str) -> int:
+    """``--max-request-bytes``: a positive byte count (``8MiB``, ``500000``)."""
+    from ..engine.llm import parse_bytes
+    try:
+        value = parse_bytes(text)
+    except (UserError, ValueError):
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 8MiB or 500000, got {text!r}")
+    return value
 
 
 def replicas(text: str) -> int | str:
@@ -90,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> None:
     print(f"default method: {resolved.describe()}")
     print(seed_policy(llm.seeds))
     run_server(llm, args.host, args.port, defaults, args.served_model_name, args.max_queue,
-               args.shutdown_timeout, args.log_level, args.api_key)
+               args.shutdown_timeout, args.log_level, args.api_key, args.max_request_bytes)
 
 
 def seed_policy(seeds) -> str:
@@ -124,7 +138,7 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
     replica = ReplicaOptions(model, args.dtype, args.device, args.max_num_seqs, args.max_queue,
                              threads, args.shutdown_timeout, args.keep_freed_memory, args.compile,
                              args.fixed_shapes, args.compile_step, revision=args.revision, seed=args.seed,
-                             quantization=args.quantization)
+                             quantization=args.quantization, max_request_bytes=args.max_request_bytes)
     defaults = sampling_params(args)
     # reads no weights (an id is fetched here once); refuses a bad default
     front = LLM(model, dtype=args.dtype, device="meta", revision=args.revision, seed=args.seed)

@@ -96,6 +96,13 @@ UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb":
          "g": 2**30, "gb": 2**30, "gib": 2**30}
 
 
+# ``LLM.check_text_fits``: a long text's prefix of this many characters per position decides
+# whether it can fit (typical text has 3-5 characters per token); the token its end cuts may
+# split into a few, so this many tokens are allowed over the positions
+PREFIX_CHARS = 8
+CUT_MARGIN = 16
+
+
 def parse_bytes(value: int | str | None) -> int | None:
     """A byte count from an int or a string such as ``512MiB``, ``4G`` or ``1.5GiB`` (binary units)."""
     if value is None or isinstance(value, int):
@@ -257,10 +264,27 @@ class LLM:
                 raise UserError("prompt is empty")
             if self.tokenizer is None:
                 raise UserError(f"{self.path} has no tokenizer; pass token-id prompts")
+            self.check_text_fits(prompt)
             with quiet_transformers():  # the context check below says it better than its warning
                 ids = self.tokenizer.encode(prompt, add_special_tokens=False)
             return self.check_ids(ids)
         return self.check_ids(list(prompt))
+
+    def check_text_fits(self, text: str) -> None:
+        """Refuse a text too long for the model's positions without tokenizing it whole: a
+        prefix of ``PREFIX_CHARS`` characters per position is tokenized first, and when it alone
+        holds more tokens than the positions (less ``CUT_MARGIN`` for the word its end cuts) the
+        rest is never read. A shorter text, or a long one whose prefix fits (few tokens per
+        character), is tokenized whole and checked by its tokens as usual."""
+        limit = self.model.config.max_position_embeddings
+        window = PREFIX_CHARS * (limit + CUT_MARGIN)
+        if self.tokenizer is None or len(text) <= window:
+            return
+        with quiet_transformers():
+            n = len(self.tokenizer.encode(text[:window], add_special_tokens=False))
+        if n - CUT_MARGIN > limit:
+            raise UserError(f"prompt is longer than the model's {limit:,} positions: its first {window:,} "
+                            f"characters (of {len(text):,}) are already {n:,} tokens")
 
     def check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.model.config.vocab_size
@@ -281,6 +305,8 @@ class LLM:
             raise UserError(f"{self.path} has no chat template in its tokenizer_config.json")
         if not messages:
             raise UserError("conversation is empty")
+        self.check_text_fits(" ".join(m["content"] for m in messages
+                                      if isinstance(m, dict) and isinstance(m.get("content"), str)))
         with quiet_transformers():
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                            tokenize=True, return_dict=False))

@@ -9,6 +9,7 @@ from ..engine.llm import LLM
 from ..sampling_params import SamplingParams
 from .app import create_app
 from .engine_client import EngineClient
+from .limits import DEFAULT_MAX_REQUEST_BYTES
 from .loop import EngineLoop
 
 __all__ = ["create_app", "EngineLoop", "run_server", "shutdown_timeouts"]
@@ -40,11 +41,12 @@ class DrainingServer(uvicorn.Server):
 def run_server(llm: LLM, host: str = "127.0.0.1", port: int = 8000,
                defaults: SamplingParams | None = None, model_name: str | None = None,
                max_queue: int = 256, shutdown_timeout: float = 30.0, log_level: str = "info",
-               api_key: str | None = None) -> None:
+               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
     """Serve until SIGINT/SIGTERM; then in-flight requests get ``shutdown_timeout`` s to finish
     and are answered 503 after it. New connections are refused from the signal on."""
     drain_s, graceful_s = shutdown_timeouts(shutdown_timeout)
-    app = create_app(llm, defaults, model_name, max_queue, drain_s, api_key=api_key)
+    app = create_app(llm, defaults, model_name, max_queue, drain_s, api_key=api_key,
+                     max_request_bytes=max_request_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=graceful_s)
     try:

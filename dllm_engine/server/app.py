@@ -22,6 +22,7 @@ from ..engine.llm import LLM
 from ..errors import UserError
 from ..sampling_params import SamplingParams
 from .engine_client import EngineClient, GenerateRequest, InProcessEngine
+from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from .loop import Event
 from .metrics import Metrics
 from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, TokenLogprob, chat_body,
@@ -208,12 +209,14 @@ class Server:
 
 def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str | None = None,
                max_queue: int = 256, shutdown_timeout: float = 30.0,
-               engine: EngineClient | None = None, api_key: str | None = None) -> FastAPI:
+               engine: EngineClient | None = None, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app serving ``llm``: on ``engine`` if given (``llm`` then only tokenizes and
     validates, and may live on the meta device), else on ``llm``'s own engine loop in this
     process (``max_queue`` waiting sequences). The engine starts and stops with the app's
     lifespan (``shutdown_timeout``: how long in-flight requests may finish before they are
-    cancelled). ``api_key``: /v1/* requires ``Authorization: Bearer <api_key>``."""
+    cancelled). ``api_key``: /v1/* requires ``Authorization: Bearer <api_key>``.
+    ``max_request_bytes``: a larger body is refused with 413 before it is read whole (``limits``)."""
     metrics = Metrics()
     engine = engine or InProcessEngine(llm, max_queue, metrics)
     server = Server(llm, engine, defaults or SamplingParams(), model_name or llm.name, metrics,
@@ -230,6 +233,7 @@ def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str
     add_error_handlers(app, server.metrics)
     if api_key:
         add_api_key_check(app, api_key, server.metrics)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, metrics=server.metrics)
     add_routes(app, server)
     return app
 
@@ -296,13 +300,15 @@ def add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
-        prompts = [server.encode(p) for p in body.prompts()]
+        # off the event loop: a long prompt never holds up /health or other requests
+        prompts = await asyncio.to_thread(lambda: [server.encode(p) for p in body.prompts()])
         return await server.answer(request, body, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
-        return await server.answer(request, body, [server.chat_prompt(body)], chat=True)
+        prompt = await asyncio.to_thread(server.chat_prompt, body)
+        return await server.answer(request, body, [prompt], chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -37,6 +37,7 @@ from ..errors import UserError
 from ..engine.llm import LLM
 from ..sampling_params import SamplingParams
 from .app import create_app
+from .limits import DEFAULT_MAX_REQUEST_BYTES
 from .engine_client import GenerateRequest, InProcessEngine
 from .loop import Event
 from .metrics import Metrics
@@ -72,6 +73,7 @@ class ReplicaOptions:
     revision: str | None = None  # of a Hugging Face id: each replica resolves it in its own cache
     seed: int | None = None  # the front's stream of request seeds (--seed; None: fresh per request)
     quantization: str | None = None  # --quantization: each replica quantizes its own copy on load
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # the front's body limit (--max-request-bytes)
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -313,8 +315,9 @@ class Front:
 
     def __init__(self, engine: DeploymentHandle, board, model: str, dtype: str,
                  defaults: SamplingParams, model_name: str | None, revision: str | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.engine, self.board = engine, board
+        self.max_request_bytes = max_request_bytes
         self.model, self.dtype, self.defaults, self.model_name = model, dtype, defaults, model_name
         self.revision, self.seed = revision, seed
 
@@ -322,7 +325,8 @@ class Front:
         # tokenizer, checks and the seeds of requests without one; no weights
         llm = LLM(self.model, dtype=self.dtype, device="meta", revision=self.revision, seed=self.seed)
         client = RayServeEngine(self.engine, self.board, serve.get_replica_context().app_name)
-        return create_app(llm, self.defaults, self.model_name, engine=client)
+        return create_app(llm, self.defaults, self.model_name, engine=client,
+                          max_request_bytes=self.max_request_bytes)
 
 
 def build_app(replica: ReplicaOptions, scaling: Scaling, defaults: SamplingParams,
@@ -333,7 +337,7 @@ def build_app(replica: ReplicaOptions, scaling: Scaling, defaults: SamplingParam
     front = serve.deployment(Front, name="front", num_replicas=1, max_ongoing_requests=FRONT_MAX_ONGOING,
                              ray_actor_options={"num_cpus": 0} | NORMAL_PRIORITY)
     return front.bind(engine, board, replica.model, replica.dtype, defaults, model_name, replica.revision,
-                      replica.seed)
+                      replica.seed, replica.max_request_bytes)
 
 
 def deploy(replica: ReplicaOptions, scaling: Scaling, defaults: SamplingParams,
