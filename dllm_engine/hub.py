@@ -62,6 +62,12 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None,
         raise ModelNotFoundError(f"model folder {str(name_or_path)!r} does not exist, and it is not a "
                                  f"Hugging Face id (org/name): give a checkpoint folder or an id such "
                                  f"as GSAI-ML/LLaDA-8B-Instruct")
+    if path.parent.is_dir():  # checkpoints/nope: a mistyped folder, not an id of org "checkpoints"
+        holds = sorted(p.name for p in path.parent.iterdir() if (p / "config.json").is_file())
+        raise ModelNotFoundError(f"model folder {str(name_or_path)!r} does not exist"
+                                 + (f" ({path.parent}/ holds {', '.join(holds)})" if holds else "")
+                                 + f"; a Hugging Face id is not looked up while {str(path.parent)!r} is a "
+                                   f"local folder")
     return download_model(str(name_or_path), revision, cache_dir)
 
 

@@ -94,6 +94,7 @@ def cases(ckpt, tmp_path_factory) -> dict[str, tuple[list[str], str]]:
                                            "--tensor-parallel-size with --replicas is not supported"),
         "replicas with a memory budget": (["serve", str(ckpt), "--replicas", "2", "--kv-cache-memory", "1GiB"],
                                           "--kv-cache-memory with --replicas is not supported"),
+        "int4 on a CPU": (["generate", *model, "--quantization", "int4"], "int4 runs on CUDA only"),
         "a memory budget that is no size": (["generate", *model, "--kv-cache-memory", "lots"],
                                             "kv_cache_memory must be a number of bytes such as 2GiB"),
         "a request larger than the memory budget": (["generate", *model, "--kv-cache-memory", "64KiB"],
@@ -155,7 +156,7 @@ CASES = [*BROKEN, "model is a file", "device tpu", "device cuda on a CPU build",
          "bench spec before weights", "tensor parallel does not divide", "profile under tensor parallel",
          "replicas under tensor parallel", "compile under tensor parallel",
          "bench compile under tensor parallel", "compile step under tensor parallel", "profile a compiled step",
-         "eval json into a missing folder", "chain-probe json is a folder"]
+         "eval json into a missing folder", "chain-probe json is a folder", "int4 on a CPU"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -173,6 +174,10 @@ def test_bad_input_in_process(argv_cases, capsys, name):
      "argument --batch-sizes: expected comma-separated integers >= 1, got ','"),
     (["bench", "serve", "--url", "http://x", "--concurrency", "-1"], "expected comma-separated integers >= 1"),
     (["serve", "m", "--max-queue", "-1"], "argument --max-queue: expected an integer >= 0, got '-1'"),
+    (["serve", "m", "--max-request-bytes", "big"],
+     "argument --max-request-bytes: expected a byte count such as 8MiB or 500000, got 'big'"),
+    (["bench", "--methods", "dual-cache", "--compare-quantization", "int3"],
+     "argument --compare-quantization: expected comma-separated quantization methods (int8, int4), got 'int3'"),
 ])
 def test_bad_numbers_are_refused_by_the_parser(capsys, argv, message):
     """Before anything loads or is announced: argparse's usage line and one error line, exit 2."""
@@ -181,6 +186,16 @@ def test_bad_numbers_are_refused_by_the_parser(capsys, argv, message):
         main(argv)
     captured = capsys.readouterr()
     assert exit_.value.code == 2 and message in captured.err and captured.out == ""
+
+
+def test_help_is_plain_text(capsys):
+    """`dllm --help` and every command's help: no reST markup from the docstrings."""
+    from dllm_engine.cli import COMMANDS, main
+    for argv in (["--help"], *([name, "--help"] for name in COMMANDS)):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        out = capsys.readouterr().out
+        assert exit_.value.code == 0 and "usage: dllm" in out and "``" not in out, (argv, out)
 
 
 def test_version(capsys):

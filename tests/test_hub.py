@@ -147,6 +147,16 @@ def test_not_a_folder_nor_an_id():
     assert issubclass(ModelNotFoundError, ValueError)
 
 
+def test_a_mistyped_folder_is_named_as_a_folder(tmp_path, monkeypatch):
+    """checkpoints/nope has an id's shape, but checkpoints/ is a local folder: the error names
+    the folder and what it holds, without asking the Hub."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr("dllm_engine.hub.download_model", lambda *a: pytest.fail("asked the Hub"))
+    with pytest.raises(ModelNotFoundError, match=r"model folder 'checkpoints/nope' does not exist "
+                                                 r"\(checkpoints/ holds tiny-llada, tiny-sdar\)"):
+        resolve_model("checkpoints/nope")
+
+
 def test_bin_only_snapshot():
     with pytest.raises(ModelNotFoundError, match=r"PyTorch \.bin weights only \(pytorch_model\.bin\); "
                                                  r"dllm-engine reads safetensors only: convert them"):

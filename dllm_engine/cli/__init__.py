@@ -21,6 +21,8 @@ from .report import add_report, run_report
 from .serve import add_serve, run_serve
 from .train import add_canvas_rows, add_train, run_canvas_rows, run_train
 
+DESCRIPTION = ("Fast inference for diffusion LLMs: generate, eval, bench, profile, serve, lm-eval, download, "
+               "report, playground, train. `dllm COMMAND --help` for each command's options.")
 # command -> (adds its subparser, runs it); one module per command beside this file
 COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eval),
             "chain-probe": (add_chain_probe, run_chain_probe),
@@ -36,7 +38,7 @@ COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eva
 
 def build_parser() -> argparse.ArgumentParser:
     """``dllm`` and its subcommands (``lm-eval`` only for its help line: main hands it over)."""
-    parser = argparse.ArgumentParser(prog="dllm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="dllm", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"dllm-engine {version('dllm-engine')}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add, _ in COMMANDS.values():

@@ -12,10 +12,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="compare method specs on the same prompts; JSON + plot")
     p.add_argument("--methods", nargs="+", required=True,
                    help="specs method[:field=value,...], e.g. dual-cache:threshold=0.9")
-    p.add_argument("--batch-sizes", type=split_ints, default=[1, 8, 32])
+    p.add_argument("--batch-sizes", type=split_ints, default=[1, 8, 32], help="comma-separated (default 1,8,32)")
     p.add_argument("--tasks", default="all",
-                   help="'all', a family ('copy', 'worked', 'phrased') or comma-separated task names")
-    p.add_argument("--limit", type=int, default=None, help="prompts per task")
+                   help="'all' (default), a family ('copy', 'worked', 'phrased') or comma-separated task names")
+    p.add_argument("--limit", type=int, default=None,
+                   help="prompts per task (default: every held-out prompt, 100 per task: 1,500 for 'all', "
+                        "each spec at each batch size)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--block-length", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--out", default=None,
