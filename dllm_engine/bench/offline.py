@@ -127,6 +127,8 @@ def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Exampl
     ``use_tqdm``: a progress bar of the timed pass's prompts (stderr), named by spec and batch size."""
     warm = (examples, batch_size) if warm_all else (examples[:1], 1)
     evaluate(llm, params, examples=warm[0], batch_size=warm[1], use_tqdm=False)  # warm-up
+    if llm.engine.prefix_store is not None:  # every row starts cold: no spec reuses another's blocks
+        llm.engine.prefix_store.clear()
     if llm.parallel is not None:
         llm.parallel.reset_peak()
     with PeakMemory(llm.device) as mem:

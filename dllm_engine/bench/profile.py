@@ -332,10 +332,15 @@ def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: li
     params = resolve_specs(specs, llm.resolve, defaults)  # validate all first, and every prompt
     prompts = check_prompts(llm, params, examples)  # against each, as dllm bench does
     records = []
-    for bs in batch_sizes:
-        for spec in specs:
-            records.append(profile_one(llm, spec, params[spec], prompts, bs, repeats, clock))
-            progress(format_row(records[-1]))
+    # every pass the same steps (the timed, the floor's replay, the counted one): no prefix reuse
+    store, llm.engine.prefix_store = llm.engine.prefix_store, None
+    try:
+        for bs in batch_sizes:
+            for spec in specs:
+                records.append(profile_one(llm, spec, params[spec], prompts, bs, repeats, clock))
+                progress(format_row(records[-1]))
+    finally:
+        llm.engine.prefix_store = store
     return records
 
 

@@ -52,6 +52,8 @@ class LevelResult:
     nfe: int
     redundancy: float
     errors: list[str] = field(default_factory=list)  # the first few failure messages
+    prefill_tokens: int = 0  # prompt tokens the server computed ...
+    cached_tokens: int = 0  # ... and those it reused from its prefix store (usage.prompt_tokens_details)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -73,9 +75,19 @@ def parse_sse(line: str) -> dict | None:
     return None if data == "[DONE]" else json.loads(data)
 
 
-async def send(client: httpx.AsyncClient, model: str, example: Example, extra: dict) -> RequestRecord:
-    """One streamed chat completion; never raises (a failure is a record)."""
-    body = {"model": model, "messages": [{"role": "user", "content": example.prompt}], "stream": True,
+def shared_header(words: int, examples: list[Example]) -> str:
+    """``words`` words of the held-out prompts in turn (the model's own vocabulary): the header
+    every request of a shared-prefix load test starts with (a system prompt, few-shot examples)."""
+    vocabulary = [w for e in examples for w in e.prompt.split()]
+    return " ".join(vocabulary[i % len(vocabulary)] for i in range(words))
+
+
+async def send(client: httpx.AsyncClient, model: str, example: Example, extra: dict,
+               header: str = "") -> RequestRecord:
+    """One streamed chat completion (its message after ``header``, when given); never raises (a
+    failure is a record)."""
+    content = f"{header}\n{example.prompt}" if header else example.prompt
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "stream": True,
             "stream_options": {"include_usage": True}, **extra}
     start = time.perf_counter()
     text, first, usage = [], None, {}
@@ -104,9 +116,10 @@ async def send(client: httpx.AsyncClient, model: str, example: Example, extra: d
 
 async def run_level(url: str, model: str, examples: list[Example], concurrency: int,
                     num_requests: int, extra: dict, timeout: float,
-                    lengths: list[int] | None = None) -> LevelResult:
+                    lengths: list[int] | None = None, header: str = "") -> LevelResult:
     """``concurrency`` clients share ``num_requests`` requests, each sending its next as soon as
-    the previous one finished (request i asks for ``lengths[i]`` tokens when given)."""
+    the previous one finished (request i asks for ``lengths[i]`` tokens when given; every
+    request's message starts with ``header``)."""
     todo = iter(range(num_requests))
     records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -114,7 +127,7 @@ async def run_level(url: str, model: str, examples: list[Example], concurrency: 
     async def client_loop(client: httpx.AsyncClient) -> None:
         for i in todo:
             fields = extra if lengths is None else {**extra, "max_tokens": lengths[i]}
-            records.append(await send(client, model, examples[i % len(examples)], fields))
+            records.append(await send(client, model, examples[i % len(examples)], fields, header))
 
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         start = time.perf_counter()
@@ -140,7 +153,9 @@ def summarize(records: list[RequestRecord], concurrency: int, wall: float) -> Le
         accuracy=round(sum(r.correct for r in ok) / max(1, len(ok)), 4),
         nfe=sum(r.usage.get("nfe", 0) for r in ok),
         redundancy=round(processed / decoded, 4) if decoded else 0.0,
-        errors=[r.error for r in records if not r.ok][:5])
+        errors=[r.error for r in records if not r.ok][:5],
+        prefill_tokens=sum(r.usage.get("prefill_tokens", 0) for r in ok),
+        cached_tokens=sum(r.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in ok))
 
 
 def interleave(examples: list[Example]) -> list[Example]:
@@ -182,11 +197,12 @@ def served_model(url: str, timeout: float) -> str:
 def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: str | Path | None,
                     extra: dict | None = None, tasks: list[str] | None = None,
                     timeout: float = 600.0, progress=print,
-                    lengths: list[int] | None = None) -> list[LevelResult]:
+                    lengths: list[int] | None = None, shared_prefix: int = 0) -> list[LevelResult]:
     """Every concurrency level in turn; writes ``serve_bench.json`` (after every level) and
     ``serve_bench.png`` (at the end, or on Ctrl-C: ``BenchInterrupted``) to ``out`` (when
     given, checked before the run) and returns the per-level results. ``lengths`` (``parse_length_mix``)
-    gives each request its own max_tokens and sets the number of requests."""
+    gives each request its own max_tokens and sets the number of requests; ``shared_prefix``: every
+    request starts with the same header of that many words (``shared_header``)."""
     if not concurrency or min(concurrency) < 1:
         raise UserError(f"concurrency levels must be >= 1, got {concurrency}")
     num_requests = len(lengths) if lengths else num_requests
@@ -197,14 +213,15 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
         folder = prepare_out_dir(out)
     model = served_model(url, timeout)
     examples = interleave(load_split(tasks))
+    header = shared_header(shared_prefix, examples) if shared_prefix else ""
     results: list[LevelResult] = []
     try:
         for level in concurrency:
             results.append(asyncio.run(run_level(url, model, examples, level, num_requests, extra or {},
-                                                 timeout, lengths)))
+                                                 timeout, lengths, header)))
             if folder is not None:  # after every level, all at once: Ctrl-C keeps the levels done
                 write_json_atomic(folder / "serve_bench.json",
-                                  {"url": url, "model": model, "options": extra or {},
+                                  {"url": url, "model": model, "options": extra or {}, "shared_prefix": shared_prefix,
                                    "levels": [dataclasses.asdict(r) for r in results]})
             progress(format_row(results[-1]))
     except KeyboardInterrupt:
@@ -219,7 +236,7 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
 
 
 HEADER = (f"{'conc':>5} {'reqs':>5} {'fail':>5} {'tok/s':>8} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} "
-          f"{'p99 s':>7} {'ttfc50':>7} {'ttfc95':>7} {'acc':>6} {'redund':>7}")
+          f"{'p99 s':>7} {'ttfc50':>7} {'ttfc95':>7} {'acc':>6} {'redund':>7} {'prefill':>8} {'cached':>8}")
 
 
 def format_row(r: LevelResult) -> str:
@@ -227,7 +244,8 @@ def format_row(r: LevelResult) -> str:
         return f"{x:>7.3f}" if x is not None else f"{'-':>7}"
     return (f"{r.concurrency:>5} {r.num_requests:>5} {r.failures:>5} {r.throughput:>8.1f} "
             f"{r.requests_per_s:>7.2f} {s(r.latency_p50)} {s(r.latency_p95)} {s(r.latency_p99)} "
-            f"{s(r.first_chunk_p50)} {s(r.first_chunk_p95)} {r.accuracy:>6.1%} {r.redundancy:>7.2f}")
+            f"{s(r.first_chunk_p50)} {s(r.first_chunk_p95)} {r.accuracy:>6.1%} {r.redundancy:>7.2f} "
+            f"{r.prefill_tokens:>8} {r.cached_tokens:>8}")
 
 
 def plot(results: list[LevelResult], path: Path, title: str) -> None:

@@ -21,6 +21,9 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threshold", type=float, default=None)
     p.add_argument("--block-length", type=int, default=None)
     p.add_argument("--options", default=None, help='other request fields as JSON, e.g. \'{"focus_alpha": 2}\'')
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="WORDS",
+                   help="every request's message starts with the same header of WORDS words (a system "
+                        "prompt, few-shot examples): what a server's prefix store reuses")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", default=None, help="folder for serve_bench.json and serve_bench.png")
 
@@ -41,7 +44,9 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     print(f"server: {args.url}  requests per level: {len(lengths) if lengths else args.num_requests}  "
           f"options: {extra}" + (f"  length mix: {args.length_mix}" if lengths else ""))
     print(HEADER)
+    if args.shared_prefix < 0:
+        raise UserError(f"--shared-prefix must be >= 0 words, got {args.shared_prefix}")
     run_serve_bench(args.url, args.concurrency, args.num_requests, args.out, extra, args.tasks, args.timeout,
-                    lengths=lengths)
+                    lengths=lengths, shared_prefix=args.shared_prefix)
     if args.out:
         print(f"\nwrote {args.out}/serve_bench.json and {args.out}/serve_bench.png")

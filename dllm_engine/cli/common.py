@@ -52,6 +52,9 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the linear layers on load, through torchao: int8 (CPU "
                         "and CUDA) or int4 (CUDA, bfloat16); not bit-exact (docs/quantization.md)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="block-causal models (SDAR, LLaDA2.x): reuse the K/V of final blocks earlier requests "
+                        "computed for the same leading tokens (exact; default on)")
     p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
                    help="a memory budget for the KV cache and a step's temporaries, e.g. 2GiB: a request "
                         "joins the running batch when it fits, waits while it does not, and one that never "
@@ -76,6 +79,7 @@ def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     kw.setdefault("compile_step", getattr(args, "compile_step", False))
     kw.setdefault("kv_cache_memory", getattr(args, "kv_cache_memory", None))
     kw.setdefault("quantization", getattr(args, "quantization", None))
+    kw.setdefault("prefix_cache", getattr(args, "prefix_cache", True))
     kw.setdefault("gpu_memory_utilization", getattr(args, "gpu_memory_utilization", 0.9))
     if getattr(args, "seed", None) is not None:
         kw.setdefault("seed", args.seed)

@@ -22,6 +22,7 @@ from ..strategies.base import Pipeline
 from . import batch_step
 from .batch_step import batchable
 from .kv_cache import KVCache
+from .prefix_cache import DEFAULT_CAPACITY, PrefixStore, block_keys
 from .runner import Runner
 from .sequence import Sequence
 
@@ -44,18 +45,22 @@ def length_class(positions: int) -> int:
 
 class Engine:
     def __init__(self, model: DiffusionLM, max_num_seqs: int = 256, runner: Runner | None = None,
-                 fixed_shapes: bool = False, compile_step: bool = False, kv_cache_memory: int | None = None) -> None:
+                 fixed_shapes: bool = False, compile_step: bool = False, kv_cache_memory: int | None = None,
+                 prefix_cache: bool = True) -> None:
         """``runner``: how a step's forward runs (default: in this process; a tensor-parallel
         runner also drives the other ranks). ``fixed_shapes``: bucketed step shapes
         (``engine/shapes.py``); ``compile_step``: and their layer stack compiled.
         ``kv_cache_memory``: a budget in bytes for the KV pools and a step's temporaries
         (``memory_needed``): a sequence joins the running batch only when everything fits, one
-        that never can is refused (``check_fits``); None: no budget (``max_num_seqs`` alone)."""
+        that never can is refused (``check_fits``); None: no budget (``max_num_seqs`` alone).
+        ``prefix_cache``: block-causal sequences reuse the final blocks of earlier ones
+        (``engine/prefix_cache.py``), stored within the budget (else ``DEFAULT_CAPACITY``)."""
         if max_num_seqs < 1:
             raise UserError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if kv_cache_memory is not None and kv_cache_memory < 1:
             raise UserError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory}")
         self.memory_budget = kv_cache_memory
+        self.prefix_store = PrefixStore(kv_cache_memory or DEFAULT_CAPACITY) if prefix_cache else None
         self.waiting_for_memory = 0  # sequences the last admission left waiting for memory
         self.oom_limit: int | None = None  # running sequences at most, after a device out-of-memory error
         self.model = model
@@ -154,21 +159,94 @@ class Engine:
         """Waiting sequences join, in order, while the batch has room: ``max_num_seqs`` and, with
         a memory budget, the bytes ``memory_needed`` (the first that does not fit waits, and
         those behind it: no request overtakes another)."""
-        new = []
+        new, held = [], []
         running = self.running
         self.waiting_for_memory = 0
         limit = self.max_num_seqs if self.oom_limit is None else min(self.max_num_seqs, self.oom_limit)
+        computing = self.prefixes_in_flight(running)
         while self.waiting and len(running) + len(new) < limit:
-            if self.memory_budget is not None and (running or new) and \
-                    self.memory_needed(running + new + [self.waiting[0]]) > self.memory_budget:
-                self.waiting_for_memory = len(self.waiting)
+            key = self.first_block(self.waiting[0])
+            if key is not None and key in computing:  # its prompt's first block is being computed
+                held.append(self.waiting.popleft())
+                continue
+            if self.memory_budget is not None and (running or new) and not self.make_room(running + new
+                                                                                           + [self.waiting[0]]):
+                self.waiting_for_memory = len(self.waiting) + len(held)
                 break
             seq = self.waiting.popleft()
             seq.start_time = time.perf_counter()
             self.group_of[seq.seq_id] = self.group_key(seq)
             new.append(seq)
+            if key is not None and not self.prefix_store.has(*key):
+                computing.add(key)
+        self.waiting.extendleft(reversed(held))
         if new:
             self.arrange(self.running + new)
+            if self.prefix_store is not None:
+                self.reuse_prefixes(new)
+
+    def make_room(self, seqs: list[Sequence]) -> bool:
+        """Whether ``seqs`` fit the memory budget; the prefix store gives way to them (a waiting
+        request goes before stored prefixes): it is shrunk to what they leave."""
+        need = self.memory_needed(seqs)
+        if self.prefix_store is not None and need + self.prefix_store.nbytes > self.memory_budget:
+            self.prefix_store.evict(max(self.memory_budget - need, 0))
+        return need <= self.memory_budget
+
+    # -- prefix reuse ------------------------------------------------------------------------
+    def reuses_prefix(self, seq: Sequence) -> bool:
+        """Block diffusion with its final blocks exact: no guidance copy, no strategy that keeps
+        a committed position's K/V from an earlier step (``delayed-cache``) or adds cache slots."""
+        p = seq.params
+        return (self.prefix_store is not None and p.decoder.block_causal and p.cfg_scale == 0
+                and "delayed-cache" not in strategy_names(p.method)
+                and self.pipeline(p.method).extra_cache_slots(seq) == 0)
+
+    def first_block(self, seq: Sequence) -> tuple[int, bytes] | None:
+        """(block length, key) of the first whole block of ``seq``'s prompt, when it may reuse one
+        (worked out once per sequence)."""
+        if seq.prefix_key == ():
+            block = seq.params.block_length
+            seq.prefix_key = (block, block_keys(seq.canvas, block, 1)[0]) \
+                if seq.prompt_len >= block and self.reuses_prefix(seq) else None
+        return seq.prefix_key
+
+    def prefixes_in_flight(self, running: list[Sequence]) -> set:
+        """First prompt blocks that running sequences compute in their next step and store after
+        it: a waiting sequence whose prompt starts with one joins a step later and reuses it,
+        rather than compute it beside them (n copies of a prompt; requests with one system
+        prompt arriving together)."""
+        return {key for seq in running if seq.stored_blocks == 0 and (key := self.first_block(seq)) is not None}
+
+    def reuse_prefixes(self, new: list[Sequence]) -> None:
+        """Sequences joining the batch start from the longest run of stored blocks their prompts
+        begin with: the blocks are copied into their pool rows (per pool and block length at
+        once), and their first step computes from the run's end (``committed_len``)."""
+        batches: dict[tuple[GroupKey, int], list[Sequence]] = {}
+        for seq in new:
+            if self.reuses_prefix(seq):
+                batches.setdefault((self.group_of[seq.seq_id], seq.params.block_length), []).append(seq)
+        for (key, block), seqs in batches.items():
+            for seq, found in zip(seqs, self.prefix_store.reuse(self.caches[key], seqs, block)):
+                seq.stored_blocks = found
+                seq.committed_len = seq.stats.cached_tokens = found * block
+
+    def store_prefixes(self) -> None:
+        """After a step: the running block-causal sequences' blocks that became final (below
+        ``committed_len``) go to the prefix store, per pool and block length at once."""
+        for key, seqs in self.groups.items():
+            batches: dict[int, list[tuple]] = {}
+            cache = self.caches[key]
+            for seq in seqs:
+                final = seq.committed_len // seq.params.block_length
+                if final > seq.stored_blocks and self.reuses_prefix(seq):
+                    batches.setdefault(seq.params.block_length, []).append(
+                        (cache.rows[seq.seq_id], seq.canvas, seq.stored_blocks, final))
+                    seq.stored_blocks = final
+            for block, rows in batches.items():
+                self.prefix_store.add(cache, rows, block)
+        if self.memory_budget is not None and self.prefix_store.nbytes:  # within what the batch leaves
+            self.prefix_store.evict(max(self.memory_budget - self.memory_needed(self.running), 0))
 
     def arrange(self, seqs: list[Sequence]) -> None:
         """Make ``seqs`` the running set, each in its group's pool: only rows that move are
@@ -193,6 +271,8 @@ class Engine:
         self.admit()
         for key, seqs in list(self.groups.items()):  # rows [0, n) of a pool may have spares after
             self.step_rows(self.pipeline(key[0]), seqs, self.caches[key], 0)
+        if self.prefix_store is not None:
+            self.store_prefixes()
         return self.release_finished()
 
     def step_rows(self, pipeline: Pipeline, seqs: list[Sequence], cache: KVCache, start: int) -> None:

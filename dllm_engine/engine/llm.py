@@ -124,7 +124,7 @@ class LLM:
                  tensor_parallel_size: int = 1, compile: bool = False, fixed_shapes: bool = False,
                  compile_step: bool = False, revision: str | None = None, seed: int | None = 0,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float = 0.9,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, prefix_cache: bool = True) -> None:
         """``model``: a checkpoint folder, or a Hugging Face id (``org/name``) at ``revision``
         (a branch, tag or commit hash; default ``main``), fetched into huggingface_hub's cache
         unless it is there already (``hub.resolve_model``; docs/models/hub.md). ``name`` is the
@@ -159,7 +159,11 @@ class LLM:
         ``quantization``: ``"int8"`` (CPU and CUDA) or ``"int4"`` (CUDA, bfloat16) weight-only
         quantization of the linear layers through torchao, from the checkpoint's own weights on
         load (``models/quantize.py``, docs/quantization.md; ``model.quantization`` says what it
-        quantized). Not bit-exact with the unquantized model."""
+        quantized). Not bit-exact with the unquantized model.
+
+        ``prefix_cache``: block-causal families (SDAR, LLaDA2.x) reuse the K/V of the final blocks
+        earlier requests computed when a prompt starts with the same tokens (exact: same tokens;
+        ``engine/prefix_cache.py``); off under tensor parallelism."""
         self.device = parse_device(device)
         self.seeds = SeedStream(seed)
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -188,7 +192,8 @@ class LLM:
         self.engine = Engine(self.model, max_num_seqs=max_num_seqs, runner=runner, fixed_shapes=fixed_shapes,
                              compile_step=compile_step,
                              kv_cache_memory=memory_budget(self.device, parse_bytes(kv_cache_memory),
-                                                           gpu_memory_utilization))
+                                                           gpu_memory_utilization),
+                             prefix_cache=prefix_cache and self.parallel is None)
         self.counter = itertools.count()
 
     @property

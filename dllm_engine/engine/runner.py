@@ -237,10 +237,10 @@ class Runner:
         summed over layers; recorded layer-averaged), and the prompt's first pass as prefill."""
         work /= self.num_layers
         seq.stats.nfe += 1
-        if not seq.prefilled:
+        if not seq.prefilled:  # the prompt less what the prefix store gave (engine/prefix_cache.py)
             seq.prefilled = True
-            seq.stats.prefill_tokens += seq.prompt_len
-            work -= seq.prompt_len
+            seq.stats.prefill_tokens += seq.prompt_len - seq.stats.cached_tokens
+            work -= seq.prompt_len - seq.stats.cached_tokens
         seq.stats.processed_tokens += work
 
     def logits(self, wanted: Tensor, hidden: Tensor, ctx: ForwardContext) -> tuple[Tensor, list[int], Tensor]:

@@ -33,6 +33,7 @@ class SequenceStats:
     output_tokens: int = 0
     processed_tokens: float = 0.0
     prefill_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix store (not in prefill_tokens)
     seconds: float = 0.0
     step_commits: Counter = field(default_factory=Counter)  # tokens committed by a step -> steps
     edits: int = 0  # committed tokens rewritten (joint-threshold); not in decoded_tokens
@@ -76,6 +77,7 @@ class SequenceStats:
         self.output_tokens += other.output_tokens
         self.processed_tokens += other.processed_tokens
         self.prefill_tokens += other.prefill_tokens
+        self.cached_tokens += other.cached_tokens
         self.step_commits.update(other.step_commits)
         self.edits += other.edits
         self.ahead_tokens += other.ahead_tokens
@@ -85,7 +87,8 @@ class SequenceStats:
         return {"nfe": self.nfe, "decoded_tokens": self.decoded_tokens,
                 "output_tokens": self.output_tokens,
                 "processed_tokens": round(self.processed_tokens, 2),
-                "prefill_tokens": self.prefill_tokens, "redundancy": round(self.redundancy, 4),
+                "prefill_tokens": self.prefill_tokens, "cached_tokens": self.cached_tokens,
+                "redundancy": round(self.redundancy, 4),
                 "edits": self.edits, "ahead_tokens": self.ahead_tokens, "ahead_gaps": self.ahead_gaps,
                 "seconds": round(self.seconds, 4)}
 
@@ -148,6 +151,8 @@ class Sequence:
         self.block_idx = 0
         self.step = 0  # step inside the current block
         self.committed_len = 0  # block diffusion: cache K/V are final below this position
+        self.stored_blocks = 0  # blocks from position 0 in the engine's prefix store (or reused from it)
+        self.prefix_key: tuple | None = ()  # its prompt's first block's key (Engine.first_block); (): not yet
         self.prefilled = False
         self.finished = False
         self.step_error: Exception | None = None  # its own commit or advance raised (engine)

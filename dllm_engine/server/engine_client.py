@@ -108,4 +108,5 @@ class InProcessEngine:
         metrics = front if front is self.loop.metrics else front.merged([self.loop.metrics])
         engine = self.llm.engine
         return metrics.render(self.loop.queue_depth(), self.loop.num_running(),
-                              (engine.memory_budget, engine.cache_bytes, engine.waiting_for_memory))
+                              (engine.memory_budget, engine.cache_bytes, engine.waiting_for_memory),
+                              None if (store := engine.prefix_store) is None else (store.nbytes, store.hit_rate))

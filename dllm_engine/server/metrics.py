@@ -94,9 +94,11 @@ class Metrics:
             self.totals = SequenceStats.total([self.totals, stats], 0.0)
             self.prompt_tokens += prompt_tokens
 
-    def render(self, queue_depth: int, running: int, memory: tuple[int | None, int, int] | None = None) -> str:
+    def render(self, queue_depth: int, running: int, memory: tuple[int | None, int, int] | None = None,
+               prefix: tuple[int, float] | None = None) -> str:
         """Prometheus text; ``memory``: (the engine's memory budget in bytes or None, bytes its KV
-        pools hold, sequences waiting for memory)."""
+        pools hold, sequences waiting for memory); ``prefix``: (bytes the prefix store holds, its
+        hit rate), when it is on."""
         with self.lock:
             t = self.totals
             lines = self.family("requests_total", "counter", "Finished requests by final status.",
@@ -109,6 +111,7 @@ class Metrics:
                     ("nfe_total", t.nfe, "Forward passes of finished sequences."),
                     ("processed_tokens_total", t.processed_tokens, "Layer-averaged query tokens."),
                     ("prefill_tokens_total", t.prefill_tokens, "Prompt tokens of first passes."),
+                    ("cached_tokens_total", t.cached_tokens, "Prompt tokens whose K/V came from the prefix store."),
                     ("engine_steps_total", self.steps, "Engine steps (one batched forward per method)."),
             ]:
                 lines += self.family(name, "counter", doc, [f"{PREFIX}{name} {value}"])
@@ -121,6 +124,10 @@ class Metrics:
                      "The memory budget for KV pools and step temporaries (-1: none)."),
                     ("kv_cache_bytes", memory[1], "Bytes the KV pools hold."),
                     ("waiting_for_memory", memory[2], "Sequences waiting because the budget is full."),
+            ]) + ([] if prefix is None else [
+                    ("prefix_cache_bytes", prefix[0], "Bytes the prefix store holds."),
+                    ("prefix_cache_hit_rate", round(prefix[1], 6),
+                     "Share of the whole prompt blocks looked up that were stored (block-causal models)."),
             ]):
                 lines += self.family(name, "gauge", doc, [f"{PREFIX}{name} {value}"])
             for name, hist, doc in [

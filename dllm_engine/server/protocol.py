@@ -315,7 +315,9 @@ def usage(results: list[ChoiceResult], n: int = 1) -> dict:
     prompt = sum(r.prompt_tokens for r in results if r.index % n == 0)
     completion = sum(r.completion_tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion, "nfe": stats.nfe,
+            "total_tokens": prompt + completion,
+            # OpenAI's field: prompt tokens whose K/V were reused (the prefix store, engine/prefix_cache.py)
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}, "nfe": stats.nfe,
             "decoded_tokens": stats.decoded_tokens,
             "processed_tokens": round(stats.processed_tokens, 2),
             "prefill_tokens": stats.prefill_tokens, "redundancy": round(stats.redundancy, 4)}

@@ -1,0 +1,97 @@
+"""Exact prefix reuse for block-causal families (``engine/prefix_cache.py``): requests whose
+prompts start with blocks an earlier request finalised get the tokens they get without the
+store, at batch 1 and 8, for every block decoder's method; an evicted prefix is recomputed
+exactly; a memory budget evicts stored blocks before it makes a request wait; full-attention
+families store nothing; the counts say what was reused."""
+import numpy as np
+import pytest
+
+from dllm_engine import LLM, SamplingParams
+from dllm_engine.engine.prefix_cache import PrefixStore, block_keys, reusable_blocks
+from dllm_engine.spec import parse_spec
+from fixtures import write_checkpoint, write_llada2_checkpoint
+
+BLOCK = 4
+HEADER = [(i % 80) + 11 for i in range(13)]  # a shared prefix of three whole blocks and a part
+PROMPTS = [HEADER + tail for tail in ([20, 21], [30, 31, 32, 33, 34], [40], [50, 51, 52], [20, 21, 22, 23],
+                                      [60, 61, 62, 63, 64, 65, 66], [70, 71], [80])]
+METHODS = ["block:threshold=0.9", "block:steps=2", "block+focus:threshold=0.9", "block+adaptive-length:threshold=0.9",
+           "block:commit_rule=joint-threshold,preset=S", "block:threshold=0.9,temperature=0.7,seed=3"]
+
+
+@pytest.fixture(scope="module", params=["sdar", "llada2_moe"])
+def pair(request, tmp_path_factory):
+    """(LLM with the prefix store, LLM without) on one random block-causal checkpoint."""
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "sdar":
+        write_checkpoint(folder, "sdar", block_size=BLOCK)
+    else:
+        write_llada2_checkpoint(folder, block_size=BLOCK)
+    return LLM(folder), LLM(folder, prefix_cache=False)
+
+
+def run(llm: LLM, spec: str, batch: int) -> list:
+    params = parse_spec(spec, max_new_tokens=12, block_length=BLOCK)
+    return [o for i in range(0, len(PROMPTS), batch) for o in llm.generate(PROMPTS[i:i + batch], params)]
+
+
+@pytest.mark.parametrize("spec", METHODS)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_reused_prefixes_give_the_tokens_computed_ones_give(pair, spec, batch):
+    on, off = pair
+    on.engine.prefix_store = PrefixStore()  # cold: the first pass stores, the second reuses
+    first, again, want = run(on, spec, batch), run(on, spec, batch), run(off, spec, batch)
+    assert [o.token_ids for o in first] == [o.token_ids for o in want]
+    assert [o.token_ids for o in again] == [o.token_ids for o in want]
+    # the second pass reused every whole block of its prompts (their answers' too: none of
+    # them is a prompt's prefix here); the reused tokens are not prefilled
+    whole = [reusable_blocks(len(p), BLOCK) * BLOCK for p in PROMPTS]
+    assert [o.stats.cached_tokens for o in again] == whole
+    assert [o.stats.prefill_tokens for o in again] == [len(p) - w for p, w in zip(PROMPTS, whole)]
+    work = [sum(o.stats.processed_tokens + o.stats.prefill_tokens for o in outs) for outs in (again, want)]
+    assert work[0] == pytest.approx(work[1] - sum(whole))  # the same steps, less the reused prompt tokens
+    # each prompt after the first finds the header stored: one at a time, or in a batch, whose
+    # others wait a step for the first to compute it (Engine.prefixes_in_flight)
+    assert [o.stats.cached_tokens for o in first] == [0] + [12] * (len(PROMPTS) - 1)
+
+
+def test_an_evicted_prefix_is_recomputed_exactly(pair):
+    """A store of one block: most lookups miss or hit a part, every answer is the same."""
+    on, off = pair
+    block_bytes = on.engine.kv_position_bytes * BLOCK  # K and V of every layer
+    on.engine.prefix_store = PrefixStore(capacity=block_bytes)
+    got, want = run(on, METHODS[0], 1), run(off, METHODS[0], 1)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    store = on.engine.prefix_store
+    assert store.nbytes <= block_bytes and store.blocks <= 1
+    assert sum(o.stats.cached_tokens for o in got) <= BLOCK * (len(PROMPTS) - 1)
+
+
+def test_a_memory_budget_evicts_stored_blocks_before_a_request_waits(tmp_path):
+    folder = write_checkpoint(tmp_path, "sdar", block_size=BLOCK)
+    probe = LLM(folder)
+    params = parse_spec(METHODS[0], max_new_tokens=12, block_length=BLOCK)
+    one = probe.engine.memory_needed([probe.make_sequence(PROMPTS[5], params)], fresh=True)
+    llm = LLM(folder, kv_cache_memory=2 * one)  # two sequences' room: the store fills what is left
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in LLM(folder, prefix_cache=False).generate(PROMPTS, params)]
+    engine = llm.engine
+    assert engine.prefix_store.nbytes <= engine.memory_budget
+    assert engine.prefix_store.blocks > 0  # it kept what fitted
+
+
+def test_full_attention_families_store_nothing(tmp_path):
+    llm = LLM(write_checkpoint(tmp_path, "llada"))
+    outs = llm.generate(PROMPTS[:3] * 2, SamplingParams(max_new_tokens=8, block_length=4))
+    assert llm.engine.prefix_store.blocks == 0 and all(o.stats.cached_tokens == 0 for o in outs)
+
+
+def test_block_keys_chain_every_token_before_a_block():
+    tokens = np.arange(12)
+    keys = block_keys(tokens, 4, 3)
+    assert len(set(keys)) == 3
+    changed = tokens.copy()
+    changed[1] = 99  # a token of block 0 changes every key after it
+    assert all(a != b for a, b in zip(keys, block_keys(changed, 4, 3)))
+    assert block_keys(tokens, 4, 2) == keys[:2] and block_keys(tokens, 2, 2) != block_keys(tokens, 4, 2)[:2]
+    assert reusable_blocks(13, 4) == 3 and reusable_blocks(12, 4) == 3 and reusable_blocks(3, 4) == 0
