@@ -95,3 +95,30 @@ def test_block_keys_chain_every_token_before_a_block():
     assert all(a != b for a, b in zip(keys, block_keys(changed, 4, 3)))
     assert block_keys(tokens, 4, 2) == keys[:2] and block_keys(tokens, 2, 2) != block_keys(tokens, 4, 2)[:2]
     assert reusable_blocks(13, 4) == 3 and reusable_blocks(12, 4) == 3 and reusable_blocks(3, 4) == 0
+
+
+@pytest.mark.slow  # a live server
+def test_a_server_reuses_a_shared_header_and_says_so(tmp_path):
+    """Chat requests that start with one header: answers as without the store, each after the
+    first reusing the header's blocks (usage.prompt_tokens_details.cached_tokens), and the load
+    test's shared-prefix workload reports what was computed and reused."""
+    import httpx
+    from dllm_engine.bench.serve import run_serve_bench, shared_header
+    from dllm_engine.tasks import load_split
+    from test_server import NAME, metric, serving
+    folder = write_checkpoint(tmp_path, "sdar", block_size=BLOCK)
+    params = SamplingParams(method="block", threshold=0.9, max_new_tokens=8, block_length=BLOCK)
+    examples = load_split("sort", limit=4)
+    header = shared_header(40, examples)
+    chats = [[{"role": "user", "content": f"{header}\n{e.prompt}"}] for e in examples]
+    with serving(LLM(folder), defaults=params) as (url, _):
+        got = [httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": chat}, timeout=60).json()
+               for chat in chats]
+        levels = run_serve_bench(url, [4], 8, None, tasks=["sort"], shared_prefix=40, progress=lambda line: None)
+        hit_rate = metric(url, "prefix_cache_hit_rate")
+    want = LLM(folder, prefix_cache=False).chat(chats, params)
+    assert [r["choices"][0]["message"]["content"] for r in got] == [o.text for o in want]
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in got]
+    assert cached[0] == 0 and all(c >= 40 for c in cached[1:])  # the header's whole blocks at least
+    assert levels[0].failures == 0 and levels[0].cached_tokens > levels[0].prefill_tokens > 0
+    assert 0 < hit_rate <= 1
