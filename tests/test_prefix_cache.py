@@ -111,10 +111,12 @@ def test_a_server_reuses_a_shared_header_and_says_so(tmp_path):
     examples = load_split("sort", limit=4)
     header = shared_header(40, examples)
     chats = [[{"role": "user", "content": f"{header}\n{e.prompt}"}] for e in examples]
-    with serving(LLM(folder), defaults=params) as (url, _):
+    with serving(LLM(folder), defaults=params) as (url, _), \
+            serving(LLM(folder, prefix_cache=False), defaults=params) as (off, _):
         got = [httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": chat}, timeout=60).json()
                for chat in chats]
-        levels = run_serve_bench(url, [4], 8, None, tasks=["sort"], shared_prefix=40, progress=lambda line: None)
+        levels = run_serve_bench(url, [4], 8, tmp_path / "load", tasks=["sort"], shared_prefix=40,
+                                 progress=lambda line: None, baseline_url=off)
         hit_rate = metric(url, "prefix_cache_hit_rate")
     want = LLM(folder, prefix_cache=False).chat(chats, params)
     assert [r["choices"][0]["message"]["content"] for r in got] == [o.text for o in want]
@@ -122,3 +124,10 @@ def test_a_server_reuses_a_shared_header_and_says_so(tmp_path):
     assert cached[0] == 0 and all(c >= 40 for c in cached[1:])  # the header's whole blocks at least
     assert levels[0].failures == 0 and levels[0].cached_tokens > levels[0].prefill_tokens > 0
     assert 0 < hit_rate <= 1
+    # the baseline server ran the same level just before: it computed every prompt token
+    from dllm_engine.bench.report import load_run, render
+    report, meta = load_run(tmp_path / "load")
+    base = report["baseline"]["levels"][0]
+    assert base["cached_tokens"] == 0 and base["prefill_tokens"] == levels[0].prefill_tokens + levels[0].cached_tokens
+    table = render(report)
+    assert table.count("\n| ") == 2 and "| baseline `" in table and meta["command"]

@@ -19,6 +19,7 @@ import httpx
 
 from ..errors import UserError
 from ..outputs import BenchInterrupted, prepare_out_dir, saved, write_json_atomic
+from .report import collect_meta
 from ..tasks import Example, grade, load_split
 
 
@@ -197,12 +198,17 @@ def served_model(url: str, timeout: float) -> str:
 def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: str | Path | None,
                     extra: dict | None = None, tasks: list[str] | None = None,
                     timeout: float = 600.0, progress=print,
-                    lengths: list[int] | None = None, shared_prefix: int = 0) -> list[LevelResult]:
+                    lengths: list[int] | None = None, shared_prefix: int = 0,
+                    baseline_url: str | None = None, meta: dict | None = None) -> list[LevelResult]:
     """Every concurrency level in turn; writes ``serve_bench.json`` (after every level) and
     ``serve_bench.png`` (at the end, or on Ctrl-C: ``BenchInterrupted``) to ``out`` (when
     given, checked before the run) and returns the per-level results. ``lengths`` (``parse_length_mix``)
     gives each request its own max_tokens and sets the number of requests; ``shared_prefix``: every
-    request starts with the same header of that many words (``shared_header``)."""
+    request starts with the same header of that many words (``shared_header``). ``baseline_url``:
+    a second server (the same model, another setting) that runs each level just before ``url``,
+    so both share the machine's state; its levels go to the JSON's ``baseline``. ``meta``: the
+    run's provenance (``report.collect_meta``; default: this command line), written beside the
+    JSON with ``table.md`` for ``dllm report``."""
     if not concurrency or min(concurrency) < 1:
         raise UserError(f"concurrency levels must be >= 1, got {concurrency}")
     num_requests = len(lengths) if lengths else num_requests
@@ -212,17 +218,29 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
     if out is not None:  # a bad --out fails now, not after the whole load test
         folder = prepare_out_dir(out)
     model = served_model(url, timeout)
+    if baseline_url is not None and served_model(baseline_url, timeout) != model:
+        raise UserError(f"{baseline_url} serves {served_model(baseline_url, timeout)!r}, {url} {model!r}: "
+                        f"a baseline serves the same model")
     examples = interleave(load_split(tasks))
     header = shared_header(shared_prefix, examples) if shared_prefix else ""
     results: list[LevelResult] = []
+    baseline: list[LevelResult] = []
+    meta = meta or collect_meta()
     try:
         for level in concurrency:
-            results.append(asyncio.run(run_level(url, model, examples, level, num_requests, extra or {},
-                                                 timeout, lengths, header)))
+            args = (examples, level, num_requests, extra or {}, timeout, lengths, header)
+            if baseline_url is not None:
+                baseline.append(asyncio.run(run_level(baseline_url, model, *args)))
+                progress(format_row(baseline[-1]) + "  (baseline)")
+            results.append(asyncio.run(run_level(url, model, *args)))
             if folder is not None:  # after every level, all at once: Ctrl-C keeps the levels done
-                write_json_atomic(folder / "serve_bench.json",
-                                  {"url": url, "model": model, "options": extra or {}, "shared_prefix": shared_prefix,
-                                   "levels": [dataclasses.asdict(r) for r in results]})
+                report = {"url": url, "model": model, "options": extra or {}, "shared_prefix": shared_prefix,
+                          "levels": [dataclasses.asdict(r) for r in results]}
+                if baseline_url is not None:
+                    report["baseline"] = {"url": baseline_url, "levels": [dataclasses.asdict(r) for r in baseline]}
+                write_json_atomic(folder / "serve_bench.json", report)
+                write_json_atomic(folder / "meta.json", meta)
+                (folder / "table.md").write_text(serve_table(report) + "\n", encoding="utf-8")
             progress(format_row(results[-1]))
     except KeyboardInterrupt:
         if folder is None:
@@ -237,6 +255,30 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
 
 HEADER = (f"{'conc':>5} {'reqs':>5} {'fail':>5} {'tok/s':>8} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} "
           f"{'p99 s':>7} {'ttfc50':>7} {'ttfc95':>7} {'acc':>6} {'redund':>7} {'prefill':>8} {'cached':>8}")
+
+
+def serve_table(report: dict) -> str:
+    """The markdown table of a ``serve_bench.json``: a row per level (and per server, with a
+    baseline: its row first, then the server's with its speed-up and prefill ratio over it)."""
+    base = {r["concurrency"]: r for r in report.get("baseline", {}).get("levels", [])}
+    lines = ["| server | concurrency | requests | failures | throughput (tok/s) | speed-up | time to first chunk p50 (s) "
+             "| latency p50 (s) | prompt tokens computed | reused | computed, baseline over this | accuracy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def row(r: dict, name: str, ref: dict | None) -> str:
+        speedup = f"{r['throughput'] / ref['throughput']:.2f}×" if ref and ref["throughput"] else "–"
+        fewer = (f"{ref.get('prefill_tokens', 0) / r['prefill_tokens']:.1f}×"
+                 if ref and r.get("prefill_tokens") else "–")
+        ttfc, latency = r["first_chunk_p50"], r["latency_p50"]
+        return (f"| {name} | {r['concurrency']} | {r['num_requests']} | {r['failures']} | {r['throughput']:.1f} | "
+                f"{speedup} | {'–' if ttfc is None else f'{ttfc:.3f}'} | {'–' if latency is None else f'{latency:.3f}'} | "
+                f"{r.get('prefill_tokens', 0)} | {r.get('cached_tokens', 0)} | {fewer} | {r['accuracy']:.1%} |")
+    for r in report["levels"]:
+        ref = base.get(r["concurrency"])
+        if ref is not None:
+            lines.append(row(ref, f"baseline `{report['baseline']['url']}`", None))
+        lines.append(row(r, f"`{report['url']}`", ref))
+    return "\n".join(lines)
 
 
 def format_row(r: LevelResult) -> str:

@@ -10,6 +10,9 @@ from .common import prepare_out, split_ints
 def add_bench_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench-serve", help="load-test a running `dllm serve` (also: dllm bench serve)")
     p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--baseline-url", default=None,
+                   help="a second server of the same model (e.g. started with --no-prefix-cache): each level "
+                        "runs on it just before --url, and the table gives the speed-up over it")
     p.add_argument("--concurrency", type=split_ints, default=[1, 8, 32, 64])
     p.add_argument("--num-requests", type=int, default=64, help="requests per concurrency level")
     p.add_argument("--tasks", default="all", help="'all', a family ('copy', 'worked', 'phrased') or task names")
@@ -47,6 +50,6 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     if args.shared_prefix < 0:
         raise UserError(f"--shared-prefix must be >= 0 words, got {args.shared_prefix}")
     run_serve_bench(args.url, args.concurrency, args.num_requests, args.out, extra, args.tasks, args.timeout,
-                    lengths=lengths, shared_prefix=args.shared_prefix)
+                    lengths=lengths, shared_prefix=args.shared_prefix, baseline_url=args.baseline_url)
     if args.out:
         print(f"\nwrote {args.out}/serve_bench.json and {args.out}/serve_bench.png")

@@ -18,12 +18,12 @@ def add_report(sub: argparse._SubParsersAction) -> None:
 
 
 def run_report(args: argparse.Namespace) -> None:
-    from ..bench.report import load_run, table, update_page
+    from ..bench.report import load_run, render, update_page
     if (args.page is None) != (args.section is None):
         raise UserError("--page and --section go together")
     if args.page is None:
         rows, meta = load_run(args.run)
         print(f"commit {meta.get('commit')}, {meta['date']}, {meta['machine']}\n{meta['command']}\n")
-        print(table(rows))
+        print(render(rows))
         return
     print(update_page(args.page, args.section, args.run, args.image_dir))
