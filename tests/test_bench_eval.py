@@ -610,4 +610,4 @@ def test_bench_serve_ctrl_c_keeps_the_levels_done(tmp_path, capsys, monkeypatch)
     report = json.loads((out / "serve_bench.json").read_text())
     assert report["model"] == "stand-in" and [r["concurrency"] for r in report["levels"]] == [1, 2]
     assert (out / "serve_bench.png").read_bytes()[:4] == b"\x89PNG"
-    assert sorted(p.name for p in out.iterdir()) == ["serve_bench.json", "serve_bench.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "serve_bench.json", "serve_bench.png", "table.md"]
