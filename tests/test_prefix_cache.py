@@ -19,15 +19,26 @@ METHODS = ["block:threshold=0.9", "block:steps=2", "block+focus:threshold=0.9", 
            "block:commit_rule=joint-threshold,preset=S", "block:threshold=0.9,temperature=0.7,seed=3"]
 
 
-@pytest.fixture(scope="module", params=["sdar", "llada2_moe"])
-def pair(request, tmp_path_factory):
-    """(LLM with the prefix store, LLM without) on one random block-causal checkpoint."""
-    folder = tmp_path_factory.mktemp(request.param)
-    if request.param == "sdar":
-        write_checkpoint(folder, "sdar", block_size=BLOCK)
-    else:
-        write_llada2_checkpoint(folder, block_size=BLOCK)
-    return LLM(folder), LLM(folder, prefix_cache=False)
+# every method at batch 8 on SDAR; one at a time, and the MoE family, for a few
+CASES = ([("sdar", spec, 8) for spec in METHODS] + [("sdar", METHODS[0], 1), ("sdar", METHODS[2], 1)]
+         + [("llada2_moe", METHODS[0], 1), ("llada2_moe", METHODS[4], 8)])
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """family -> (LLM with the prefix store, LLM without) on one random block-causal checkpoint."""
+    made = {}
+
+    def pair(family: str):
+        if family not in made:
+            folder = tmp_path_factory.mktemp(family)
+            if family == "sdar":
+                write_checkpoint(folder, "sdar", block_size=BLOCK)
+            else:
+                write_llada2_checkpoint(folder, block_size=BLOCK)
+            made[family] = LLM(folder), LLM(folder, prefix_cache=False)
+        return made[family]
+    return pair
 
 
 def run(llm: LLM, spec: str, batch: int) -> list:
@@ -35,10 +46,9 @@ def run(llm: LLM, spec: str, batch: int) -> list:
     return [o for i in range(0, len(PROMPTS), batch) for o in llm.generate(PROMPTS[i:i + batch], params)]
 
 
-@pytest.mark.parametrize("spec", METHODS)
-@pytest.mark.parametrize("batch", [1, 8])
-def test_reused_prefixes_give_the_tokens_computed_ones_give(pair, spec, batch):
-    on, off = pair
+@pytest.mark.parametrize("family,spec,batch", CASES)
+def test_reused_prefixes_give_the_tokens_computed_ones_give(pairs, family, spec, batch):
+    on, off = pairs(family)
     on.engine.prefix_store = PrefixStore()  # cold: the first pass stores, the second reuses
     first, again, want = run(on, spec, batch), run(on, spec, batch), run(off, spec, batch)
     assert [o.token_ids for o in first] == [o.token_ids for o in want]
@@ -55,9 +65,10 @@ def test_reused_prefixes_give_the_tokens_computed_ones_give(pair, spec, batch):
     assert [o.stats.cached_tokens for o in first] == [0] + [12] * (len(PROMPTS) - 1)
 
 
-def test_an_evicted_prefix_is_recomputed_exactly(pair):
+@pytest.mark.parametrize("family", ["sdar", "llada2_moe"])
+def test_an_evicted_prefix_is_recomputed_exactly(pairs, family):
     """A store of one block: most lookups miss or hit a part, every answer is the same."""
-    on, off = pair
+    on, off = pairs(family)
     block_bytes = on.engine.kv_position_bytes * BLOCK  # K and V of every layer
     on.engine.prefix_store = PrefixStore(capacity=block_bytes)
     got, want = run(on, METHODS[0], 1), run(off, METHODS[0], 1)

@@ -138,7 +138,8 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
     replica = ReplicaOptions(model, args.dtype, args.device, args.max_num_seqs, args.max_queue,
                              threads, args.shutdown_timeout, args.keep_freed_memory, args.compile,
                              args.fixed_shapes, args.compile_step, revision=args.revision, seed=args.seed,
-                             quantization=args.quantization, max_request_bytes=args.max_request_bytes)
+                             quantization=args.quantization, max_request_bytes=args.max_request_bytes,
+                             prefix_cache=args.prefix_cache)
     defaults = sampling_params(args)
     # reads no weights (an id is fetched here once); refuses a bad default
     front = LLM(model, dtype=args.dtype, device="meta", revision=args.revision, seed=args.seed)

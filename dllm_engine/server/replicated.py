@@ -73,6 +73,7 @@ class ReplicaOptions:
     revision: str | None = None  # of a Hugging Face id: each replica resolves it in its own cache
     seed: int | None = None  # the front's stream of request seeds (--seed; None: fresh per request)
     quantization: str | None = None  # --quantization: each replica quantizes its own copy on load
+    prefix_cache: bool = True  # --no-prefix-cache: each replica has its own prefix store otherwise
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # the front's body limit (--max-request-bytes)
 
     def __post_init__(self) -> None:
@@ -157,7 +158,7 @@ class EngineReplica:
                        max_num_seqs=options.max_num_seqs, keep_freed_memory=options.keep_freed_memory,
                        compile=options.compile, fixed_shapes=options.fixed_shapes,
                        compile_step=options.compile_step, revision=options.revision,
-                       quantization=options.quantization)
+                       quantization=options.quantization, prefix_cache=options.prefix_cache)
         self.metrics = Metrics()
         self.engine = InProcessEngine(self.llm, options.max_queue, self.metrics)
         self.engine.start()
