@@ -158,7 +158,9 @@ class Engine:
     def admit(self) -> None:
         """Waiting sequences join, in order, while the batch has room: ``max_num_seqs`` and, with
         a memory budget, the bytes ``memory_needed`` (the first that does not fit waits, and
-        those behind it: no request overtakes another)."""
+        those behind it: no request overtakes another). One exception: a sequence whose prompt
+        starts with a block a running or joining sequence computes this step waits one step and
+        then reuses it (``prefixes_in_flight``); those behind it go on."""
         new, held = [], []
         running = self.running
         self.waiting_for_memory = 0
