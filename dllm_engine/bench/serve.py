@@ -55,6 +55,7 @@ class LevelResult:
     errors: list[str] = field(default_factory=list)  # the first few failure messages
     prefill_tokens: int = 0  # prompt tokens the server computed ...
     cached_tokens: int = 0  # ... and those it reused from its prefix store (usage.prompt_tokens_details)
+    processed_tokens: float = 0.0  # query tokens of the answers' steps (layer-averaged), beside prefill_tokens
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -156,7 +157,8 @@ def summarize(records: list[RequestRecord], concurrency: int, wall: float) -> Le
         redundancy=round(processed / decoded, 4) if decoded else 0.0,
         errors=[r.error for r in records if not r.ok][:5],
         prefill_tokens=sum(r.usage.get("prefill_tokens", 0) for r in ok),
-        cached_tokens=sum(r.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in ok))
+        cached_tokens=sum(r.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in ok),
+        processed_tokens=round(processed, 1))
 
 
 def interleave(examples: list[Example]) -> list[Example]:
@@ -262,17 +264,20 @@ def serve_table(report: dict) -> str:
     baseline: its row first, then the server's with its speed-up and prefill ratio over it)."""
     base = {r["concurrency"]: r for r in report.get("baseline", {}).get("levels", [])}
     lines = ["| server | concurrency | requests | failures | throughput (tok/s) | speed-up | time to first chunk p50 (s) "
-             "| latency p50 (s) | prompt tokens computed | reused | computed, baseline over this | accuracy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| latency p50 (s) | prompt tokens computed | reused | computed, baseline over this "
+             "| prompts' share of the query tokens | accuracy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def row(r: dict, name: str, ref: dict | None) -> str:
         speedup = f"{r['throughput'] / ref['throughput']:.2f}×" if ref and ref["throughput"] else "–"
         fewer = (f"{ref.get('prefill_tokens', 0) / r['prefill_tokens']:.1f}×"
                  if ref and r.get("prefill_tokens") else "–")
         ttfc, latency = r["first_chunk_p50"], r["latency_p50"]
+        query = r.get("prefill_tokens", 0) + r.get("processed_tokens", 0)
+        share = f"{r.get('prefill_tokens', 0) / query:.1%}" if query else "–"
         return (f"| {name} | {r['concurrency']} | {r['num_requests']} | {r['failures']} | {r['throughput']:.1f} | "
                 f"{speedup} | {'–' if ttfc is None else f'{ttfc:.3f}'} | {'–' if latency is None else f'{latency:.3f}'} | "
-                f"{r.get('prefill_tokens', 0)} | {r.get('cached_tokens', 0)} | {fewer} | {r['accuracy']:.1%} |")
+                f"{r.get('prefill_tokens', 0)} | {r.get('cached_tokens', 0)} | {fewer} | {share} | {r['accuracy']:.1%} |")
     for r in report["levels"]:
         ref = base.get(r["concurrency"])
         if ref is not None:
