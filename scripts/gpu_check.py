@@ -104,15 +104,16 @@ def correctness(device: str, tiny: bool) -> list[dict]:
     return rows
 
 
-def variants(device: str) -> dict[str, dict]:
+def variants(device: str, tiny: bool = False) -> dict[str, dict]:
     """The weights and compilation each shaped model runs under beside plain bf16 (its base
     decoder only): torchao's int8 (and int4 on CUDA) weight-only quantization, and the
-    compiled layers (``--compile``)."""
+    compiled layers (``--compile``; not with ``tiny``: compiling takes longer than the rest of
+    the check, and tests/test_compile.py covers that path)."""
     methods = ["int8", "int4"] if device.startswith("cuda") else ["int8"]
     if importlib.util.find_spec("torchao") is None:  # the rows say so by their absence; main prints why
         methods = []
     quantized = {q: {"quantization": q} for q in methods}
-    return {"bf16": {}, **quantized, "compiled": {"compile": True}}
+    return {"bf16": {}, **quantized, **({} if tiny else {"compiled": {"compile": True}})}
 
 
 def fused_attention(device: str, tiny: bool) -> list[dict]:
@@ -146,7 +147,7 @@ def step_cost(device: str, tiny: bool, layers: int, batch_sizes: list[int], root
     rows = []
     for name, (config, methods) in shapes(tiny, layers).items():
         folder = random_checkpoint(config, root / name)
-        for variant, options in variants(device).items():
+        for variant, options in variants(device, tiny).items():
             if device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
             llm = LLM(folder, device=device, dtype="bfloat16", **options)
