@@ -54,7 +54,8 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                         "and CUDA) or int4 (CUDA, bfloat16); not bit-exact (docs/quantization.md)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="block-causal models (SDAR, LLaDA2.x): reuse the K/V of final blocks earlier requests "
-                        "computed for the same leading tokens (exact; default on)")
+                        "computed for the same leading tokens; every model: the n copies of a prompt "
+                        "compute their first forward once (both exact; default on)")
     p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
                    help="a memory budget for the KV cache and a step's temporaries, e.g. 2GiB: a request "
                         "joins the running batch when it fits, waits while it does not, and one that never "

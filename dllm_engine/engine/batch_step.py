@@ -103,16 +103,43 @@ def inputs(host: HostStep, device: torch.device, fixed: bool) -> tuple[StepInput
     return step, candidates
 
 
+def twins(seqs: list[Sequence], shift: int) -> list[int] | None:
+    """For each row, the row whose forward it shares (itself when none), or None when no row
+    shares. Rows at their first step whose canvases (prompt and masks), computed spans, key
+    limits and candidates are equal compute the same forward: the ``n`` copies of one request,
+    one prompt sent together. Exact: the forward of a row depends on nothing but these and its
+    cache, which holds nothing before the first step but what the prefix store gave, itself a
+    function of the canvas. Later steps differ (each copy commits its own draws)."""
+    source, seen = list(range(len(seqs))), {}
+    for i, seq in enumerate(seqs):
+        if seq.stats.nfe == 0:
+            positions, limit = host_span(seq, shift)
+            key = (seq.canvas.tobytes(), positions.tobytes(), limit.tobytes(), seq.masked_index().tobytes())
+            source[i] = seen.setdefault(key, i)
+    return source if any(j != i for i, j in enumerate(source)) else None
+
+
 def step_group(runner: Runner, seqs: list[Sequence], cache) -> None:
     """One batch-shaped step of a forward group (the replay contract of ``Engine.step_group``:
-    nothing changes a sequence before its turn; a turn that raises marks its sequence)."""
+    nothing changes a sequence before its turn; a turn that raises marks its sequence). Rows
+    that share their first forward (``twins``) run it once: the forward covers the other rows,
+    its K/V are copied into the sharing rows and its logits repeated for them, each of which
+    then draws and commits with its own seed."""
     fixed = runner.fixed_shapes
-    host = plan(seqs, runner)
+    source = twins(seqs, runner.shift) if runner.shares_forwards and isinstance(cache.rows, slice) else None
+    computed = seqs if source is None else [s for i, s in enumerate(seqs) if source[i] == i]
+    host = plan(computed, runner)
     device = next(runner.model.parameters()).device
     step, positions = inputs(host, device, fixed)
-    if len(host.lengths) > len(seqs):
+    group = cache
+    if source is not None:
+        cache = shared_rows(group, source, len(host.lengths))
+    elif len(host.lengths) > len(seqs):
         cache = cache.widen(len(host.lengths))
     _, _, logits, _ = runner.run(step, runner.context(step, cache, None))
+    work = [n * runner.num_layers for n in host.lengths]
+    if source is not None:
+        logits, positions, host, work = repeat_shared(group, source, host, logits, positions, work)
     counts = [c.size for c in host.candidates]
     rules = GroupRules(seqs, counts, [s.stats.nfe + 1 for s in seqs], device)  # the keys of this forward
     logits, x0, conf = rules.predict(logits, positions, owned=True)  # fresh from the LM head
@@ -121,13 +148,48 @@ def step_group(runner: Runner, seqs: list[Sequence], cache) -> None:
     chosen[where] = True
     probs = recorded_probs(seqs, counts, logits, x0, chosen)
     logprobs = recorded_logprobs(seqs, counts, logits, x0, chosen)
-    work = [n * runner.num_layers for n in host.lengths]
     for i, seq in enumerate(seqs):
         try:
+            if source is not None and source[i] != i:  # its prompt's K/V came from another row
+                seq.stats.cached_tokens = seq.prompt_len
             turn(runner, seq, work[i], committed[i], tokens[i], probs.get(i), logprobs.get(i))
         except Exception as e:
             seq.step_error = e
             raise
+
+
+def shared_rows(view, source: list[int], rows: int):
+    """The pool rows the forward over the computed rows (those their own ``source``) runs on:
+    theirs, then as padding (a fixed-shape step's spare rows; padding writes only the sink)
+    the group's other rows and the pool's spare rows after it."""
+    start, group = view.rows.start, len(source)
+    own = [start + i for i, j in enumerate(source) if i == j]
+    rest = [start + i for i, j in enumerate(source) if i != j] + list(range(start + group, view.cache.num_rows))
+    return view.cache.select(own + rest[: rows - len(own)])
+
+
+def repeat_shared(view, source: list[int], host: HostStep, logits: Tensor, positions: Tensor, work: list[float]
+                  ) -> tuple[Tensor, Tensor, HostStep, list[float]]:
+    """After a forward over the computed rows (``view``: the group's rows): their K/V copied
+    into the rows sharing them (the positions each forward row wrote), and the step's
+    candidates, logits and work laid out for every row of the group (a sharing row computed
+    nothing: work 0)."""
+    start = view.rows.start
+    index = {i: k for k, i in enumerate(i for i, j in enumerate(source) if i == j)}  # group row -> forward row
+    spans: dict[tuple[int, int], list[int]] = {}
+    for i, j in enumerate(source):
+        if i != j:
+            written = host.inputs["positions"][index[j], : host.lengths[index[j]]]
+            spans.setdefault((int(written.min()), int(written.max()) + 1), []).append(i)
+    for (lo, hi), rows in spans.items():
+        view.cache.copy_rows([start + source[i] for i in rows], [start + i for i in rows], lo, hi)
+    counts = [c.size for c in host.candidates]
+    starts = np.cumsum([0, *counts[:-1]])
+    rows = [index[j] for j in source]
+    take = to_device(np.concatenate([np.arange(starts[k], starts[k] + counts[k]) for k in rows]), logits.device)
+    full = HostStep(host.inputs, host.lengths, host.num_keys, host.masked, host.span,
+                    [host.candidates[k] for k in rows], host.logit_index)
+    return logits[take], positions[take], full, [work[index[i]] if j == i else 0.0 for i, j in enumerate(source)]
 
 
 def candidate_rows(counts: list[int], rows: list[int]) -> np.ndarray:

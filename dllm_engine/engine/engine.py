@@ -54,7 +54,9 @@ class Engine:
         (``memory_needed``): a sequence joins the running batch only when everything fits, one
         that never can is refused (``check_fits``); None: no budget (``max_num_seqs`` alone).
         ``prefix_cache``: block-causal sequences reuse the final blocks of earlier ones
-        (``engine/prefix_cache.py``), stored within the budget (else ``DEFAULT_CAPACITY``)."""
+        (``engine/prefix_cache.py``), stored within the budget (else ``DEFAULT_CAPACITY``), and
+        sequences whose first forward is the same run it once (the n copies of a request, any
+        family: ``batch_step.twins``); False: every sequence computes its whole prompt."""
         if max_num_seqs < 1:
             raise UserError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if kv_cache_memory is not None and kv_cache_memory < 1:
@@ -66,6 +68,7 @@ class Engine:
         self.model = model
         self.runner = runner if runner is not None else Runner(model)
         self.runner.set_step_shapes(fixed_shapes, compile_step)
+        self.runner.share_forwards = self.runner.share_forwards and prefix_cache
         self.new_cache = self.runner.new_cache
         self.caches: dict[GroupKey, KVCache] = {}
         self.groups: dict[GroupKey, list[Sequence]] = {}  # running sequences, in row order

@@ -99,13 +99,28 @@ class KVCache:
 
     def view(self, start: int, end: int) -> "KVCacheView":
         """Rows [start, end) without copying (one forward group of the batch)."""
-        return KVCacheView(self, start, end)
+        return KVCacheView(self, slice(start, end))
+
+    def select(self, rows: list[int]) -> "KVCacheView":
+        """These rows, in this order, with the same write/read API: a forward over some rows of
+        a group (``engine/batch_step.py``: copies of a prompt sharing their first forward).
+        Reading gathers a copy, so it serves the steps that read little more than they write."""
+        return KVCacheView(self, torch.tensor(rows, dtype=torch.long, device=self.device))
+
+    def copy_rows(self, src: list[int], dst: list[int], lo: int, hi: int) -> None:
+        """Positions [lo, hi) of rows ``src`` into rows ``dst``, every layer."""
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for store in (self.k, self.v):
+            for t in store:
+                t[d, :, lo:hi] = t[s, :, lo:hi]
 
     def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor, valid: Tensor,
-              rows: slice = slice(None), span: tuple[int, int] | None = None) -> None:
-        """Store k, v [B, Hkv, T, D] at cache index ``slots`` [B, T]; padding goes to the sink.
-        ``span`` (lo, hi): every row writes slots [lo, hi) in order, none padded (the runner
-        knows it without a device read), so the write is one slice copy, not an indexed one."""
+              rows: slice | Tensor = slice(None), span: tuple[int, int] | None = None) -> None:
+        """Store k, v [B, Hkv, T, D] at cache index ``slots`` [B, T] of ``rows`` (a range, or a row
+        index per batch row); padding goes to the sink. ``span`` (lo, hi): every row writes
+        slots [lo, hi) in order, none padded (the runner knows it without a device read), so
+        the write is one slice copy, not an indexed one."""
         if span is not None:
             self.k[layer][rows, :, span[0]: span[1]] = k
             self.v[layer][rows, :, span[0]: span[1]] = v
@@ -113,20 +128,27 @@ class KVCache:
         # index_put over a [B, S, Hkv, D] view: a whole head vector per index, ~2x faster than
         # a scatter along dim 2 with an index expanded to every element
         idx = torch.where(valid, slots, self.capacity)
-        row = torch.arange(idx.shape[0], device=idx.device)[:, None].expand_as(idx)
-        self.k[layer][rows].transpose(1, 2).index_put_((row, idx), k.transpose(1, 2).to(self.dtype))
-        self.v[layer][rows].transpose(1, 2).index_put_((row, idx), v.transpose(1, 2).to(self.dtype))
+        if isinstance(rows, slice):
+            row = torch.arange(idx.shape[0], device=idx.device)[:, None].expand_as(idx)
+            k_rows, v_rows = self.k[layer][rows], self.v[layer][rows]
+        else:
+            row = rows[:, None].expand_as(idx)
+            k_rows, v_rows = self.k[layer], self.v[layer]
+        k_rows.transpose(1, 2).index_put_((row, idx), k.transpose(1, 2).to(self.dtype))
+        v_rows.transpose(1, 2).index_put_((row, idx), v.transpose(1, 2).to(self.dtype))
 
-    def read(self, layer: int, length: int, rows: slice = slice(None)) -> tuple[Tensor, Tensor]:
-        """K, V [B, Hkv, length, D] of every row's first ``length`` positions (views)."""
+    def read(self, layer: int, length: int, rows: slice | Tensor = slice(None)) -> tuple[Tensor, Tensor]:
+        """K, V [B, Hkv, length, D] of every row's first ``length`` positions (views of a range,
+        copies of selected rows)."""
         return self.k[layer][rows, :, :length], self.v[layer][rows, :, :length]
 
 
 class KVCacheView:
-    """A contiguous range of a KVCache's rows with the same write/read API."""
+    """A contiguous range of a KVCache's rows (``rows`` a slice), or chosen rows (a row index
+    tensor, ``KVCache.select``), with the same write/read API."""
 
-    def __init__(self, cache: KVCache, start: int, end: int) -> None:
-        self.cache, self.rows = cache, slice(start, end)
+    def __init__(self, cache: KVCache, rows: slice | Tensor) -> None:
+        self.cache, self.rows = cache, rows
 
     def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor, valid: Tensor,
               span: tuple[int, int] | None = None) -> None:
@@ -138,7 +160,9 @@ class KVCacheView:
     def widen(self, rows: int) -> "KVCacheView":
         """The view ``rows`` rows long from the same start (a fixed-shape step's padding rows:
         spare rows of the pool, ``KVCache.arrange(..., rows)``)."""
+        if not isinstance(self.rows, slice):
+            raise ValueError("a view of chosen rows is as wide as its rows")
         if self.rows.start + rows > self.cache.num_rows:
             raise ValueError(f"the KV pool has {self.cache.num_rows} rows, a view from row "
                              f"{self.rows.start} needs {rows}: arrange it with rows={rows}")
-        return KVCacheView(self.cache, self.rows.start, self.rows.start + rows)
+        return KVCacheView(self.cache, slice(self.rows.start, self.rows.start + rows))

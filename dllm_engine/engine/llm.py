@@ -163,7 +163,8 @@ class LLM:
 
         ``prefix_cache``: block-causal families (SDAR, LLaDA2.x) reuse the K/V of the final blocks
         earlier requests computed when a prompt starts with the same tokens (exact: same tokens;
-        ``engine/prefix_cache.py``); off under tensor parallelism."""
+        ``engine/prefix_cache.py``; off under tensor parallelism), and the ``n`` copies of a
+        prompt, in every family, compute their first forward once (exact: the same inputs)."""
         self.device = parse_device(device)
         self.seeds = SeedStream(seed)
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:

@@ -107,6 +107,7 @@ class ParallelRunner(Runner):
     def __init__(self, model: DiffusionLM, parallel: "TensorParallel") -> None:
         super().__init__(model)
         self.parallel = parallel
+        self.share_forwards = False  # the other ranks take a row range and replay no row copy
         self.cache_log: list = []  # pool changes not yet sent (a pool's finalizer may add one any time)
         self.num_caches = 0
 

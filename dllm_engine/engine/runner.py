@@ -53,6 +53,15 @@ class Runner:
         self.fixed_shapes = False  # bucketed step shapes (``set_step_shapes``, ``engine/shapes.py``)
         self.step_forward = None  # the layer stack fixed-shape steps run (None: the model's own)
         self.compiled_step = None  # made once (``compile_step``): its graphs outlive a toggle
+        # rows whose first forward is the same run it once (``batch_step.twins``): the n copies
+        # of a request, one prompt sent together
+        self.share_forwards = True
+
+    @property
+    def shares_forwards(self) -> bool:
+        """Whether equal first forwards run once: not through the compiled stack (its graphs
+        take a pool's row range)."""
+        return self.share_forwards and self.step_forward is None
 
     def set_step_shapes(self, fixed_shapes: bool, compile_step: bool = False) -> None:
         """Dynamic steps, fixed-shape steps, or fixed-shape steps through the compiled layer

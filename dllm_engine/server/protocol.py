@@ -316,7 +316,8 @@ def usage(results: list[ChoiceResult], n: int = 1) -> dict:
     completion = sum(r.completion_tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            # OpenAI's field: prompt tokens whose K/V were reused (the prefix store, engine/prefix_cache.py)
+            # OpenAI's field: prompt tokens whose K/V were reused (the prefix store, engine/prefix_cache.py,
+            # or another copy's first forward: engine/batch_step.py), summed over the choices as the stats are
             "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}, "nfe": stats.nfe,
             "decoded_tokens": stats.decoded_tokens,
             "processed_tokens": round(stats.processed_tokens, 2),
