@@ -298,11 +298,10 @@ def test_cli_bench_defaults_out_to_a_new_folder_and_shows_a_bar_per_spec_and_bat
     folder, = (tmp_path / "bench-out").iterdir()
     assert re.fullmatch(r"\d{8}-\d{6}", folder.name) and f"writing to bench-out/{folder.name}\n" in out
     assert len(json.loads((folder / "results.json").read_text())) == 4
-    for spec in ("reference", "dual-cache"):
-        for batch in (1, 2):
-            # the bar of each timed pass (it is cleared when done; a fast pass may close before
-            # tqdm redraws it at 100%)
-            assert re.search(rf"{spec} batch {batch}: .*/1 ", err), err
+    for place, (batch, spec) in enumerate([(b, s) for b in (1, 2) for s in ("reference", "dual-cache")], 1):
+        # the bar of each timed pass, after its place among the run's passes (it is cleared
+        # when done; a fast pass may close before tqdm redraws it at 100%)
+        assert re.search(rf"\[{place}/4\] {spec} batch {batch}: .*/1 ", err), err
 
 
 def stop_at_call(monkeypatch, n: int | None = None, error: BaseException | None = None) -> list:

@@ -753,6 +753,7 @@ def test_dllm_serve_and_dllm_bench_serve(ckpt, tmp_path):
         for level in report["levels"]:
             assert level["num_requests"] == 4 and level["failures"] == 0, level
             assert level["latency_p50"] > 0 and level["nfe"] > 0
+            assert level["peak_memory_mb"] > 100  # the server's resident memory, from its /metrics
         assert (out / "serve_bench.png").read_bytes()[:4] == b"\x89PNG"
         in_flight = ThreadPoolExecutor(1).submit(httpx.post, url + "/v1/completions",
                                                   json={**LONG, "model": ckpt.name}, timeout=60)

@@ -121,10 +121,11 @@ class BenchRecord:
 
 
 def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Example],
-              batch_size: int, warm_all: bool = False, use_tqdm: bool = False) -> BenchRecord:
+              batch_size: int, warm_all: bool = False, use_tqdm: bool = False, place: str = "") -> BenchRecord:
     """``warm_all``: the warm-up is the whole run, not one prompt (a compiled step compiles
     each shape it meets on first use: the timed run then measures the steady state).
-    ``use_tqdm``: a progress bar of the timed pass's prompts (stderr), named by spec and batch size."""
+    ``use_tqdm``: a progress bar of the timed pass's prompts (stderr), named by spec and batch
+    size after ``place`` (the pass's place in the run, e.g. "[3/12]")."""
     warm = (examples, batch_size) if warm_all else (examples[:1], 1)
     evaluate(llm, params, examples=warm[0], batch_size=warm[1], use_tqdm=False)  # warm-up
     if llm.engine.prefix_store is not None:  # every row starts cold: no spec reuses another's blocks
@@ -133,7 +134,7 @@ def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Exampl
         llm.parallel.reset_peak()
     with PeakMemory(llm.device) as mem:
         report = evaluate(llm, params, examples=examples, batch_size=batch_size, use_tqdm=use_tqdm,
-                          desc=f"{spec} batch {batch_size}")
+                          desc=f"{place} {spec} batch {batch_size}".lstrip())
     per_rank = None
     if llm.parallel is not None and llm.device.type == "cpu":
         per_rank = [r["peak_rss_mb"] for r in llm.parallel.report()]
@@ -208,7 +209,8 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
     variant) in turn; a row keeps its fastest pass and is written when its last round ends.
     ``meta``: the run's provenance for meta.json (``report.collect_meta``; default: this
     process's command line); table.md is rewritten with results.json. ``use_tqdm``: a progress
-    bar per spec and batch size (stderr), cleared when its row prints."""
+    bar per spec and batch size (stderr), cleared when its row prints, named by its pass's
+    place among all the run's passes ("[3/12]")."""
     if not specs:
         raise UserError("give at least one method spec")
     if any(b < 1 for b in batch_sizes) or not batch_sizes:
@@ -224,6 +226,7 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
     meta = meta or collect_meta(device=llm.device)
     check_prompts(llm, params, examples)
     results, records, running = out / "results.json", [], ""
+    passes, done = len(batch_sizes) * repeats * len(specs) * (1 + len(variants)), 0
     try:
         for bs in batch_sizes:
             # this batch size's rows, measured so far, by (position of the spec, variant): a
@@ -235,7 +238,9 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
                         label = spec if name is None else f"{spec} [{name}]"
                         running = f"spec {label!r} at batch size {bs}" + (
                             f", round {round_} of {repeats}" if repeats > 1 else "")
-                        record = bench_variant(llm, spec, name, params[spec], examples, bs, use_tqdm)
+                        done += 1
+                        record = bench_variant(llm, spec, name, params[spec], examples, bs, use_tqdm,
+                                               f"[{done}/{passes}]")
                         if name is not None:
                             record.agreement = agreement(record.outputs, rows[i, None].outputs)
                         if (i, name) in rows:
@@ -255,14 +260,14 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
 
 
 def bench_variant(llm: LLM, spec: str, name: str | None, params: SamplingParams,
-                  examples: list[Example], batch_size: int, use_tqdm: bool = False) -> BenchRecord:
+                  examples: list[Example], batch_size: int, use_tqdm: bool = False, place: str = "") -> BenchRecord:
     """One timed pass of ``spec`` as loaded (``name`` None) or under the variant ``name``."""
     if name is None:
-        return bench_one(llm, spec, params, examples, batch_size, use_tqdm=use_tqdm)
+        return bench_one(llm, spec, params, examples, batch_size, use_tqdm=use_tqdm, place=place)
     apply, warm_all = VARIANTS[name]
     undo = apply(llm)
     try:
-        return bench_one(llm, f"{spec} [{name}]", params, examples, batch_size, warm_all, use_tqdm)
+        return bench_one(llm, f"{spec} [{name}]", params, examples, batch_size, warm_all, use_tqdm, place)
     finally:
         undo()
 

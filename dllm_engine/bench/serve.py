@@ -1,10 +1,13 @@
 """``dllm bench serve``: a load generator for a running ``dllm serve``.
 
 At each concurrency level, that many clients send streamed chat completions of held-out task
-prompts back to back until ``num_requests`` have been sent. Reported per level: throughput
-(output tokens / s over the level's wall time), requests / s, latency and time-to-first-chunk
-percentiles (p50/p95/p99), failures, accuracy (the task graders) and the server's stats (``SequenceStats``)
-(nfe, redundancy) summed from each response's usage."""
+prompts back to back until ``num_requests`` have been sent (with ``turns`` > 1, as chats: each
+request after a chat's first carries the chat so far, the server's answers included). Reported
+per level: throughput (output tokens / s over the level's wall time), requests / s, latency and
+time-to-first-chunk percentiles (p50/p95/p99), failures, accuracy (the task graders, over every
+choice), the server's stats (``SequenceStats``: nfe, redundancy, prompt tokens computed and
+reused) summed from each response's usage, and the server's peak memory (its ``/metrics``
+sampled through the level)."""
 from __future__ import annotations
 
 import asyncio
@@ -29,9 +32,11 @@ class RequestRecord:
     latency: float
     first_chunk: float | None = None  # seconds to the first non-empty text chunk
     output_tokens: int = 0
-    correct: bool = False
+    correct: int = 0  # choices graded right
+    choices: int = 1
     usage: dict = field(default_factory=dict)
     error: str = ""
+    text: str = ""  # the first choice's answer (a chat's next turn follows it)
 
 
 @dataclass
@@ -56,6 +61,7 @@ class LevelResult:
     prefill_tokens: int = 0  # prompt tokens the server computed ...
     cached_tokens: int = 0  # ... and those it reused from its prefix store (usage.prompt_tokens_details)
     processed_tokens: float = 0.0  # query tokens of the answers' steps (layer-averaged), beside prefill_tokens
+    peak_memory_mb: float | None = None  # the server's, sampled (device peak on CUDA, else resident)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -84,15 +90,15 @@ def shared_header(words: int, examples: list[Example]) -> str:
     return " ".join(vocabulary[i % len(vocabulary)] for i in range(words))
 
 
-async def send(client: httpx.AsyncClient, model: str, example: Example, extra: dict,
-               header: str = "") -> RequestRecord:
-    """One streamed chat completion (its message after ``header``, when given); never raises (a
-    failure is a record)."""
-    content = f"{header}\n{example.prompt}" if header else example.prompt
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "stream": True,
+async def send(client: httpx.AsyncClient, model: str, messages: list[dict], example: Example,
+               extra: dict) -> RequestRecord:
+    """One streamed chat completion of ``messages``, its choices graded against ``example``;
+    never raises (a failure is a record)."""
+    body = {"model": model, "messages": messages, "stream": True,
             "stream_options": {"include_usage": True}, **extra}
     start = time.perf_counter()
-    text, first, usage = [], None, {}
+    text: dict[int, list[str]] = {}
+    first, usage = None, {}
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -108,37 +114,93 @@ async def send(client: httpx.AsyncClient, model: str, example: Example, extra: d
                 for choice in chunk.get("choices", []):
                     if choice["delta"].get("content"):
                         first = first if first is not None else time.perf_counter() - start
-                        text.append(choice["delta"]["content"])
+                        text.setdefault(choice["index"], []).append(choice["delta"]["content"])
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
         return RequestRecord(False, time.perf_counter() - start, error=f"{type(e).__name__}: {e}")
-    out = "".join(text)
+    answers = ["".join(text.get(i, [])) for i in range(extra.get("n", 1))]
     return RequestRecord(True, time.perf_counter() - start, first, usage.get("completion_tokens", 0),
-                         grade(example, out), usage)
+                         sum(grade(example, a) for a in answers), len(answers), usage, text=answers[0])
+
+
+def first_message(example: Example, header: str) -> str:
+    return f"{header}\n{example.prompt}" if header else example.prompt
 
 
 async def run_level(url: str, model: str, examples: list[Example], concurrency: int,
                     num_requests: int, extra: dict, timeout: float,
-                    lengths: list[int] | None = None, header: str = "") -> LevelResult:
+                    lengths: list[int] | None = None, header: str = "", turns: int = 1) -> LevelResult:
     """``concurrency`` clients share ``num_requests`` requests, each sending its next as soon as
     the previous one finished (request i asks for ``lengths[i]`` tokens when given; every
-    request's message starts with ``header``)."""
-    todo = iter(range(num_requests))
+    chat's first message starts with ``header``). ``turns``: the requests form chats of that
+    many turns, each turn the chat so far (the server's first answers) and the next question;
+    a chat whose turn failed ends there."""
+    chats = iter(range(-(-num_requests // turns)))
     records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async def client_loop(client: httpx.AsyncClient) -> None:
-        for i in todo:
-            fields = extra if lengths is None else {**extra, "max_tokens": lengths[i]}
-            records.append(await send(client, model, examples[i % len(examples)], fields, header))
+        for chat in chats:
+            messages: list[dict] = []
+            for i in range(chat * turns, min((chat + 1) * turns, num_requests)):
+                example = examples[i % len(examples)]
+                fields = extra if lengths is None else {**extra, "max_tokens": lengths[i]}
+                messages.append({"role": "user", "content": first_message(example, header) if not messages
+                                 else example.prompt})
+                record = await send(client, model, messages, example, fields)
+                records.append(record)
+                if not record.ok:
+                    break
+                messages.append({"role": "assistant", "content": record.text})
 
+    stop = asyncio.Event()
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        watch = asyncio.create_task(peak_memory(url, stop))
         start = time.perf_counter()
-        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
-        wall = time.perf_counter() - start
-    return summarize(records, concurrency, wall)
+        try:
+            await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        finally:
+            wall = time.perf_counter() - start
+            stop.set()
+            peak = await watch
+    return summarize(records, concurrency, wall, peak)
 
 
-def summarize(records: list[RequestRecord], concurrency: int, wall: float) -> LevelResult:
+MEMORY_SAMPLE_S = 0.2
+
+
+async def peak_memory(url: str, stop: asyncio.Event) -> float | None:
+    """The largest memory reading of the server's ``/metrics`` until ``stop`` (MB): its device
+    peak where it reports one (CUDA), else its resident memory, sampled every
+    ``MEMORY_SAMPLE_S``; None when it reports neither."""
+    peak = None
+    async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
+        while True:
+            try:
+                reading = memory_reading((await client.get("/metrics")).text)
+            except httpx.HTTPError:
+                reading = None
+            if reading is not None:
+                peak = max(peak or 0.0, reading)
+            if stop.is_set():
+                return None if peak is None else round(peak / 2**20, 1)
+            try:
+                await asyncio.wait_for(stop.wait(), MEMORY_SAMPLE_S)
+            except asyncio.TimeoutError:
+                pass
+
+
+def memory_reading(metrics: str) -> float | None:
+    """``dllm_device_memory_peak_bytes`` from Prometheus text, else ``dllm_resident_memory_bytes``."""
+    values = {}
+    for line in metrics.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("dllm_device_memory_peak_bytes", "dllm_resident_memory_bytes"):
+            values[name] = float(value)
+    return values.get("dllm_device_memory_peak_bytes", values.get("dllm_resident_memory_bytes"))
+
+
+def summarize(records: list[RequestRecord], concurrency: int, wall: float,
+              peak_memory_mb: float | None = None) -> LevelResult:
     ok = [r for r in records if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     latency = [r.latency for r in ok]
@@ -152,13 +214,13 @@ def summarize(records: list[RequestRecord], concurrency: int, wall: float) -> Le
         latency_p50=percentile(latency, 50), latency_p95=percentile(latency, 95),
         latency_p99=percentile(latency, 99), first_chunk_p50=percentile(first, 50),
         first_chunk_p95=percentile(first, 95), first_chunk_p99=percentile(first, 99),
-        accuracy=round(sum(r.correct for r in ok) / max(1, len(ok)), 4),
+        accuracy=round(sum(r.correct for r in ok) / max(1, sum(r.choices for r in ok)), 4),
         nfe=sum(r.usage.get("nfe", 0) for r in ok),
         redundancy=round(processed / decoded, 4) if decoded else 0.0,
         errors=[r.error for r in records if not r.ok][:5],
         prefill_tokens=sum(r.usage.get("prefill_tokens", 0) for r in ok),
         cached_tokens=sum(r.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in ok),
-        processed_tokens=round(processed, 1))
+        processed_tokens=round(processed, 1), peak_memory_mb=peak_memory_mb)
 
 
 def interleave(examples: list[Example]) -> list[Example]:
@@ -201,12 +263,13 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
                     extra: dict | None = None, tasks: list[str] | None = None,
                     timeout: float = 600.0, progress=print,
                     lengths: list[int] | None = None, shared_prefix: int = 0,
-                    baseline_url: str | None = None, meta: dict | None = None) -> list[LevelResult]:
+                    baseline_url: str | None = None, meta: dict | None = None, turns: int = 1) -> list[LevelResult]:
     """Every concurrency level in turn; writes ``serve_bench.json`` (after every level) and
     ``serve_bench.png`` (at the end, or on Ctrl-C: ``BenchInterrupted``) to ``out`` (when
     given, checked before the run) and returns the per-level results. ``lengths`` (``parse_length_mix``)
     gives each request its own max_tokens and sets the number of requests; ``shared_prefix``: every
-    request starts with the same header of that many words (``shared_header``). ``baseline_url``:
+    request starts with the same header of that many words (``shared_header``); ``turns``: the
+    requests form chats of that many turns (``run_level``). ``baseline_url``:
     a second server (the same model, another setting) that runs each level just before ``url``,
     so both share the machine's state; its levels go to the JSON's ``baseline``. ``meta``: the
     run's provenance (``report.collect_meta``; default: this command line), written beside the
@@ -216,6 +279,8 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
     num_requests = len(lengths) if lengths else num_requests
     if num_requests < 1:
         raise UserError(f"num_requests must be >= 1, got {num_requests}")
+    if turns < 1:
+        raise UserError(f"a chat has at least one turn, got {turns}")
     folder = None
     if out is not None:  # a bad --out fails now, not after the whole load test
         folder = prepare_out_dir(out)
@@ -230,13 +295,14 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
     meta = meta or collect_meta()
     try:
         for level in concurrency:
-            args = (examples, level, num_requests, extra or {}, timeout, lengths, header)
+            args = (examples, level, num_requests, extra or {}, timeout, lengths, header, turns)
             if baseline_url is not None:
                 baseline.append(asyncio.run(run_level(baseline_url, model, *args)))
                 progress(format_row(baseline[-1]) + "  (baseline)")
             results.append(asyncio.run(run_level(url, model, *args)))
             if folder is not None:  # after every level, all at once: Ctrl-C keeps the levels done
                 report = {"url": url, "model": model, "options": extra or {}, "shared_prefix": shared_prefix,
+                          "turns": turns,
                           "levels": [dataclasses.asdict(r) for r in results]}
                 if baseline_url is not None:
                     report["baseline"] = {"url": baseline_url, "levels": [dataclasses.asdict(r) for r in baseline]}
@@ -256,7 +322,8 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
 
 
 HEADER = (f"{'conc':>5} {'reqs':>5} {'fail':>5} {'tok/s':>8} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} "
-          f"{'p99 s':>7} {'ttfc50':>7} {'ttfc95':>7} {'acc':>6} {'redund':>7} {'prefill':>8} {'cached':>8}")
+          f"{'p99 s':>7} {'ttfc50':>7} {'ttfc95':>7} {'acc':>6} {'redund':>7} {'prefill':>8} {'cached':>8} "
+          f"{'peak MB':>8}")
 
 
 def serve_table(report: dict) -> str:
@@ -265,8 +332,8 @@ def serve_table(report: dict) -> str:
     base = {r["concurrency"]: r for r in report.get("baseline", {}).get("levels", [])}
     lines = ["| server | concurrency | requests | failures | throughput (tok/s) | speed-up | time to first chunk p50 (s) "
              "| latency p50 (s) | prompt tokens computed | reused | computed, baseline over this "
-             "| prompts' share of the query tokens | accuracy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| prompts' share of the query tokens | accuracy | peak memory (MB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def row(r: dict, name: str, ref: dict | None) -> str:
         speedup = f"{r['throughput'] / ref['throughput']:.2f}×" if ref and ref["throughput"] else "–"
@@ -275,9 +342,11 @@ def serve_table(report: dict) -> str:
         ttfc, latency = r["first_chunk_p50"], r["latency_p50"]
         query = r.get("prefill_tokens", 0) + r.get("processed_tokens", 0)
         share = f"{r.get('prefill_tokens', 0) / query:.1%}" if query else "–"
+        memory = "–" if r.get("peak_memory_mb") is None else f"{r['peak_memory_mb']:,.0f}"
         return (f"| {name} | {r['concurrency']} | {r['num_requests']} | {r['failures']} | {r['throughput']:.1f} | "
                 f"{speedup} | {'–' if ttfc is None else f'{ttfc:.3f}'} | {'–' if latency is None else f'{latency:.3f}'} | "
-                f"{r.get('prefill_tokens', 0)} | {r.get('cached_tokens', 0)} | {fewer} | {share} | {r['accuracy']:.1%} |")
+                f"{r.get('prefill_tokens', 0)} | {r.get('cached_tokens', 0)} | {fewer} | {share} | {r['accuracy']:.1%} | "
+                f"{memory} |")
     for r in report["levels"]:
         ref = base.get(r["concurrency"])
         if ref is not None:
@@ -292,7 +361,8 @@ def format_row(r: LevelResult) -> str:
     return (f"{r.concurrency:>5} {r.num_requests:>5} {r.failures:>5} {r.throughput:>8.1f} "
             f"{r.requests_per_s:>7.2f} {s(r.latency_p50)} {s(r.latency_p95)} {s(r.latency_p99)} "
             f"{s(r.first_chunk_p50)} {s(r.first_chunk_p95)} {r.accuracy:>6.1%} {r.redundancy:>7.2f} "
-            f"{r.prefill_tokens:>8} {r.cached_tokens:>8}")
+            f"{r.prefill_tokens:>8} {r.cached_tokens:>8} "
+            f"{'-' if r.peak_memory_mb is None else f'{r.peak_memory_mb:.0f}':>8}")
 
 
 def plot(results: list[LevelResult], path: Path, title: str) -> None:

@@ -27,6 +27,9 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="WORDS",
                    help="every request's message starts with the same header of WORDS words (a system "
                         "prompt, few-shot examples): what a server's prefix store reuses")
+    p.add_argument("--turns", type=int, default=1, metavar="N",
+                   help="send the requests as chats of N turns: each turn carries the chat so far, the "
+                        "server's answers included, and the next question (default 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", default=None, help="folder for serve_bench.json and serve_bench.png")
 
@@ -45,11 +48,13 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     lengths = parse_length_mix(args.length_mix) if args.length_mix else None
     prepare_out(args.out, "serve_bench.json")
     print(f"server: {args.url}  requests per level: {len(lengths) if lengths else args.num_requests}  "
-          f"options: {extra}" + (f"  length mix: {args.length_mix}" if lengths else ""))
+          f"options: {extra}" + (f"  length mix: {args.length_mix}" if lengths else "")
+          + (f"  chats of {args.turns} turns" if args.turns > 1 else ""))
     print(HEADER)
     if args.shared_prefix < 0:
         raise UserError(f"--shared-prefix must be >= 0 words, got {args.shared_prefix}")
     run_serve_bench(args.url, args.concurrency, args.num_requests, args.out, extra, args.tasks, args.timeout,
-                    lengths=lengths, shared_prefix=args.shared_prefix, baseline_url=args.baseline_url)
+                    lengths=lengths, shared_prefix=args.shared_prefix, baseline_url=args.baseline_url,
+                    turns=args.turns)
     if args.out:
         print(f"\nwrote {args.out}/serve_bench.json and {args.out}/serve_bench.png")

@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..sampling_params import SamplingParams
 from ..seeds import choice_seeds
 from .loop import EngineLoop, Event, Job
-from .metrics import Metrics
+from .metrics import Metrics, process_memory
 from .protocol import ApiError, value_error
 
 
@@ -109,4 +109,5 @@ class InProcessEngine:
         engine = self.llm.engine
         return metrics.render(self.loop.queue_depth(), self.loop.num_running(),
                               (engine.memory_budget, engine.cache_bytes, engine.waiting_for_memory),
-                              None if (store := engine.prefix_store) is None else (store.nbytes, store.hit_rate))
+                              None if (store := engine.prefix_store) is None else (store.nbytes, store.hit_rate),
+                              process_memory(self.llm.device))

@@ -1,8 +1,9 @@
 """Server metrics in the Prometheus text exposition format (version 0.0.4), for ``/metrics``.
 
-Small enough to write by hand: counters, two gauges read at scrape time, and histograms."""
+Small enough to write by hand: counters, gauges read at scrape time, and histograms."""
 from __future__ import annotations
 
+import os
 import threading
 from bisect import bisect_left
 from collections import Counter
@@ -37,6 +38,29 @@ class Histogram:
             running += n
             out.append(f'{name}_bucket{{le="{bound}"}} {running}')
         return out + [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+
+
+MEMORY_GAUGES = {
+    "resident_memory_bytes": "Resident memory of the serving process (host).",
+    "device_memory_allocated_bytes": "Device memory the serving process's tensors hold (CUDA).",
+    "device_memory_peak_bytes": "The most device memory its tensors held since it started (CUDA).",
+}
+
+
+def process_memory(device) -> dict[str, int]:
+    """This process's memory for ``MEMORY_GAUGES``: its resident set (Linux), and on CUDA the
+    device memory its tensors hold now and at most."""
+    out = {}
+    try:
+        with open("/proc/self/statm") as f:
+            out["resident_memory_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    if device.type == "cuda":
+        import torch
+        out["device_memory_allocated_bytes"] = torch.cuda.memory_allocated(device)
+        out["device_memory_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out
 
 
 class Metrics:
@@ -95,10 +119,10 @@ class Metrics:
             self.prompt_tokens += prompt_tokens
 
     def render(self, queue_depth: int, running: int, memory: tuple[int | None, int, int] | None = None,
-               prefix: tuple[int, float] | None = None) -> str:
+               prefix: tuple[int, float] | None = None, process: dict[str, int] | None = None) -> str:
         """Prometheus text; ``memory``: (the engine's memory budget in bytes or None, bytes its KV
         pools hold, sequences waiting for memory); ``prefix``: (bytes the prefix store holds, its
-        hit rate), when it is on."""
+        hit rate), when it is on; ``process``: the serving process's memory (``process_memory``)."""
         with self.lock:
             t = self.totals
             lines = self.family("requests_total", "counter", "Finished requests by final status.",
@@ -111,7 +135,8 @@ class Metrics:
                     ("nfe_total", t.nfe, "Forward passes of finished sequences."),
                     ("processed_tokens_total", t.processed_tokens, "Layer-averaged query tokens."),
                     ("prefill_tokens_total", t.prefill_tokens, "Prompt tokens of first passes."),
-                    ("cached_tokens_total", t.cached_tokens, "Prompt tokens whose K/V came from the prefix store."),
+                    ("cached_tokens_total", t.cached_tokens,
+                     "Prompt tokens whose K/V came from the prefix store or another copy's first forward."),
                     ("engine_steps_total", self.steps, "Engine steps (one batched forward per method)."),
             ]:
                 lines += self.family(name, "counter", doc, [f"{PREFIX}{name} {value}"])
@@ -128,7 +153,7 @@ class Metrics:
                     ("prefix_cache_bytes", prefix[0], "Bytes the prefix store holds."),
                     ("prefix_cache_hit_rate", round(prefix[1], 6),
                      "Share of the whole prompt blocks looked up that were stored (block-causal models)."),
-            ]):
+            ]) + [(name, value, MEMORY_GAUGES[name]) for name, value in (process or {}).items()]:
                 lines += self.family(name, "gauge", doc, [f"{PREFIX}{name} {value}"])
             for name, hist, doc in [
                     ("request_latency_seconds", self.latency, "Time from request to its last byte."),
