@@ -331,9 +331,9 @@ def serve_table(report: dict) -> str:
     baseline: its row first, then the server's with its speed-up and prefill ratio over it)."""
     base = {r["concurrency"]: r for r in report.get("baseline", {}).get("levels", [])}
     lines = ["| server | concurrency | requests | failures | throughput (tok/s) | speed-up | time to first chunk p50 (s) "
-             "| latency p50 (s) | prompt tokens computed | reused | computed, baseline over this "
+             "| latency p50 (s) | prompt tokens computed | reused | prefix hit rate | computed, baseline over this "
              "| prompts' share of the query tokens | accuracy | peak memory (MB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def row(r: dict, name: str, ref: dict | None) -> str:
         speedup = f"{r['throughput'] / ref['throughput']:.2f}×" if ref and ref["throughput"] else "–"
@@ -343,9 +343,11 @@ def serve_table(report: dict) -> str:
         query = r.get("prefill_tokens", 0) + r.get("processed_tokens", 0)
         share = f"{r.get('prefill_tokens', 0) / query:.1%}" if query else "–"
         memory = "–" if r.get("peak_memory_mb") is None else f"{r['peak_memory_mb']:,.0f}"
+        prompts = r.get("prefill_tokens", 0) + r.get("cached_tokens", 0)
+        hits = f"{r.get('cached_tokens', 0) / prompts:.1%}" if prompts else "–"
         return (f"| {name} | {r['concurrency']} | {r['num_requests']} | {r['failures']} | {r['throughput']:.1f} | "
                 f"{speedup} | {'–' if ttfc is None else f'{ttfc:.3f}'} | {'–' if latency is None else f'{latency:.3f}'} | "
-                f"{r.get('prefill_tokens', 0)} | {r.get('cached_tokens', 0)} | {fewer} | {share} | {r['accuracy']:.1%} | "
+                f"{r.get('prefill_tokens', 0)} | {r.get('cached_tokens', 0)} | {hits} | {fewer} | {share} | {r['accuracy']:.1%} | "
                 f"{memory} |")
     for r in report["levels"]:
         ref = base.get(r["concurrency"])
