@@ -18,7 +18,8 @@ Writes DIR/gpu_check.json and DIR/gpu_check.md. Two parts:
    the forward, host reads and ops outside the layer loop, at each batch size, for the base
    decoder and its strategies; the base decoder also with int8 (and, on CUDA, int4) weights
    and with compiled layers, each row with its weights' size. ``--tiny`` shrinks the shapes
-   to run anywhere in seconds.
+   and runs each model's base decoder and one strategy, without compiling, to run anywhere in
+   seconds.
 
 Nothing is downloaded; the random checkpoints are written to a temporary folder.
 """
@@ -85,6 +86,7 @@ def correctness(device: str, tiny: bool) -> list[dict]:
     examples = load_split("worked", limit=1 if tiny else 4)
     rows = []
     for name, methods in CHECKPOINTS.items():
+        methods = methods[:2] if tiny else methods  # tiny: the base decoder and one strategy
         here, cpu = LLM(ROOT / "checkpoints" / name, device=device), LLM(ROOT / "checkpoints" / name)
         defaults = {"max_new_tokens": 16 if tiny else 128}
         params = resolve_specs(methods, cpu.resolve, defaults)
@@ -125,6 +127,7 @@ def fused_attention(device: str, tiny: bool) -> list[dict]:
     examples = load_split("worked", limit=1)
     rows = []
     for name, methods in CHECKPOINTS.items():
+        methods = methods[:2] if tiny else methods
         llm = LLM(ROOT / "checkpoints" / name, device=device)
         params = resolve_specs(methods, llm.resolve, {"max_new_tokens": 16 if tiny else 64})
         prompts = check_prompts(llm, params, examples)
@@ -152,7 +155,8 @@ def step_cost(device: str, tiny: bool, layers: int, batch_sizes: list[int], root
                 torch.cuda.reset_peak_memory_stats()
             llm = LLM(folder, device=device, dtype="bfloat16", **options)
             defaults = {"max_new_tokens": 16 if tiny else 128, "stop_at_eos": False}
-            run = methods if variant == "bf16" else methods[:1]
+            run = methods[:2] if tiny else methods  # tiny: the base decoder and FOCUS
+            run = run if variant == "bf16" else run[:1]
             for record in run_profile(llm, run, batch_sizes, examples, defaults, progress=lambda line: None):
                 rows.append({"model": name, "layers": config.num_layers, "variant": variant,
                              "weights_mb": round(weight_bytes(llm.model) / 2**20, 3), **asdict(record)})
