@@ -19,8 +19,8 @@ METHODS = ["block:threshold=0.9", "block:steps=2", "block+focus:threshold=0.9", 
            "block:commit_rule=joint-threshold,preset=S", "block:threshold=0.9,temperature=0.7,seed=3"]
 
 
-# every method at batch 8 on SDAR; one at a time, and the MoE family, for one each
-CASES = [("sdar", spec, 8) for spec in METHODS] + [("sdar", METHODS[2], 1), ("llada2_moe", METHODS[4], 8)]
+# every method at batch 1 and 8 on SDAR; the MoE family for one
+CASES = [("sdar", spec, batch) for spec in METHODS for batch in (1, 8)] + [("llada2_moe", METHODS[4], 8)]
 
 
 @pytest.fixture(scope="module")
