@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UserError
-from .layers import apply_rope, grouped_heads
+from .layers import RMSNorm, apply_rope, grouped_heads
 from .loader import named_tensors, open_weights, parse_device, read_json, resolve_dtype, weight_files
 
 log = logging.getLogger(__name__)
@@ -242,11 +242,8 @@ def gemma_rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return (h if weight is None else h * weight.float()).to(x.dtype)
 
 
-class GemmaRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+class GemmaRMSNorm(RMSNorm):
+    """``RMSNorm``'s weight and eps, Gemma's order (``gemma_rms_norm``)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return gemma_rms_norm(x, self.weight, self.eps)
