@@ -1,0 +1,384 @@
+"""DiffusionGemma's sampler: the reference sampling loop of transformers'
+``DiffusionGemmaForBlockDiffusion.generate`` (>= 5.23, read for its algorithm; this is our own
+code), as small batched pieces over [B, C] / [B, C, V] tensors that the engine can call per
+forward group, and ``generate`` over ``DiffusionGemma.encode`` / ``decode``.
+
+Uniform-noise block diffusion, not masked diffusion: there is no mask token. A canvas of
+``canvas_length`` (C) tokens starts as uniform random tokens; each denoising step, with n
+counting down from N = ``max_denoising_steps`` to 1:
+
+1. decode the canvas against the encoder's cache, self-conditioned on the previous step's scaled
+   logits (none at a canvas's first step);
+2. scale the logits by the temperature t_min + (t_max - t_min) * n / N;
+3. draw a token from softmax(scaled) at every position; take the argmax canvas;
+4. accept the lowest-entropy positions while the entropies before each one (sorted ascending:
+   their sum less the largest) stay within ``entropy_bound`` (EntropyBoundSampler, arXiv
+   2505.24857); at least one position is accepted;
+5. the next canvas holds the draw where accepted and fresh uniform tokens elsewhere; ``accepted``
+   is that map (False: undecided, noise). Nothing is sticky: every step decides every position;
+6. a row stops early once its argmax canvas has not changed for ``stability_threshold`` steps and
+   its mean entropy is under ``confidence_threshold``; a stopped row keeps its state.
+
+A row keeps the argmax canvas of its last step. Between canvases that canvas is encoded causally
+into the cache; a row whose canvas holds an EOS finishes (tokens after its first EOS, and all its
+later canvases, become pad), and generation stops once every row has finished, or after
+ceil(max_new_tokens / C) canvases.
+
+Memory (V = 262,144 in the release): the decoder's fp32 logits [B, C, V] (256 MiB a row at C =
+256) are scaled in place, and the self-conditioning kept for the next step is that tensor in the
+embedding dtype (a copy only when that is not fp32). What would make more fp32 [B, C, V] tensors
+runs over chunks of canvas positions, at most ``chunk_elements`` values (or one position for all
+rows, B x V, if more) at a time: each draw's softmax (in ``Draws.sample``) and the entropy's
+normalised logits, probabilities and products. The argmax reads the whole tensor without a copy;
+the decoder makes its soft embeddings in chunks too (``DiffusionGemma.soft_embeddings``).
+
+Randomness: every draw goes through a ``Draws`` object (the first canvas, each step's samples,
+each step's renoising tokens), so a test can give transformers and this code the same draws and
+the engine its own seeded source. The draws are taken in the reference's order and shapes: every
+row of the batch draws at every step, a stopped row's draws thrown away.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from ..errors import UserError
+from ..models.diffusion_gemma import DiffusionGemma, EncoderCache
+from ..models.loader import read_json
+
+log = logging.getLogger(__name__)
+
+SAMPLING_CHUNK_ELEMENTS = 1 << 24  # fp32 values of [*, V] sampling work at once (64 MiB a copy)
+SAMPLER_NAME = "EntropyBoundSamplerConfig"  # the one sampler transformers defines
+# generation_config.json keys read as they are (sampler_config and eos_token_id are translated)
+SCALAR_KEYS = ("max_new_tokens", "max_denoising_steps", "t_min", "t_max", "stability_threshold",
+               "confidence_threshold", "pad_token_id")
+# generation_config.json keys that do not change how DiffusionGemma samples
+METADATA_KEYS = {"transformers_version", "_from_model_config", "_commit_hash", "return_dict_in_generate",
+                 "cache_implementation", "cache_config", "disable_compile", "bos_token_id"}
+
+
+# -- settings -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GenerationSettings:
+    """The sampler's settings; the defaults are transformers' (those of the released
+    generation_config.json). ``eos_token_ids`` empty: no row finishes at EOS; ``pad_token_id``
+    None: tokens after EOS are kept."""
+    max_new_tokens: int = 256
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "max_denoising_steps"):
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("stability_threshold", self.stability_threshold, minimum=0)
+        for name in ("entropy_bound", "confidence_threshold"):
+            check_number(name, getattr(self, name), positive=True)
+        for name in ("t_min", "t_max"):
+            check_number(name, getattr(self, name), positive=False)
+        if self.t_max <= self.t_min:
+            raise UserError(f"t_max {self.t_max} must be greater than t_min {self.t_min}: the temperature "
+                            f"falls from t_max at the first denoising step to t_min at the last")
+        for token in self.eos_token_ids:
+            check_int("eos_token_id", token, minimum=0)
+        if self.pad_token_id is not None:
+            check_int("pad_token_id", self.pad_token_id, minimum=0)
+
+    def num_canvases(self, canvas_length: int) -> int:
+        return math.ceil(self.max_new_tokens / canvas_length)
+
+    @classmethod
+    def from_generation_config(cls, data: dict, source: str = "generation_config.json",
+                               eos_token_ids: tuple[int, ...] = (), pad_token_id: int | None = None
+                               ) -> GenerationSettings:
+        """Settings from a generation_config.json object; a key that is missing or null takes the
+        default (as transformers fills it), EOS and pad ids falling back to the arguments (the
+        model config's)."""
+        values = {key: data[key] for key in SCALAR_KEYS if data.get(key) is not None}
+        sampler = data.get("sampler_config")
+        if sampler is not None:
+            values["entropy_bound"] = entropy_bound_of(sampler, source)
+        eos = data.get("eos_token_id")
+        values["eos_token_ids"] = eos_token_ids if eos is None else tuple(eos if isinstance(eos, list) else [eos])
+        values.setdefault("pad_token_id", pad_token_id)
+        ignored = set(data) - set(SCALAR_KEYS) - METADATA_KEYS - {"sampler_config", "eos_token_id"}
+        if ignored:
+            log.warning("%s: ignoring %s (not settings of DiffusionGemma's sampler)", source, sorted(ignored))
+        try:
+            return cls(**values)
+        except UserError as e:
+            raise UserError(f"{source}: {e}") from None
+
+
+def check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise UserError(f"{name} must be {kind}, got {value!r}")
+
+
+def check_number(name: str, value, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (positive and value == 0):
+        raise UserError(f"{name} must be a number {'> 0' if positive else '>= 0'}, got {value!r}")
+
+
+def entropy_bound_of(sampler, source: str) -> float:
+    if not isinstance(sampler, dict) or sampler.get("_cls_name", SAMPLER_NAME) != SAMPLER_NAME:
+        name = sampler.get("_cls_name") if isinstance(sampler, dict) else sampler
+        raise UserError(f"{source}: sampler_config {name!r} is not supported; DiffusionGemma samples with "
+                        f'{{"_cls_name": "{SAMPLER_NAME}", "entropy_bound": ...}}')
+    if "entropy_bound" not in sampler:
+        raise UserError(f"{source}: sampler_config needs an \"entropy_bound\" (a number > 0; the release uses 0.1)")
+    return sampler["entropy_bound"]
+
+
+def load_generation_settings(folder: str | Path, eos_token_ids: tuple[int, ...] = (),
+                             pad_token_id: int | None = None) -> GenerationSettings:
+    """A checkpoint folder's generation_config.json as settings (the defaults without one);
+    ``eos_token_ids`` / ``pad_token_id``: the model config's, used where the file names none."""
+    file = Path(folder) / "generation_config.json"
+    data = read_json(file, "a JSON object of generation settings") if file.is_file() else {}
+    return GenerationSettings.from_generation_config(data, str(file), eos_token_ids, pad_token_id)
+
+
+# -- randomness -----------------------------------------------------------------------------------
+class Draws(Protocol):
+    """Where the sampler's randomness comes from. Per canvas: ``canvas_tokens`` once, then per
+    step ``sample`` over the canvas's positions in order (one or more chunks), then
+    ``renoise_tokens`` once."""
+
+    def canvas_tokens(self, batch: int, canvas_length: int, vocab_size: int, device: torch.device) -> Tensor:
+        """[B, C] uniform tokens in [0, vocab_size): a new canvas."""
+
+    def sample(self, scaled_logits: Tensor, positions: slice) -> Tensor:
+        """[B, c]: a token per row and position from softmax(``scaled_logits`` [B, c, V] fp32),
+        the logits of the canvas positions ``positions``."""
+
+    def renoise_tokens(self, batch: int, canvas_length: int, vocab_size: int, device: torch.device) -> Tensor:
+        """[B, C] uniform tokens: the noise the undecided positions take."""
+
+
+class TorchDraws:
+    """Draws from torch's generators (``generator``, or torch's default one): uniform tokens by
+    ``torch.randint``, samples by ``torch.multinomial`` over each chunk's fp32 softmax."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def canvas_tokens(self, batch: int, canvas_length: int, vocab_size: int, device: torch.device) -> Tensor:
+        return torch.randint(0, vocab_size, (batch, canvas_length), device=device, generator=self.generator)
+
+    renoise_tokens = canvas_tokens
+
+    def sample(self, scaled_logits: Tensor, positions: slice) -> Tensor:
+        b, c, v = scaled_logits.shape
+        probs = scaled_logits.softmax(-1, dtype=torch.float32).reshape(b * c, v)  # the one chunk's copy
+        return torch.multinomial(probs, 1, generator=self.generator).view(b, c)
+
+
+# -- the per-step pieces --------------------------------------------------------------------------
+def temperatures(settings: GenerationSettings, num_steps: Tensor) -> Tensor:
+    """[B] fp32 temperature of each row's next step, ``num_steps`` [B] steps already run on its
+    canvas: n = N - num_steps, t_min + (t_max - t_min) * n / N (fp32 arithmetic, as transformers
+    computes it)."""
+    steps_left = settings.max_denoising_steps - num_steps
+    return settings.t_min + (settings.t_max - settings.t_min) * (steps_left / settings.max_denoising_steps)
+
+
+def scale_logits_(logits: Tensor, temperature: Tensor) -> Tensor:
+    """logits [B, C, V] / temperature [B], in place (the decoder's fp32 logits are not needed
+    unscaled: no second [B, C, V] fp32 tensor)."""
+    return logits.div_(temperature[:, None, None])
+
+
+def token_entropy(scaled_logits: Tensor) -> Tensor:
+    """[..., c] entropy of softmax(``scaled_logits`` [..., c, V]), computed as
+    ``torch.distributions.Categorical(logits=...).entropy()`` computes it (the same bits)."""
+    log_probs = scaled_logits - scaled_logits.logsumexp(-1, keepdim=True)
+    probs = log_probs.softmax(-1)
+    log_probs = log_probs.clamp_(min=torch.finfo(log_probs.dtype).min)
+    return -(log_probs.mul_(probs)).sum(-1)
+
+
+def positions_per_chunk(batch: int, vocab_size: int, chunk_elements: int) -> int:
+    return max(1, chunk_elements // max(batch * vocab_size, 1))
+
+
+def sample_and_entropy(scaled_logits: Tensor, draws: Draws,
+                       chunk_elements: int = SAMPLING_CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
+    """(sampled [B, C], entropy [B, C] fp32) from scaled logits [B, C, V], over chunks of canvas
+    positions: the fp32 copies (the draw's softmax, the entropy's terms) exist for one chunk."""
+    b, c, v = scaled_logits.shape
+    step = positions_per_chunk(b, v, chunk_elements)
+    sampled, entropy = [], []
+    for start in range(0, c, step):
+        positions = slice(start, min(start + step, c))
+        chunk = scaled_logits[:, positions]  # [B, c, V], a view
+        sampled.append(draws.sample(chunk, positions))
+        entropy.append(token_entropy(chunk))
+    return torch.cat(sampled, dim=1), torch.cat(entropy, dim=1)
+
+
+def accept_by_entropy(entropy: Tensor, entropy_bound: float) -> Tensor:
+    """[B, C] bool: per row, the lowest-entropy positions, sorted ascending, accepted while the
+    sum of the entropies before each one (the running sum less the largest, itself) is at most
+    ``entropy_bound``; the lowest is always accepted."""
+    ordered, order = entropy.sort(dim=-1)
+    within = ordered.cumsum(dim=-1) - ordered <= entropy_bound
+    return torch.zeros_like(within).scatter(-1, order, within)
+
+
+def renoise(sampled: Tensor, accepted: Tensor, noise: Tensor) -> Tensor:
+    """[B, C] the next canvas: the sample where accepted, ``noise`` tokens where undecided."""
+    return torch.where(accepted, sampled, noise)
+
+
+def count_repeats(previous_argmax: Tensor, argmax: Tensor, num_repeats: Tensor) -> Tensor:
+    """[B] for how many steps before this one the argmax canvas was the same: one more than
+    before if unchanged, else 0 (a canvas's first step compares with nothing: -1 before it)."""
+    unchanged = (argmax == previous_argmax).all(dim=-1)
+    return torch.where(unchanged, num_repeats + 1, torch.zeros_like(num_repeats))
+
+
+def stable_and_confident(num_repeats: Tensor, entropy: Tensor, settings: GenerationSettings) -> Tensor:
+    """[B] bool: the argmax canvas unchanged for ``stability_threshold`` steps and the mean
+    entropy of the positions under ``confidence_threshold``."""
+    stable = num_repeats >= settings.stability_threshold
+    return stable & (entropy.mean(dim=-1) < settings.confidence_threshold)
+
+
+# -- a canvas's state -----------------------------------------------------------------------------
+@dataclass
+class CanvasState:
+    """One canvas of each row in its denoising loop."""
+    canvas_ids: Tensor  # [B, C] the decoder's next input: accepted tokens, noise where undecided
+    accepted: Tensor  # [B, C] bool: positions that hold the last step's accepted draw
+    argmax_ids: Tensor  # [B, C] the argmax of the last step's scaled logits: the canvas a row keeps
+    self_conditioning: Tensor | None  # [B, C, V] the last step's scaled logits, embedding dtype
+    num_repeats: Tensor  # [B] steps the argmax canvas has stayed the same (-1 before the first step)
+    num_steps: Tensor  # [B] denoising steps (decoder forwards) run on this canvas
+    finished: Tensor  # [B] bool: stopped early (stable and confident)
+
+
+def new_canvas(batch: int, canvas_length: int, vocab_size: int, draws: Draws,
+               device: torch.device) -> CanvasState:
+    """A canvas of uniform random tokens, every position undecided."""
+    ids = draws.canvas_tokens(batch, canvas_length, vocab_size, device)
+    rows = torch.zeros(batch, dtype=torch.long, device=device)
+    return CanvasState(ids, torch.zeros_like(ids, dtype=torch.bool), ids, None, rows - 1, rows,
+                       torch.zeros(batch, dtype=torch.bool, device=device))
+
+
+def denoise_step(state: CanvasState, logits: Tensor, settings: GenerationSettings, draws: Draws,
+                 embed_dtype: torch.dtype, chunk_elements: int = SAMPLING_CHUNK_ELEMENTS) -> CanvasState:
+    """Every row's next state from the decoder's logits [B, C, V] (fp32, scaled in place) of
+    ``state.canvas_ids``; ``keep_finished`` then restores the rows that had stopped."""
+    b, c, v = logits.shape
+    scaled = scale_logits_(logits, temperatures(settings, state.num_steps))
+    sampled, entropy = sample_and_entropy(scaled, draws, chunk_elements)
+    argmax_ids = scaled.argmax(dim=-1)
+    accepted = accept_by_entropy(entropy, settings.entropy_bound)
+    canvas_ids = renoise(sampled, accepted, draws.renoise_tokens(b, c, v, logits.device))
+    num_repeats = count_repeats(state.argmax_ids, argmax_ids, state.num_repeats)
+    finished = state.finished | stable_and_confident(num_repeats, entropy, settings)
+    return CanvasState(canvas_ids, accepted, argmax_ids, scaled.to(embed_dtype), num_repeats,
+                       state.num_steps + 1, finished)
+
+
+def keep_finished(before: CanvasState, after: CanvasState) -> CanvasState:
+    """``after`` with the rows that had stopped before the step set back to ``before`` (the
+    reference runs them and throws the step away; the engine need not run them at all)."""
+    done = before.finished
+    sc = after.self_conditioning
+    if before.self_conditioning is not None:  # else no row has stopped: nothing to keep
+        sc = torch.where(done[:, None, None], before.self_conditioning, sc, out=sc)  # in place: no third [B, C, V]
+
+    def keep(old: Tensor, new: Tensor) -> Tensor:
+        return torch.where(done.view(-1, *[1] * (new.dim() - 1)), old, new)
+
+    return CanvasState(keep(before.canvas_ids, after.canvas_ids), keep(before.accepted, after.accepted),
+                       keep(before.argmax_ids, after.argmax_ids), sc, keep(before.num_repeats, after.num_repeats),
+                       keep(before.num_steps, after.num_steps), after.finished | done)
+
+
+def finish_canvas(canvas_ids: Tensor, finished: Tensor, settings: GenerationSettings) -> tuple[Tensor, Tensor]:
+    """(the canvas as kept [B, C], the rows finished [B]): a row finishes at an EOS in its
+    canvas; with a pad id, tokens after a row's first EOS and the canvases of rows finished
+    before become pad."""
+    if not settings.eos_token_ids:
+        return canvas_ids, finished
+    eos = torch.tensor(settings.eos_token_ids, device=canvas_ids.device)
+    is_eos = torch.isin(canvas_ids, eos)
+    now = finished | is_eos.any(dim=-1)
+    if settings.pad_token_id is None:
+        return canvas_ids, now
+    after_eos = is_eos.cumsum(dim=-1) - is_eos.long() > 0  # strictly after the first EOS
+    return canvas_ids.masked_fill(after_eos | finished[:, None], settings.pad_token_id), now
+
+
+# -- the loop -------------------------------------------------------------------------------------
+@dataclass
+class Generation:
+    token_ids: Tensor  # [B, canvases * C] the new tokens, pad after a row's first EOS
+    num_steps: Tensor  # [B, canvases] denoising steps (decoder forwards) each row ran per canvas
+
+
+def denoise_canvas(model: DiffusionGemma, cache: EncoderCache, settings: GenerationSettings, draws: Draws, batch: int,
+                   chunk_elements: int = SAMPLING_CHUNK_ELEMENTS) -> CanvasState:
+    """One canvas's denoising loop against ``cache`` (the prompt and the canvases before)."""
+    cfg, device = model.config, model.embed_tokens.weight.device
+    state = new_canvas(batch, cfg.canvas_length, cfg.vocab_size, draws, device)
+    for _ in range(settings.max_denoising_steps):
+        logits = model.decode(state.canvas_ids, cache, state.self_conditioning)
+        step = denoise_step(state, logits, settings, draws, model.embed_tokens.weight.dtype, chunk_elements)
+        state = keep_finished(state, step)
+        if bool(state.finished.all()):  # the one host read of a step
+            break
+    return state
+
+
+def check_prompt(prompt_ids: Tensor, attention_mask: Tensor | None) -> None:
+    if prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0 or prompt_ids.dtype != torch.long:
+        raise UserError(f"prompt_ids must be a [batch, length] tensor of token ids (torch.long, length >= 1), "
+                        f"got shape {tuple(prompt_ids.shape)} {prompt_ids.dtype}")
+    if attention_mask is not None and attention_mask.shape != prompt_ids.shape:
+        raise UserError(f"attention_mask has shape {tuple(attention_mask.shape)}, prompt_ids "
+                        f"{tuple(prompt_ids.shape)}: they must match (1 = token, 0 = left padding)")
+
+
+@torch.no_grad()
+def generate(model: DiffusionGemma, prompt_ids: Tensor, settings: GenerationSettings | None = None,
+             draws: Draws | None = None, attention_mask: Tensor | None = None,
+             chunk_elements: int = SAMPLING_CHUNK_ELEMENTS) -> Generation:
+    """Sample continuations of ``prompt_ids`` [B, T] (left-padded, ``attention_mask`` 1 = token)
+    with a ``DiffusionGemma``: canvas after canvas, each denoised then encoded into the cache."""
+    check_prompt(prompt_ids, attention_mask)
+    settings = settings or GenerationSettings()
+    draws = draws or TorchDraws()
+    batch = prompt_ids.shape[0]
+    cache = model.new_cache()
+    model.encode(prompt_ids, cache, attention_mask=attention_mask)
+    finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+    canvases, steps = [], []
+    for i in range(settings.num_canvases(model.config.canvas_length)):
+        if i:
+            model.encode(canvases[-1], cache)
+        state = denoise_canvas(model, cache, settings, draws, batch, chunk_elements)
+        ids, finished = finish_canvas(state.argmax_ids, finished, settings)
+        canvases.append(ids)
+        steps.append(state.num_steps)
+        if bool(finished.all()):
+            break
+    return Generation(torch.cat(canvases, dim=1), torch.stack(steps, dim=1))
