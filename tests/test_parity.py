@@ -179,7 +179,8 @@ def test_grouped_kv_heads_attend_as_if_repeated(expand, monkeypatch):
     assert torch.allclose(layers.ragged_attention(q, k, v, mask, None), want, atol=1e-6)
     live = [80, 2, 70]
     groups = row_groups(live, t)
-    assert groups is not None
+    # the narrow row alone, as wide as it is; the wide ones together, as wide as the widest
+    assert [(g.tolist(), w) for g, w in groups] == [([1], 2), ([0, 2], 80)]
     got = layers.ragged_attention(q, k, v, mask, groups)
     valid = torch.arange(t)[None] < torch.tensor(live)[:, None]
     assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)

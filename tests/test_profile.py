@@ -87,8 +87,8 @@ def test_profile_one_reports_floor_overhead_and_syncs(llada):
     r = profile_one(llada, "dual-cache", params, PROMPTS, 4)
     assert r.batch_size == 4 and r.steps > 0
     assert 0 < r.floor_ms and 0 < r.step_ms
-    assert r.syncs_per_step > 0 and r.layer_syncs_per_step == 0
-    assert r.ops_per_step > 0 and r.layer_ops_per_step > 0
+    assert 0 < r.syncs_per_step <= 3 and r.layer_syncs_per_step == 0  # the step's reads: one to three
+    assert 0 < r.ops_per_step <= 200 and r.layer_ops_per_step > 0  # docs/performance.md: ~110 for dual-cache
 
 
 def test_profile_command_prints_the_table(tmp_path, capsys):

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from dllm_engine import LLM, SamplingParams
-from dllm_engine.engine.trace import (StepRecord, canvas_frames, format_steps, record_from_dict, replay,
-                                      summary)
+from dllm_engine.engine.trace import canvas_frames, format_steps, record_from_dict, replay, summary
 from dllm_engine.methods import DECODERS, STRATEGIES, check_method
 from fixtures import write_checkpoint
 
@@ -164,7 +163,8 @@ def test_records_as_json_and_text(llada):
     assert len(frames) == len(out.steps) and None not in frames[-1][: len(out.token_ids)]
     assert frames[-1][: len(out.token_ids)] == out.token_ids
     assert summary({"focus": {"evicted": [1, 2]}, "x": {"cut_to": 9}}) == "focus evicted=2 | x cut_to=9"
-    assert isinstance(out.steps[0], StepRecord)
+    assert [r.step for r in out.steps] == list(range(len(out.steps)))  # one record per forward, in order
+    assert out.steps[0].block == 0 and out.steps[0].block_step == 0
 
 
 @pytest.mark.parametrize("method", ["dual-cache+jump-share", "dual-cache+early-skip+adaptive-length",
