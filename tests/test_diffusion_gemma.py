@@ -56,16 +56,19 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
                 b.copy_(0.5 + torch.rand(b.shape, generator=g))
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """(transformers' model, ours loaded from its save_pretrained folder, the folder)."""
+def reference_pair(folder):
+    """(transformers' tiny random model, ours loaded from its save_pretrained ``folder``, the folder)."""
     torch.manual_seed(0)
     cfg = HFConfig(text_config=TINY_TEXT, vision_config=Gemma4VisionConfig(**TINY_VISION), canvas_length=CANVAS)
     ref = DiffusionGemmaForBlockDiffusion(cfg).eval()
     randomize(ref)
-    folder = tmp_path_factory.mktemp("diffusion_gemma")
     ref.save_pretrained(folder)
     return ref, load_diffusion_gemma(folder), folder
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return reference_pair(tmp_path_factory.mktemp("diffusion_gemma"))
 
 
 def ids(shape, seed):

@@ -25,18 +25,16 @@ import torch
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DiffusionGemmaForBlockDiffusion"):
     pytest.skip("transformers >= 5.23 defines DiffusionGemma", allow_module_level=True)
-from transformers import (DiffusionGemmaConfig as HFConfig, DiffusionGemmaForBlockDiffusion,  # noqa: E402
-                          Gemma4VisionConfig)
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as reference  # noqa: E402
 
 from dllm_engine.decoding import diffusion_gemma as sampler  # noqa: E402
-from dllm_engine.decoding.diffusion_gemma import (GenerationSettings, TorchDraws, accept_by_entropy,  # noqa: E402
-                                                  count_repeats, finish_canvas, generate, load_generation_settings,
-                                                  sample_and_entropy, stable_and_confident, temperatures,
-                                                  token_entropy)
+from dllm_engine.decoding.diffusion_gemma import (DrawKeys, GenerationSettings, TorchDraws,  # noqa: E402
+                                                  accept_by_entropy, count_repeats, finish_canvas, generate,
+                                                  load_generation_settings, sample_and_entropy,
+                                                  stable_and_confident, temperatures, token_entropy)
 from dllm_engine.errors import UserError  # noqa: E402
 from dllm_engine.models.diffusion_gemma import load_diffusion_gemma  # noqa: E402
-from test_diffusion_gemma import CANVAS, TINY_TEXT, TINY_VISION, randomize  # noqa: E402
+from test_diffusion_gemma import CANVAS, TINY_TEXT, reference_pair  # noqa: E402
 
 VOCAB = TINY_TEXT["vocab_size"]
 PAD = 0
@@ -45,13 +43,7 @@ PAD = 0
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(transformers' model, ours loaded from its save_pretrained folder, the folder)."""
-    torch.manual_seed(0)
-    cfg = HFConfig(text_config=TINY_TEXT, vision_config=Gemma4VisionConfig(**TINY_VISION), canvas_length=CANVAS)
-    ref = DiffusionGemmaForBlockDiffusion(cfg).eval()
-    randomize(ref)
-    folder = tmp_path_factory.mktemp("diffusion_gemma_sampler")
-    ref.save_pretrained(folder)
-    return ref, load_diffusion_gemma(folder), folder
+    return reference_pair(tmp_path_factory.mktemp("diffusion_gemma_sampler"))
 
 
 def inverse_cdf(probs, u):
@@ -68,18 +60,21 @@ class ScriptedDraws:
         self.num_steps = self.num_token_draws = 0
         self.slices = []
 
-    def canvas_tokens(self, batch, canvas_length, vocab_size, device=None):
+    def canvas_tokens(self, keys, canvas_length, vocab_size):  # ours: the keys are not read
+        return self.token_draw(len(keys), canvas_length, vocab_size)
+
+    renoise_tokens = canvas_tokens  # transformers draws both with one call: one stream, in call order
+
+    def token_draw(self, batch, canvas_length, vocab_size):  # both sides'
         assert (batch, canvas_length, vocab_size) == (self.batch, CANVAS, VOCAB)
         self.num_token_draws += 1
         return torch.randint(0, vocab_size, (batch, canvas_length), generator=self.tokens)
-
-    renoise_tokens = canvas_tokens  # transformers draws both with one call: one stream, in call order
 
     def uniforms(self):
         g = torch.Generator().manual_seed(1000 * self.seed + self.num_steps)
         return torch.rand(self.batch, CANVAS, generator=g)
 
-    def sample(self, scaled_logits, positions):  # ours: [B, c, V] logits of some positions
+    def sample(self, scaled_logits, positions, keys):  # ours: [B, c, V] logits of some positions
         self.num_steps += positions.start == 0
         self.slices.append((positions.start, positions.stop))
         return inverse_cdf(scaled_logits.softmax(-1, dtype=torch.float32), self.uniforms()[:, positions])
@@ -100,7 +95,7 @@ class TorchWithDraws:
 
     def randint(self, low, high, size, device=None):
         assert low == 0 and len(size) == 2
-        return self.draws.canvas_tokens(size[0], size[1], high, device)
+        return self.draws.token_draw(size[0], size[1], high)
 
     def multinomial(self, probs, num_samples):
         assert num_samples == 1 and probs.shape[-1] == VOCAB
@@ -283,9 +278,10 @@ def test_finish_canvas_pads_after_eos_and_finished_rows():
 def test_sampling_and_entropy_run_in_chunks_of_positions():
     logits = 3 * torch.randn(2, CANVAS, VOCAB, generator=torch.Generator().manual_seed(5))
     chunked, whole = ScriptedDraws(2), ScriptedDraws(2)
-    sampled, entropy = sample_and_entropy(logits, chunked, chunk_elements=2 * VOCAB * 4)  # 4 positions
+    keys = DrawKeys.at(torch.arange(2), 0, 0)
+    sampled, entropy = sample_and_entropy(logits, chunked, keys, chunk_elements=2 * VOCAB * 4)  # 4 positions
     assert chunked.slices == [(0, 4), (4, CANVAS)]
-    sampled_whole, entropy_whole = sample_and_entropy(logits, whole)
+    sampled_whole, entropy_whole = sample_and_entropy(logits, whole, keys)
     assert whole.slices == [(0, CANVAS)]
     assert torch.equal(sampled, sampled_whole) and torch.equal(entropy, entropy_whole)
     assert torch.equal(entropy, torch.distributions.Categorical(logits=logits).entropy())

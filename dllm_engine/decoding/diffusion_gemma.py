@@ -33,9 +33,16 @@ normalised logits, probabilities and products. The argmax reads the whole tensor
 the decoder makes its soft embeddings in chunks too (``DiffusionGemma.soft_embeddings``).
 
 Randomness: every draw goes through a ``Draws`` object (the first canvas, each step's samples,
-each step's renoising tokens), so a test can give transformers and this code the same draws and
-the engine its own seeded source. The draws are taken in the reference's order and shapes: every
-row of the batch draws at every step, a stopped row's draws thrown away.
+each step's renoising tokens) with ``DrawKeys`` naming the rows in the call, their canvas and
+their step, so a test can give transformers and this code the same draws (in the reference's
+order and shapes: every row draws at every step, a stopped row's draws thrown away) and the
+engine its own seeded source: ``SeededDraws`` keys every number by (the row's seed, canvas,
+step, canvas position, which draw), so a row draws the same whatever runs beside it.
+
+Batch invariance (``generate(batch_invariant=True)``): a left-padded row counts its positions
+from its first token, and rows that stopped leave the decoder's forwards (and, finished at EOS
+with a pad id, the encoder's too) instead of running and being thrown away; with
+``SeededDraws`` a row's tokens are then those it gets alone.
 """
 from __future__ import annotations
 
@@ -43,7 +50,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -51,6 +58,8 @@ from torch import Tensor
 from ..errors import UserError
 from ..models.diffusion_gemma import DiffusionGemma, EncoderCache
 from ..models.loader import read_json
+from .noise import CANVAS, RENOISE, Noise
+from .rules import sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -154,38 +163,113 @@ def load_generation_settings(folder: str | Path, eos_token_ids: tuple[int, ...] 
 
 
 # -- randomness -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DrawKeys:
+    """Which rows draw, and where each stands: ``rows`` [B] its index among the generation's rows
+    (the index of its seed), ``canvas`` [B] the canvas being denoised (0: the first after the
+    prompt), ``step`` [B] the denoising steps it has run on that canvas (the step drawing; 0 for
+    a new canvas). Draws that ignore the keys read the batch size and device from them."""
+    rows: Tensor  # [B] int64
+    canvas: Tensor  # [B] int64
+    step: Tensor  # [B] int64
+
+    @classmethod
+    def at(cls, rows: Tensor, canvas: int, step: Tensor | int) -> DrawKeys:
+        step = step if isinstance(step, Tensor) else torch.full_like(rows, step)
+        return cls(rows, torch.full_like(rows, canvas), step.to(rows.device, torch.int64))
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+
 class Draws(Protocol):
     """Where the sampler's randomness comes from. Per canvas: ``canvas_tokens`` once, then per
     step ``sample`` over the canvas's positions in order (one or more chunks), then
-    ``renoise_tokens`` once."""
+    ``renoise_tokens`` once; ``keys`` name the rows in the call and their canvas and step."""
 
-    def canvas_tokens(self, batch: int, canvas_length: int, vocab_size: int, device: torch.device) -> Tensor:
+    def canvas_tokens(self, keys: DrawKeys, canvas_length: int, vocab_size: int) -> Tensor:
         """[B, C] uniform tokens in [0, vocab_size): a new canvas."""
 
-    def sample(self, scaled_logits: Tensor, positions: slice) -> Tensor:
+    def sample(self, scaled_logits: Tensor, positions: slice, keys: DrawKeys) -> Tensor:
         """[B, c]: a token per row and position from softmax(``scaled_logits`` [B, c, V] fp32),
         the logits of the canvas positions ``positions``."""
 
-    def renoise_tokens(self, batch: int, canvas_length: int, vocab_size: int, device: torch.device) -> Tensor:
+    def renoise_tokens(self, keys: DrawKeys, canvas_length: int, vocab_size: int) -> Tensor:
         """[B, C] uniform tokens: the noise the undecided positions take."""
 
 
 class TorchDraws:
     """Draws from torch's generators (``generator``, or torch's default one): uniform tokens by
-    ``torch.randint``, samples by ``torch.multinomial`` over each chunk's fp32 softmax."""
+    ``torch.randint``, samples by ``torch.multinomial`` over each chunk's fp32 softmax. The keys
+    are not read: a row's draws depend on the batch around it and the order of the calls."""
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
-    def canvas_tokens(self, batch: int, canvas_length: int, vocab_size: int, device: torch.device) -> Tensor:
-        return torch.randint(0, vocab_size, (batch, canvas_length), device=device, generator=self.generator)
+    def canvas_tokens(self, keys: DrawKeys, canvas_length: int, vocab_size: int) -> Tensor:
+        return torch.randint(0, vocab_size, (len(keys), canvas_length), device=keys.device, generator=self.generator)
 
     renoise_tokens = canvas_tokens
 
-    def sample(self, scaled_logits: Tensor, positions: slice) -> Tensor:
+    def sample(self, scaled_logits: Tensor, positions: slice, keys: DrawKeys) -> Tensor:
         b, c, v = scaled_logits.shape
         probs = scaled_logits.softmax(-1, dtype=torch.float32).reshape(b * c, v)  # the one chunk's copy
         return torch.multinomial(probs, 1, generator=self.generator).view(b, c)
+
+
+class SeededDraws:
+    """Counter-based draws, one seed per row of the generation (``seeds`` [N], integers in
+    [0, 2^63)): every random number is the engine's hash (``noise.Noise``) of the row's seed, the
+    canvas position (0..C-1, whatever chunk draws it), the denoising step, the canvas index (the
+    key's salt) and a stream naming the draw: ``CANVAS`` (a new canvas's tokens), ``TOKENS`` (the
+    step's sample: a Gumbel-max over the scaled logits, one uniform per vocabulary id, through
+    ``rules.sample_tokens``: exactly a draw from their softmax) or ``RENOISE`` (the step's noise
+    tokens). So a row draws the same numbers alone or in any batch, in any order and on any
+    device, and whether or not other rows ran."""
+
+    def __init__(self, seeds: Sequence[int] | Tensor) -> None:
+        values = seeds.tolist() if isinstance(seeds, Tensor) else list(seeds)
+        for seed in values:
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+                raise UserError(f"seeds must be integers in [0, 2^63), one per prompt; got {seed!r}")
+        if not values:
+            raise UserError("SeededDraws needs one seed per prompt; got none")
+        self.seeds = torch.tensor(values, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return self.seeds.shape[0]
+
+    def noise(self, keys: DrawKeys, positions: Tensor) -> Noise:
+        """The keys of each (row, canvas position) pair, [B * c] row-major."""
+        c = positions.shape[0]
+        self.seeds = self.seeds.to(keys.device)
+
+        def per_position(t: Tensor) -> Tensor:
+            return t.repeat_interleave(c)
+
+        return Noise(per_position(self.seeds[keys.rows]), positions.repeat(len(keys)),
+                     per_position(keys.step), per_position(keys.canvas))
+
+    def uniform_tokens(self, keys: DrawKeys, canvas_length: int, vocab_size: int, stream: int) -> Tensor:
+        noise = self.noise(keys, torch.arange(canvas_length, device=keys.device))
+        column = torch.zeros(1, dtype=torch.int64, device=keys.device)
+        return noise.integers(stream, column, vocab_size).view(len(keys), canvas_length)
+
+    def canvas_tokens(self, keys: DrawKeys, canvas_length: int, vocab_size: int) -> Tensor:
+        return self.uniform_tokens(keys, canvas_length, vocab_size, CANVAS)
+
+    def renoise_tokens(self, keys: DrawKeys, canvas_length: int, vocab_size: int) -> Tensor:
+        return self.uniform_tokens(keys, canvas_length, vocab_size, RENOISE)
+
+    def sample(self, scaled_logits: Tensor, positions: slice, keys: DrawKeys) -> Tensor:
+        b, c, v = scaled_logits.shape
+        noise = self.noise(keys, torch.arange(positions.start, positions.stop, device=keys.device))
+        flat = scaled_logits.reshape(b * c, v)  # the one chunk (a copy unless it is the whole canvas)
+        return sample_tokens(flat, 1.0, noise).view(b, c)  # already scaled: temperature 1
 
 
 # -- the per-step pieces --------------------------------------------------------------------------
@@ -216,7 +300,7 @@ def positions_per_chunk(batch: int, vocab_size: int, chunk_elements: int) -> int
     return max(1, chunk_elements // max(batch * vocab_size, 1))
 
 
-def sample_and_entropy(scaled_logits: Tensor, draws: Draws,
+def sample_and_entropy(scaled_logits: Tensor, draws: Draws, keys: DrawKeys,
                        chunk_elements: int = SAMPLING_CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
     """(sampled [B, C], entropy [B, C] fp32) from scaled logits [B, C, V], over chunks of canvas
     positions: the fp32 copies (the draw's softmax, the entropy's terms) exist for one chunk."""
@@ -226,7 +310,7 @@ def sample_and_entropy(scaled_logits: Tensor, draws: Draws,
     for start in range(0, c, step):
         positions = slice(start, min(start + step, c))
         chunk = scaled_logits[:, positions]  # [B, c, V], a view
-        sampled.append(draws.sample(chunk, positions))
+        sampled.append(draws.sample(chunk, positions, keys))
         entropy.append(token_entropy(chunk))
     return torch.cat(sampled, dim=1), torch.cat(entropy, dim=1)
 
@@ -271,26 +355,32 @@ class CanvasState:
     num_steps: Tensor  # [B] denoising steps (decoder forwards) run on this canvas
     finished: Tensor  # [B] bool: stopped early (stable and confident)
 
+    def rows(self, index: Tensor) -> CanvasState:
+        """The state of some rows (``index`` [b]; a copy)."""
+        sc = None if self.self_conditioning is None else self.self_conditioning.index_select(0, index)
+        return CanvasState(*(t.index_select(0, index) for t in (self.canvas_ids, self.accepted, self.argmax_ids)),
+                           sc, *(t.index_select(0, index) for t in (self.num_repeats, self.num_steps, self.finished)))
 
-def new_canvas(batch: int, canvas_length: int, vocab_size: int, draws: Draws,
-               device: torch.device) -> CanvasState:
+
+def new_canvas(keys: DrawKeys, canvas_length: int, vocab_size: int, draws: Draws) -> CanvasState:
     """A canvas of uniform random tokens, every position undecided."""
-    ids = draws.canvas_tokens(batch, canvas_length, vocab_size, device)
-    rows = torch.zeros(batch, dtype=torch.long, device=device)
+    ids = draws.canvas_tokens(keys, canvas_length, vocab_size)
+    rows = torch.zeros(len(keys), dtype=torch.long, device=keys.device)
     return CanvasState(ids, torch.zeros_like(ids, dtype=torch.bool), ids, None, rows - 1, rows,
-                       torch.zeros(batch, dtype=torch.bool, device=device))
+                       torch.zeros(len(keys), dtype=torch.bool, device=keys.device))
 
 
-def denoise_step(state: CanvasState, logits: Tensor, settings: GenerationSettings, draws: Draws,
+def denoise_step(state: CanvasState, logits: Tensor, settings: GenerationSettings, draws: Draws, keys: DrawKeys,
                  embed_dtype: torch.dtype, chunk_elements: int = SAMPLING_CHUNK_ELEMENTS) -> CanvasState:
     """Every row's next state from the decoder's logits [B, C, V] (fp32, scaled in place) of
-    ``state.canvas_ids``; ``keep_finished`` then restores the rows that had stopped."""
+    ``state.canvas_ids``, drawing with ``keys`` (the rows' own); ``keep_finished`` then restores
+    the rows that had stopped, where they ran."""
     b, c, v = logits.shape
     scaled = scale_logits_(logits, temperatures(settings, state.num_steps))
-    sampled, entropy = sample_and_entropy(scaled, draws, chunk_elements)
+    sampled, entropy = sample_and_entropy(scaled, draws, keys, chunk_elements)
     argmax_ids = scaled.argmax(dim=-1)
     accepted = accept_by_entropy(entropy, settings.entropy_bound)
-    canvas_ids = renoise(sampled, accepted, draws.renoise_tokens(b, c, v, logits.device))
+    canvas_ids = renoise(sampled, accepted, draws.renoise_tokens(keys, c, v))
     num_repeats = count_repeats(state.argmax_ids, argmax_ids, state.num_repeats)
     finished = state.finished | stable_and_confident(num_repeats, entropy, settings)
     return CanvasState(canvas_ids, accepted, argmax_ids, scaled.to(embed_dtype), num_repeats,
@@ -332,53 +422,153 @@ def finish_canvas(canvas_ids: Tensor, finished: Tensor, settings: GenerationSett
 @dataclass
 class Generation:
     token_ids: Tensor  # [B, canvases * C] the new tokens, pad after a row's first EOS
-    num_steps: Tensor  # [B, canvases] denoising steps (decoder forwards) each row ran per canvas
+    # [B, canvases] denoising steps each row ran per canvas: with batch_invariant, exactly the decoder
+    # forwards it was in (0 once it has finished); the reference also runs stopped rows, uncounted
+    num_steps: Tensor
 
 
-def denoise_canvas(model: DiffusionGemma, cache: EncoderCache, settings: GenerationSettings, draws: Draws, batch: int,
-                   chunk_elements: int = SAMPLING_CHUNK_ELEMENTS) -> CanvasState:
-    """One canvas's denoising loop against ``cache`` (the prompt and the canvases before)."""
-    cfg, device = model.config, model.embed_tokens.weight.device
-    state = new_canvas(batch, cfg.canvas_length, cfg.vocab_size, draws, device)
+@dataclass
+class LiveRows:
+    """The generation's rows that the encoder cache holds: all of them, or (batch-invariant)
+    those still generating, in order; ``padding``: each one's left padding, which its positions
+    skip (None: the reference's positions, the batch's columns)."""
+    index: Tensor  # [n] int64 into the generation's rows
+    padding: Tensor | None  # [n] int64
+
+    def positions(self, start: int, num: int) -> Tensor | None:
+        """[n, num] RoPE positions of the columns start..start+num (None: the model's own)."""
+        if self.padding is None:
+            return None
+        columns = torch.arange(start, start + num, device=self.padding.device)
+        return (columns[None] - self.padding[:, None]).clamp_(min=0)  # a padding column: 0 (never attended to)
+
+    def select(self, keep: Tensor) -> LiveRows:
+        return LiveRows(self.index[keep], None if self.padding is None else self.padding[keep])
+
+
+def denoise_canvas(model: DiffusionGemma, cache: EncoderCache, settings: GenerationSettings, draws: Draws,
+                   live: LiveRows, canvas: int, chunk_elements: int = SAMPLING_CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
+    """One canvas's denoising loop against ``cache`` (the prompt and the canvases before), run as
+    the reference runs it: every row in every forward, a stopped row's step thrown away.
+    Returns (each row's argmax canvas [n, C], its steps [n])."""
+    cfg = model.config
+    positions = live.positions(cache.length, cfg.canvas_length)
+    state = new_canvas(DrawKeys.at(live.index, canvas, 0), cfg.canvas_length, cfg.vocab_size, draws)
     for _ in range(settings.max_denoising_steps):
-        logits = model.decode(state.canvas_ids, cache, state.self_conditioning)
-        step = denoise_step(state, logits, settings, draws, model.embed_tokens.weight.dtype, chunk_elements)
+        logits = model.decode(state.canvas_ids, cache, state.self_conditioning, positions=positions)
+        keys = DrawKeys.at(live.index, canvas, state.num_steps)
+        step = denoise_step(state, logits, settings, draws, keys, model.embed_tokens.weight.dtype, chunk_elements)
         state = keep_finished(state, step)
         if bool(state.finished.all()):  # the one host read of a step
             break
-    return state
+    return state.argmax_ids, state.num_steps
 
 
-def check_prompt(prompt_ids: Tensor, attention_mask: Tensor | None) -> None:
+def denoise_canvas_dropping(model: DiffusionGemma, cache: EncoderCache, settings: GenerationSettings,
+                            draws: Draws, live: LiveRows, canvas: int,
+                            chunk_elements: int = SAMPLING_CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
+    """``denoise_canvas`` where a row that stops leaves the batch: the decoder runs the rows
+    still denoising only. Each time rows stop, the others' state and cache rows are gathered
+    once (a copy of their self-conditioning, [b, C, V] in the embedding dtype, while the old
+    one is freed)."""
+    cfg = model.config
+    positions = live.positions(cache.length, cfg.canvas_length)
+    state = new_canvas(DrawKeys.at(live.index, canvas, 0), cfg.canvas_length, cfg.vocab_size, draws)
+    argmax_ids, num_steps = state.argmax_ids.clone(), state.num_steps.clone()
+    active, active_cache = torch.arange(len(live.index), device=argmax_ids.device), cache  # rows of ``live``
+    for _ in range(settings.max_denoising_steps):
+        logits = model.decode(state.canvas_ids, active_cache, state.self_conditioning,
+                              positions=None if positions is None else positions[active])
+        keys = DrawKeys.at(live.index[active], canvas, state.num_steps)
+        state = denoise_step(state, logits, settings, draws, keys, model.embed_tokens.weight.dtype, chunk_elements)
+        argmax_ids.index_copy_(0, active, state.argmax_ids)
+        num_steps.index_copy_(0, active, state.num_steps)
+        if not bool(state.finished.any()):  # the one host read of a step
+            continue
+        going = (~state.finished).nonzero()[:, 0]
+        if going.numel() == 0:
+            break
+        active, state = active[going], state.rows(going)
+        active_cache = cache.rows(active)
+    return argmax_ids, num_steps
+
+
+def spread(values: Tensor, index: Tensor, batch: int) -> Tensor:
+    """``values`` [n, ...] of the rows ``index`` (in order) as [batch, ...], 0 elsewhere."""
+    if index.shape[0] == batch:
+        return values
+    return values.new_zeros(batch, *values.shape[1:]).index_copy_(0, index, values)
+
+
+def drop_finished(live: LiveRows, cache: EncoderCache, finished: Tensor) -> tuple[LiveRows, EncoderCache]:
+    """The live rows and their cache without the rows that have finished."""
+    going = (~finished[live.index]).nonzero()[:, 0]
+    if going.numel() == len(live.index):
+        return live, cache
+    return live.select(going), cache.rows(going)
+
+
+def live_rows(prompt_ids: Tensor, attention_mask: Tensor | None, batch_invariant: bool) -> LiveRows:
+    index = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
+    if not batch_invariant:
+        return LiveRows(index, None)
+    if attention_mask is None:
+        return LiveRows(index, torch.zeros_like(index))
+    return LiveRows(index, (attention_mask.cumsum(dim=1) == 0).sum(dim=1))  # leading zeros
+
+
+def check_prompt(prompt_ids: Tensor, attention_mask: Tensor | None, batch_invariant: bool = False) -> None:
     if prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0 or prompt_ids.dtype != torch.long:
         raise UserError(f"prompt_ids must be a [batch, length] tensor of token ids (torch.long, length >= 1), "
                         f"got shape {tuple(prompt_ids.shape)} {prompt_ids.dtype}")
     if attention_mask is not None and attention_mask.shape != prompt_ids.shape:
         raise UserError(f"attention_mask has shape {tuple(attention_mask.shape)}, prompt_ids "
                         f"{tuple(prompt_ids.shape)}: they must match (1 = token, 0 = left padding)")
+    if batch_invariant and attention_mask is not None:
+        inside = ((attention_mask.cumsum(dim=1) > 0) & (attention_mask == 0)).any(dim=1).nonzero()
+        if inside.numel():
+            raise UserError(f"attention_mask row {inside[0, 0].item()} has padding after its first token: "
+                            f"batch_invariant counts each row's positions from its first token, so pad on the "
+                            f"left only")
+
+
+def check_draws(draws: Draws, batch: int) -> None:
+    if isinstance(draws, SeededDraws) and len(draws) != batch:
+        raise UserError(f"SeededDraws has {len(draws)} seeds for {batch} prompts: give one seed per prompt")
 
 
 @torch.no_grad()
 def generate(model: DiffusionGemma, prompt_ids: Tensor, settings: GenerationSettings | None = None,
              draws: Draws | None = None, attention_mask: Tensor | None = None,
-             chunk_elements: int = SAMPLING_CHUNK_ELEMENTS) -> Generation:
+             chunk_elements: int = SAMPLING_CHUNK_ELEMENTS, batch_invariant: bool = False) -> Generation:
     """Sample continuations of ``prompt_ids`` [B, T] (left-padded, ``attention_mask`` 1 = token)
-    with a ``DiffusionGemma``: canvas after canvas, each denoised then encoded into the cache."""
-    check_prompt(prompt_ids, attention_mask)
+    with a ``DiffusionGemma``: canvas after canvas, each denoised then encoded into the cache.
+
+    ``batch_invariant``: each row's positions count from its first token (the reference counts
+    the batch's columns, padding included), and a row leaves the forwards once it stops (early
+    stop, for the rest of the canvas; EOS with a pad id, for good: its later canvases are pad).
+    With ``SeededDraws`` a row's tokens then depend on its prompt and seed alone: the same alone,
+    in any batch and in any order. Off (the default): transformers' layout and work."""
+    check_prompt(prompt_ids, attention_mask, batch_invariant)
     settings = settings or GenerationSettings()
     draws = draws or TorchDraws()
-    batch = prompt_ids.shape[0]
+    batch, canvas_length = prompt_ids.shape[0], model.config.canvas_length
+    check_draws(draws, batch)
+    live = live_rows(prompt_ids, attention_mask, batch_invariant)
     cache = model.new_cache()
-    model.encode(prompt_ids, cache, attention_mask=attention_mask)
+    model.encode(prompt_ids, cache, attention_mask=attention_mask, positions=live.positions(0, prompt_ids.shape[1]))
+    denoise = denoise_canvas_dropping if batch_invariant else denoise_canvas
     finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     canvases, steps = [], []
-    for i in range(settings.num_canvases(model.config.canvas_length)):
+    for i in range(settings.num_canvases(canvas_length)):
         if i:
-            model.encode(canvases[-1], cache)
-        state = denoise_canvas(model, cache, settings, draws, batch, chunk_elements)
-        ids, finished = finish_canvas(state.argmax_ids, finished, settings)
+            model.encode(canvases[-1][live.index], cache, positions=live.positions(cache.length, canvas_length))
+        ids, num_steps = denoise(model, cache, settings, draws, live, i, chunk_elements)
+        ids, finished = finish_canvas(spread(ids, live.index, batch), finished, settings)
         canvases.append(ids)
-        steps.append(state.num_steps)
+        steps.append(spread(num_steps, live.index, batch))
         if bool(finished.all()):
             break
+        if batch_invariant and settings.pad_token_id is not None:  # a finished row's later canvases are pad
+            live, cache = drop_finished(live, cache, finished)
     return Generation(torch.cat(canvases, dim=1), torch.stack(steps, dim=1))

@@ -26,6 +26,8 @@ def signed(value: int) -> int:
 GOLDEN = signed(0x9E3779B97F4A7C15)
 MIX1, MIX2 = signed(0xBF58476D1CE4E5B9), signed(0x94D049BB133111EB)
 TOKENS, CONFIDENCE = 0, 1  # streams: the token draw (one uniform per vocabulary id), random remasking
+# DiffusionGemma's uniform-token streams: a new canvas, the tokens renoising a step's undecided positions
+CANVAS, RENOISE = 2, 3
 
 
 def shift_right(x: Tensor, bits: int) -> Tensor:
@@ -44,8 +46,9 @@ def mix(x: Tensor) -> Tensor:
 @dataclass
 class Noise:
     """The keys of N candidate rows: each row's request seed, the canvas position it predicts
-    and its sequence's forward count (``stats.nfe``), plus a ``salt`` per row (a jump-share copy;
-    0 otherwise). ``uniform`` hashes them with a stream and a column."""
+    and its sequence's forward count (``stats.nfe``), plus a ``salt`` per row (a jump-share copy,
+    DiffusionGemma's canvas index; 0 otherwise). ``uniform`` and ``integers`` hash them with a
+    stream and a column."""
     seeds: Tensor  # [N] int64
     positions: Tensor  # [N] int64
     steps: Tensor  # [N] int64
@@ -64,6 +67,12 @@ class Noise:
         entry, the same for the same key and column wherever and with whatever else it is drawn."""
         h = mix(self.row_keys(stream)[:, None] ^ columns.to(torch.int64))
         return (shift_right(h, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+    def integers(self, stream: int, columns: Tensor, high: int) -> Tensor:
+        """int64 in [0, ``high``), [N, C]: the same hashes as ``uniform``, their top 40 bits modulo
+        ``high`` (uniform up to a bias of high / 2^40: 2.4e-7 at a 262,144-token vocabulary)."""
+        h = mix(self.row_keys(stream)[:, None] ^ columns.to(torch.int64))
+        return shift_right(h, 24) % high
 
     def rows(self, index: Tensor | slice) -> "Noise":
         """The keys of some rows."""

@@ -410,8 +410,9 @@ class EncoderCache:
     """The encoder's K/V per layer, [B, Hkv, kept, D]: every token on full layers, the last
     ``window - 1`` on sliding ones (all a later query can see; what transformers'
     ``DynamicCache`` keeps, and what the decoder's sliding layers then attend to).
-    ``length``: tokens encoded (the next position); ``key_valid`` [B, length]: False on
-    padding (None: no padding)."""
+    ``length``: columns encoded, padding included (the next column, which masks and windows
+    count in; also the next RoPE position unless a forward gives ``positions`` per row);
+    ``key_valid`` [B, length]: False on padding (None: no padding)."""
     keys: list[Tensor | None]
     values: list[Tensor | None]
     length: int = 0
@@ -438,6 +439,15 @@ class EncoderCache:
             batch, self.length, dtype=torch.bool, device=device)
         new = valid.bool() if valid is not None else torch.ones(batch, num_new, dtype=torch.bool, device=device)
         self.key_valid = torch.cat([old, new], dim=1)
+
+    def rows(self, index: Tensor) -> EncoderCache:
+        """The cache of some rows, ``index`` [b] into the batch (a copy of their K/V): what a
+        forward that leaves the other rows out reads."""
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.index_select(0, index)
+
+        return EncoderCache([pick(k) for k in self.keys], [pick(v) for v in self.values], self.length,
+                            pick(self.key_valid))
 
 
 def encoder_mask(cache: EncoderCache, kept: int, num_new: int, window: int | None,
@@ -507,7 +517,8 @@ class DiffusionGemma(nn.Module):
         return self.embed_tokens(input_ids) * self.embed_scale()
 
     def positions_of(self, cache: EncoderCache, num: int, positions: Tensor | None, device) -> Tensor:
-        """RoPE positions [B|1, T]: given, or continuing from the tokens encoded."""
+        """RoPE positions [B|1, T]: given (per row: a left-padded row counting from its first
+        token), or the columns after those encoded (padding counted, as transformers counts)."""
         if positions is not None:
             return positions if positions.dim() == 2 else positions[None]
         return torch.arange(cache.length, cache.length + num, device=device)[None]
