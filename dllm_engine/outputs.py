@@ -67,3 +67,9 @@ def saved(n: int, unit: str, path: Path) -> str:
     if n == 0:
         return f"no {unit} measured yet; {path} not written"
     return f"{n} {unit}{'s' if n != 1 else ''} written to {path}"
+
+
+def percent(share: float | None) -> str:
+    """A share as the tables show it (``87.5%``); ``–`` for one not measured (an accuracy of
+    prompts without answers: null in the JSON)."""
+    return "–" if share is None else f"{share:.1%}"

@@ -21,11 +21,11 @@ from ..errors import UserError
 from ..engine.llm import LLM
 from ..engine.sequence import stop_share
 from ..eval import evaluate
-from ..eval.evaluate import chat_prompt
+from ..eval.evaluate import chat_prompt, rounded
 from ..models.compiled import compile_model, uncompile_model
 from ..models.quantize import QUANTIZATIONS, check_quantization, quantize_reversibly, weight_bytes
 from ..models.loader import read_config, read_generation_config
-from ..outputs import BenchInterrupted, prepare_out_dir, saved, write_json_atomic
+from ..outputs import BenchInterrupted, percent, prepare_out_dir, saved, write_json_atomic
 from ..resolve import resolve_params, trained_block_size
 from ..sampling_params import SamplingParams
 from ..spec import parse_spec
@@ -73,7 +73,7 @@ class BenchRecord:
     method: str
     batch_size: int
     num_prompts: int
-    accuracy: float
+    accuracy: float | None  # None: the prompts had no answers to grade (a prompts file without them)
     throughput: float
     seconds: float
     nfe: int
@@ -140,7 +140,7 @@ def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Exampl
         per_rank = [r["peak_rss_mb"] for r in llm.parallel.report()]
     s = report.stats
     return BenchRecord(method=spec, batch_size=batch_size, num_prompts=len(examples),
-                       accuracy=round(report.accuracy, 4), throughput=round(report.throughput, 2),
+                       accuracy=rounded(report.accuracy), throughput=round(report.throughput, 2),
                        seconds=round(s.seconds, 3), nfe=s.nfe, decoded_tokens=s.decoded_tokens,
                        output_tokens=s.output_tokens, processed_tokens=round(s.processed_tokens, 1),
                        redundancy=round(s.redundancy, 3), prefill_tokens=s.prefill_tokens,
@@ -293,16 +293,23 @@ def check_prompts(llm: LLM, params: dict[str, SamplingParams], examples: list[Ex
         try:
             prompts.append(llm.check_ids(llm.apply_chat_template(chat_prompt(e))))
         except UserError as error:
-            raise UserError(f"a prompt of task {e.task}: {error}") from None
+            raise UserError(f"a prompt of {describe(e)}: {error}") from None
         lengths[len(prompts[-1])] = e
     longest = max(lengths)
     for spec, p in params.items():
         try:
             llm.resolve_for_prompt(p, longest)
         except UserError as e:
-            raise UserError(f"spec {spec!r} on the longest prompt (task {lengths[longest].task}, "
+            raise UserError(f"spec {spec!r} on the longest prompt ({describe(lengths[longest])}, "
                             f"{longest} tokens): {e}") from None
     return prompts
+
+
+def describe(example: Example) -> str:
+    """Where a prompt an error names comes from: ``FILE, line N`` (a prompts file's,
+    ``bench.prompts.PromptExample.where``) or ``task NAME``."""
+    where = getattr(example, "where", None)
+    return where if where is not None else f"task {example.task}"
 
 
 def resolve_specs(specs: list[str], resolve, defaults: dict | None = None) -> dict[str, SamplingParams]:
@@ -330,7 +337,7 @@ HEADER = (f"{'method':<48} {'batch':>5} {'acc':>6} {'tok/s':>8} {'nfe':>6} {'tok
 
 
 def format_row(r: BenchRecord) -> str:
-    return (f"{r.method:<48} {r.batch_size:>5} {r.accuracy:>6.1%} {r.throughput:>8.1f} {r.nfe:>6} "
+    return (f"{r.method:<48} {r.batch_size:>5} {percent(r.accuracy):>6} {r.throughput:>8.1f} {r.nfe:>6} "
             f"{r.decoded_tokens / max(1, r.nfe):>8.2f} {r.redundancy:>7.2f} {r.stop_share:>6.1%} {r.prefill_tokens:>8} "
             f"{r.peak_memory_mb:>7.0f}" + per_rank_memory(r) + rounds(r))
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..outputs import write_json_atomic
+from ..outputs import percent, write_json_atomic
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,7 +115,7 @@ def table(rows: list[dict]) -> str:
         speedup = r["throughput"] / ref["throughput"] if ref and ref["throughput"] else float("nan")
         spread = f" {round_range(r, ref)} |" if repeated else ""
         lines.append(
-            f"| `{r['method']}` | {r['batch_size']} | {r['accuracy']:.1%} | {r['throughput']:.1f} | "
+            f"| `{r['method']}` | {r['batch_size']} | {percent(r['accuracy'])} | {r['throughput']:.1f} | "
             f"{speedup:.2f}× |{spread} {ratio(ref, r, 'nfe')} | {ratio(ref, r, query_tokens)} | {r['nfe']} | "
             f"{r['decoded_tokens'] / max(1, r['nfe']):.2f} | {r['output_tokens'] / max(1, r['nfe']):.2f} | "
             f"{r['redundancy']:.2f} | {stop_share(r):.1%} | {r['prefill_tokens']} | {r['peak_memory_mb']:.0f} |"

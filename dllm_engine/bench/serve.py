@@ -1,13 +1,14 @@
 """``dllm bench serve``: a load generator for a running ``dllm serve``.
 
 At each concurrency level, that many clients send streamed chat completions of held-out task
-prompts back to back until ``num_requests`` have been sent (with ``turns`` > 1, as chats: each
-request after a chat's first carries the chat so far, the server's answers included). Reported
-per level: throughput (output tokens / s over the level's wall time), requests / s, latency and
-time-to-first-chunk percentiles (p50/p95/p99), failures, accuracy (the task graders, over every
-choice), the server's stats (``SequenceStats``: nfe, redundancy, prompt tokens computed and
-reused) summed from each response's usage, and the server's peak memory (its ``/metrics``
-sampled through the level)."""
+prompts (or a prompts file's, ``bench.prompts``) back to back until ``num_requests`` have been
+sent (with ``turns`` > 1, as chats: each request after a chat's first carries the chat so far,
+the server's answers included). Reported per level: throughput (output tokens / s over the
+level's wall time), requests / s, latency and time-to-first-chunk percentiles (p50/p95/p99),
+failures, accuracy (the task graders, or a prompts file's exact match, over every choice; None
+when no choice had an answer to grade), the server's stats (``SequenceStats``: nfe, redundancy,
+prompt tokens computed and reused) summed from each response's usage, and the server's peak
+memory (its ``/metrics`` sampled through the level)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +22,10 @@ from pathlib import Path
 import httpx
 
 from ..errors import UserError
-from ..outputs import BenchInterrupted, prepare_out_dir, saved, write_json_atomic
+from ..eval.evaluate import chat_prompt, grades
+from ..outputs import BenchInterrupted, percent, prepare_out_dir, saved, write_json_atomic
 from .report import collect_meta
-from ..tasks import Example, grade, load_split
+from ..tasks import Example, load_split
 
 
 @dataclass
@@ -33,7 +35,7 @@ class RequestRecord:
     first_chunk: float | None = None  # seconds to the first non-empty text chunk
     output_tokens: int = 0
     correct: int = 0  # choices graded right
-    choices: int = 1
+    choices: int = 1  # choices graded (0: the prompt has no answer to grade)
     usage: dict = field(default_factory=dict)
     error: str = ""
     text: str = ""  # the first choice's answer (a chat's next turn follows it)
@@ -54,7 +56,7 @@ class LevelResult:
     first_chunk_p50: float | None
     first_chunk_p95: float | None
     first_chunk_p99: float | None
-    accuracy: float
+    accuracy: float | None  # None: no choice had an answer to grade
     nfe: int
     redundancy: float
     errors: list[str] = field(default_factory=list)  # the first few failure messages
@@ -118,12 +120,18 @@ async def send(client: httpx.AsyncClient, model: str, messages: list[dict], exam
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
         return RequestRecord(False, time.perf_counter() - start, error=f"{type(e).__name__}: {e}")
     answers = ["".join(text.get(i, [])) for i in range(extra.get("n", 1))]
+    marks = [ok for ok in (grades(example, a)[0] for a in answers) if ok is not None]
     return RequestRecord(True, time.perf_counter() - start, first, usage.get("completion_tokens", 0),
-                         sum(grade(example, a) for a in answers), len(answers), usage, text=answers[0])
+                         sum(marks), len(marks), usage, text=answers[0])
 
 
-def first_message(example: Example, header: str) -> str:
-    return f"{header}\n{example.prompt}" if header else example.prompt
+def turn_messages(example: Example, header: str = "") -> list[dict]:
+    """The messages ``example`` adds to a chat (``evaluate.chat_prompt``: its prompt as a user
+    message, or a prompts file's conversation); ``header`` starts the first of them."""
+    messages = chat_prompt(example)
+    if header:
+        messages[0] = {**messages[0], "content": f"{header}\n{messages[0]['content']}"}
+    return messages
 
 
 async def run_level(url: str, model: str, examples: list[Example], concurrency: int,
@@ -144,8 +152,7 @@ async def run_level(url: str, model: str, examples: list[Example], concurrency: 
             for i in range(chat * turns, min((chat + 1) * turns, num_requests)):
                 example = examples[i % len(examples)]
                 fields = extra if lengths is None else {**extra, "max_tokens": lengths[i]}
-                messages.append({"role": "user", "content": first_message(example, header) if not messages
-                                 else example.prompt})
+                messages += turn_messages(example, "" if messages else header)
                 record = await send(client, model, messages, example, fields)
                 records.append(record)
                 if not record.ok:
@@ -207,6 +214,7 @@ def summarize(records: list[RequestRecord], concurrency: int, wall: float,
     first = [r.first_chunk for r in ok if r.first_chunk is not None]
     decoded = sum(r.usage.get("decoded_tokens", 0) for r in ok)
     processed = sum(r.usage.get("processed_tokens", 0.0) for r in ok)
+    graded = sum(r.choices for r in ok)
     return LevelResult(
         concurrency=concurrency, num_requests=len(records), failures=len(records) - len(ok),
         wall_seconds=round(wall, 4), output_tokens=tokens, throughput=round(tokens / wall, 3),
@@ -214,7 +222,7 @@ def summarize(records: list[RequestRecord], concurrency: int, wall: float,
         latency_p50=percentile(latency, 50), latency_p95=percentile(latency, 95),
         latency_p99=percentile(latency, 99), first_chunk_p50=percentile(first, 50),
         first_chunk_p95=percentile(first, 95), first_chunk_p99=percentile(first, 99),
-        accuracy=round(sum(r.correct for r in ok) / max(1, sum(r.choices for r in ok)), 4),
+        accuracy=round(sum(r.correct for r in ok) / graded, 4) if graded else None,
         nfe=sum(r.usage.get("nfe", 0) for r in ok),
         redundancy=round(processed / decoded, 4) if decoded else 0.0,
         errors=[r.error for r in records if not r.ok][:5],
@@ -263,7 +271,8 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
                     extra: dict | None = None, tasks: list[str] | None = None,
                     timeout: float = 600.0, progress=print,
                     lengths: list[int] | None = None, shared_prefix: int = 0,
-                    baseline_url: str | None = None, meta: dict | None = None, turns: int = 1) -> list[LevelResult]:
+                    baseline_url: str | None = None, meta: dict | None = None, turns: int = 1,
+                    examples: list[Example] | None = None) -> list[LevelResult]:
     """Every concurrency level in turn; writes ``serve_bench.json`` (after every level) and
     ``serve_bench.png`` (at the end, or on Ctrl-C: ``BenchInterrupted``) to ``out`` (when
     given, checked before the run) and returns the per-level results. ``lengths`` (``parse_length_mix``)
@@ -273,7 +282,8 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
     a second server (the same model, another setting) that runs each level just before ``url``,
     so both share the machine's state; its levels go to the JSON's ``baseline``. ``meta``: the
     run's provenance (``report.collect_meta``; default: this command line), written beside the
-    JSON with ``table.md`` for ``dllm report``."""
+    JSON with ``table.md`` for ``dllm report``. ``examples``: the prompts to send (a prompts
+    file's, ``bench.prompts.load_prompts``) in place of the held-out split of ``tasks``."""
     if not concurrency or min(concurrency) < 1:
         raise UserError(f"concurrency levels must be >= 1, got {concurrency}")
     num_requests = len(lengths) if lengths else num_requests
@@ -288,7 +298,9 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
     if baseline_url is not None and served_model(baseline_url, timeout) != model:
         raise UserError(f"{baseline_url} serves {served_model(baseline_url, timeout)!r}, {url} {model!r}: "
                         f"a baseline serves the same model")
-    examples = interleave(load_split(tasks))
+    examples = interleave(examples if examples is not None else load_split(tasks))
+    if not examples:
+        raise UserError("no prompts to send")
     header = shared_header(shared_prefix, examples) if shared_prefix else ""
     results: list[LevelResult] = []
     baseline: list[LevelResult] = []
@@ -347,7 +359,7 @@ def serve_table(report: dict) -> str:
         hits = f"{r.get('cached_tokens', 0) / prompts:.1%}" if prompts else "–"
         return (f"| {name} | {r['concurrency']} | {r['num_requests']} | {r['failures']} | {r['throughput']:.1f} | "
                 f"{speedup} | {'–' if ttfc is None else f'{ttfc:.3f}'} | {'–' if latency is None else f'{latency:.3f}'} | "
-                f"{r.get('prefill_tokens', 0)} | {r.get('cached_tokens', 0)} | {hits} | {fewer} | {share} | {r['accuracy']:.1%} | "
+                f"{r.get('prefill_tokens', 0)} | {r.get('cached_tokens', 0)} | {hits} | {fewer} | {share} | {percent(r['accuracy'])} | "
                 f"{memory} |")
     for r in report["levels"]:
         ref = base.get(r["concurrency"])
@@ -362,7 +374,7 @@ def format_row(r: LevelResult) -> str:
         return f"{x:>7.3f}" if x is not None else f"{'-':>7}"
     return (f"{r.concurrency:>5} {r.num_requests:>5} {r.failures:>5} {r.throughput:>8.1f} "
             f"{r.requests_per_s:>7.2f} {s(r.latency_p50)} {s(r.latency_p95)} {s(r.latency_p99)} "
-            f"{s(r.first_chunk_p50)} {s(r.first_chunk_p95)} {r.accuracy:>6.1%} {r.redundancy:>7.2f} "
+            f"{s(r.first_chunk_p50)} {s(r.first_chunk_p95)} {percent(r.accuracy):>6} {r.redundancy:>7.2f} "
             f"{r.prefill_tokens:>8} {r.cached_tokens:>8} "
             f"{'-' if r.peak_memory_mb is None else f'{r.peak_memory_mb:.0f}':>8}")
 

@@ -5,7 +5,8 @@ import argparse
 
 from ..errors import UserError
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
-from .common import add_model_args, prepare_out, set_threads, split_ints, split_quantizations
+from .common import add_model_args, add_prompt_source, load_examples, prepare_out, set_threads, split_ints, \
+    split_quantizations
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
@@ -13,11 +14,11 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", nargs="+", required=True,
                    help="specs method[:field=value,...], e.g. dual-cache:threshold=0.9")
     p.add_argument("--batch-sizes", type=split_ints, default=[1, 8, 32], help="comma-separated (default 1,8,32)")
-    p.add_argument("--tasks", default="all",
-                   help="'all' (default), a family ('copy', 'worked', 'phrased') or comma-separated task names")
+    add_prompt_source(p, "all", "'all' (default), a family ('copy', 'worked', 'phrased') or comma-separated "
+                                "task names")
     p.add_argument("--limit", type=int, default=None,
-                   help="prompts per task (default: every held-out prompt, 100 per task: 1,500 for 'all', "
-                        "each spec at each batch size)")
+                   help="prompts per task, or the first N of --prompts (default: every prompt: 100 per task, "
+                        "1,500 for 'all'; each spec at each batch size)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--block-length", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--out", default=None,
@@ -52,12 +53,12 @@ def run_bench(args: argparse.Namespace) -> None:
     from ..bench.offline import HEADER, check_prompts, check_specs, run_bench as bench, table
     from ..hub import resolve_model
     from ..models.compiled import check_compile
-    from ..tasks import load_split
     if args.repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {args.repeats}")
     set_threads(args.threads)
-    examples = load_split(args.tasks, limit=args.limit)  # a typo fails before the model loads
+    examples = load_examples(args, args.limit)  # a typo or a bad file fails before the model loads
     args.tasks = list(dict.fromkeys(e.task for e in examples))
+    workload = f"prompts file: {args.prompts}" if args.prompts else f"tasks: {','.join(args.tasks)}"
     defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
                                   ("block_length", args.block_length)) if v is not None}
     check_compile(args.compile, args.tensor_parallel_size, args.compile_step)  # bench compiles after loading
@@ -75,7 +76,7 @@ def run_bench(args: argparse.Namespace) -> None:
     for spec, params in resolved.items():
         print(f"method: {spec} = {params.describe()}")
     from ..engine.host_memory import is_kept
-    print(f"model: {args.model}  prompts: {len(examples)}  tasks: {','.join(args.tasks)}  device: {args.device}  "
+    print(f"model: {args.model}  prompts: {len(examples)}  {workload}  device: {args.device}  "
           f"keep_freed_memory: {'on' if is_kept() else 'off'}  repeats: {args.repeats}")
     print(HEADER)
     records = bench(llm, args.methods, args.batch_sizes, examples, args.out, defaults,

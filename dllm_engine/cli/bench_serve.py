@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import UserError
-from .common import prepare_out, split_ints
+from .common import add_prompt_source, load_examples, prepare_out, split_ints
 
 
 def add_bench_serve(sub: argparse._SubParsersAction) -> None:
@@ -15,7 +15,10 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
                         "runs on it just before --url, and the table gives the speed-up over it")
     p.add_argument("--concurrency", type=split_ints, default=[1, 8, 32, 64])
     p.add_argument("--num-requests", type=int, default=64, help="requests per concurrency level")
-    p.add_argument("--tasks", default="all", help="'all', a family ('copy', 'worked', 'phrased') or task names")
+    add_prompt_source(p, "all", "'all', a family ('copy', 'worked', 'phrased') or task names")
+    p.add_argument("--limit", type=int, default=None,
+                   help="prompts per task, or the first N of --prompts (default: every prompt; the requests "
+                        "cycle through them)")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--length-mix", default=None,
                    help="per-request max_tokens, e.g. 64x200,960x10 (sets the number of requests; "
@@ -47,14 +50,16 @@ def run_bench_serve(args: argparse.Namespace) -> None:
             raise UserError(f"--options must be a JSON object: {e}") from None
     lengths = parse_length_mix(args.length_mix) if args.length_mix else None
     prepare_out(args.out, "serve_bench.json")
+    examples = load_examples(args, args.limit)  # a typo or a bad file fails before the server is asked
     print(f"server: {args.url}  requests per level: {len(lengths) if lengths else args.num_requests}  "
           f"options: {extra}" + (f"  length mix: {args.length_mix}" if lengths else "")
-          + (f"  chats of {args.turns} turns" if args.turns > 1 else ""))
+          + (f"  chats of {args.turns} turns" if args.turns > 1 else "")
+          + (f"  prompts file: {args.prompts} ({len(examples)} prompts)" if args.prompts else ""))
     print(HEADER)
     if args.shared_prefix < 0:
         raise UserError(f"--shared-prefix must be >= 0 words, got {args.shared_prefix}")
     run_serve_bench(args.url, args.concurrency, args.num_requests, args.out, extra, args.tasks, args.timeout,
                     lengths=lengths, shared_prefix=args.shared_prefix, baseline_url=args.baseline_url,
-                    turns=args.turns)
+                    turns=args.turns, examples=examples)
     if args.out:
         print(f"\nwrote {args.out}/serve_bench.json and {args.out}/serve_bench.png")

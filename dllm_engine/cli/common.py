@@ -121,6 +121,29 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    "whole canvas, as LLaDA's and Fast-dLLM's reference loops do)")
 
 
+def add_prompt_source(p: argparse.ArgumentParser, tasks_default: str, tasks_help: str) -> None:
+    """``--tasks`` (the held-out task split) or ``--prompts FILE.jsonl`` (``bench.prompts``), not both."""
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--tasks", default=tasks_default, help=tasks_help)
+    source.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                        help='prompts from a JSON-lines file instead of the task split: one object a line, '
+                             '"prompt" (a user message, through the chat template) or "messages" (a list of '
+                             '{role, content}), and optionally "answer": when every line has one, accuracy is '
+                             'exact match of the stripped output against it; when none has, accuracy is n/a '
+                             '("-"); not with --tasks')
+
+
+def load_examples(args: argparse.Namespace, limit: int | None):
+    """The prompts a bench or profile runs: ``--prompts``' lines (the first ``limit``), else the
+    held-out split of ``--tasks`` (``limit`` per task); a bad file or task name fails here,
+    before any model loads or server is asked."""
+    if args.prompts is not None:
+        from ..bench.prompts import load_prompts
+        return load_prompts(args.prompts, limit)
+    from ..tasks import load_split
+    return load_split(args.tasks, limit=limit)
+
+
 def sampling_params(args: argparse.Namespace) -> "SamplingParams":
     """The options the command line gave; ``LLM.resolve`` fills the rest (one resolution)."""
     fields = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length, steps=args.steps,

@@ -5,7 +5,7 @@ import argparse
 
 from ..errors import UserError
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
-from .common import add_model_args, set_threads, split_ints
+from .common import add_model_args, add_prompt_source, load_examples, set_threads, split_ints
 
 
 def add_profile(sub: argparse._SubParsersAction) -> None:
@@ -13,10 +13,10 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
                        "everything else, and host synchronisations per step")
     p.add_argument("--methods", nargs="+", required=True, help="specs as in dllm bench")
     p.add_argument("--batch-sizes", type=split_ints, default=[1, 64])
-    p.add_argument("--tasks", default="copy",
-                   help="'copy' (default), 'worked', 'phrased', 'all' or comma-separated task names, "
-                        "as in dllm bench")
-    p.add_argument("--limit", type=int, default=2, help="prompts per task")
+    add_prompt_source(p, "copy", "'copy' (default), 'worked', 'phrased', 'all' or comma-separated task names, "
+                                 "as in dllm bench")
+    p.add_argument("--limit", type=int, default=None,
+                   help="prompts per task (default 2), or the first N of --prompts (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="for every spec that does not set it")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed and floor passes, alternating; each keeps its fastest (a shared machine)")
@@ -28,7 +28,6 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
 
 def run_profile(args: argparse.Namespace) -> None:
     from ..bench.profile import HEADER, run_profile as profile, table
-    from ..tasks import load_split
     if args.tensor_parallel_size != 1:  # its floor pass calls modules whose collectives need every rank
         raise UserError("dllm profile replays the model's modules in this process; run it with "
                         "--tensor-parallel-size 1")
@@ -37,12 +36,14 @@ def run_profile(args: argparse.Namespace) -> None:
                         "step; use --fixed-shapes here, and dllm bench --compile-step for its speed")
     if args.repeats < 1:  # before the weights load
         raise UserError(f"--repeats must be >= 1, got {args.repeats}")
-    examples = load_split(args.tasks, limit=args.limit)  # a typo fails before the model loads
+    limit = args.limit if args.limit is not None or args.prompts else 2
+    examples = load_examples(args, limit)  # a typo or a bad file fails before the model loads
     set_threads(args.threads)
     llm = common.load_llm(args)  # as dllm bench: freed host memory kept unless --no-keep-freed-memory
     defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
-    tasks = ",".join(dict.fromkeys(e.task for e in examples))
-    print(f"model: {args.model}  prompts: {len(examples)}  tasks: {tasks}  device: {args.device}  "
+    workload = (f"prompts file: {args.prompts}" if args.prompts
+                else f"tasks: {','.join(dict.fromkeys(e.task for e in examples))}")
+    print(f"model: {args.model}  prompts: {len(examples)}  {workload}  device: {args.device}  "
           f"compile: {'on' if args.compile else 'off'}  fixed shapes: {'on' if args.fixed_shapes else 'off'}  "
           f"repeats: {args.repeats}  clock: {args.clock}")
     print(HEADER)

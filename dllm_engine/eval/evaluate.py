@@ -12,6 +12,7 @@ from tqdm import tqdm
 from ..errors import UserError
 from ..engine.llm import LLM
 from ..engine.sequence import SequenceStats
+from ..outputs import percent
 from ..sampling_params import SamplingParams
 from ..strategies.base import merge_diagnostics
 from ..tasks import Example, grade, grade_final, grade_form, load_split
@@ -25,10 +26,14 @@ class TaskResult:
     stats: SequenceStats = field(default_factory=SequenceStats)  # summed over the task's prompts
     final_correct: int | None = None  # final-answer-only grade; None for a task without one
     form_correct: int | None = None  # form-only grade (phrased tasks); None for a task without one
+    graded: int = 0  # prompts with an answer to grade (a prompts file without answers: none)
 
     @property
-    def accuracy(self) -> float:
-        return self.correct / self.num_prompts if self.num_prompts else 0.0
+    def accuracy(self) -> float | None:
+        """Whole answers right over the prompts graded; None when none had an answer to grade."""
+        if not self.graded:  # prompts without answers: not measured (no prompts yet: 0.0)
+            return None if self.num_prompts else 0.0
+        return self.correct / self.graded
 
     @property
     def final_accuracy(self) -> float | None:
@@ -44,10 +49,13 @@ class TaskResult:
             return None
         return count / self.num_prompts if self.num_prompts else 0.0
 
-    def add(self, ok: bool, stats: SequenceStats, final_ok: bool | None = None,
+    def add(self, ok: bool | None, stats: SequenceStats, final_ok: bool | None = None,
             form_ok: bool | None = None) -> None:
+        """One prompt's grades (``ok`` None: it had no answer to grade) and stats."""
         self.num_prompts += 1
-        self.correct += int(ok)
+        if ok is not None:
+            self.graded += 1
+            self.correct += int(ok)
         if final_ok is not None:
             self.final_correct = (self.final_correct or 0) + int(final_ok)
         if form_ok is not None:
@@ -55,10 +63,8 @@ class TaskResult:
         self.stats.add(stats)
 
     def row(self) -> dict:
-        final, form = self.final_accuracy, self.form_accuracy
-        return {"task": self.task, "num_prompts": self.num_prompts, "accuracy": round(self.accuracy, 4),
-                "final_accuracy": None if final is None else round(final, 4),
-                "form_accuracy": None if form is None else round(form, 4),
+        return {"task": self.task, "num_prompts": self.num_prompts, "accuracy": rounded(self.accuracy),
+                "final_accuracy": rounded(self.final_accuracy), "form_accuracy": rounded(self.form_accuracy),
                 "mean_output_tokens": round(self.stats.output_tokens / max(1, self.num_prompts), 2),
                 "nfe": self.stats.nfe, "tokens_per_step": round(self.stats.tokens_per_step, 3),
                 "answer_tokens_per_step": round(self.stats.answer_tokens_per_step, 3),
@@ -67,6 +73,11 @@ class TaskResult:
                 "ahead_share": round(self.stats.ahead_share, 4),
                 "mean_ahead_gap": round(self.stats.mean_ahead_gap, 2),
                 "steps_by_commits": commit_histogram(self.stats)}
+
+
+def rounded(share: float | None) -> float | None:
+    """A share to 4 places, None (a grade not measured) kept."""
+    return None if share is None else round(share, 4)
 
 
 def mean_known(values) -> float | None:
@@ -97,9 +108,9 @@ class EvalReport:
     outputs: list[list[int]] = field(default_factory=list)  # each prompt's answer token ids, in order
 
     @property
-    def accuracy(self) -> float:
-        """Mean of the per-task accuracies."""
-        return sum(t.accuracy for t in self.tasks.values()) / max(1, len(self.tasks))
+    def accuracy(self) -> float | None:
+        """Mean of the per-task accuracies (None when no prompt had an answer to grade)."""
+        return mean_known(t.accuracy for t in self.tasks.values()) if self.tasks else 0.0
 
     @property
     def final_accuracy(self) -> float | None:
@@ -116,10 +127,8 @@ class EvalReport:
         return self.stats.output_tokens / self.stats.seconds if self.stats.seconds else 0.0
 
     def as_dict(self) -> dict:
-        final, form = self.final_accuracy, self.form_accuracy
-        return {"method": self.method, "accuracy": round(self.accuracy, 4),
-                "final_accuracy": None if final is None else round(final, 4),
-                "form_accuracy": None if form is None else round(form, 4),
+        return {"method": self.method, "accuracy": rounded(self.accuracy),
+                "final_accuracy": rounded(self.final_accuracy), "form_accuracy": rounded(self.form_accuracy),
                 "throughput": round(self.throughput, 2), **self.stats.as_dict(),
                 "stop_share": round(self.stats.stop_share, 4),
                 "ahead_share": round(self.stats.ahead_share, 4),
@@ -133,13 +142,12 @@ class EvalReport:
                  f"{'stop%':>6} {'ahead%':>6} | steps committing " + " ".join(f"{b:>5}" for b in buckets) + " tokens"]
         for t in self.tasks.values():
             r = t.row()
-            final = "–" if t.final_accuracy is None else f"{t.final_accuracy:.1%}"
-            form = "–" if t.form_accuracy is None else f"{t.form_accuracy:.1%}"
-            lines.append(f"{t.task:<10} {t.num_prompts:>4} {t.accuracy:>7.1%} {final:>7} {form:>7} {r['mean_output_tokens']:>8.2f} "
+            lines.append(f"{t.task:<10} {t.num_prompts:>4} {percent(t.accuracy):>7} {percent(t.final_accuracy):>7} "
+                         f"{percent(t.form_accuracy):>7} {r['mean_output_tokens']:>8.2f} "
                          f"{r['nfe']:>6} {r['tokens_per_step']:>9.2f} {r['answer_tokens_per_step']:>9.2f} {r['redundancy']:>7.2f} {r['stop_share']:>6.1%} {r['ahead_share']:>6.1%}"
                          f" | {'':>16} " + " ".join(f"{v:>5.0%}" for v in r["steps_by_commits"].values()))
         s = self.stats
-        lines.append(f"{'mean':<10} {sum(t.num_prompts for t in self.tasks.values()):>4} {self.accuracy:>7.1%}"
+        lines.append(f"{'mean':<10} {sum(t.num_prompts for t in self.tasks.values()):>4} {percent(self.accuracy):>7}"
                      f" {'' if self.final_accuracy is None else f'{self.final_accuracy:.1%}':>7}"
                      f" {'' if self.form_accuracy is None else f'{self.form_accuracy:.1%}':>7}"
                      f"   throughput {self.throughput:.1f} tok/s, redundancy {s.redundancy:.2f}, "
@@ -150,11 +158,27 @@ class EvalReport:
         return "\n".join(lines)
 
 
+# An example is a task ``Example`` (the lab's suite, graded by its task) or one that brings its own
+# conversation and grade (``bench.prompts.PromptExample``: a prompts file's line, exact match or
+# none): ``chat_prompt`` and ``grades`` tell them apart (and ``bench.offline.describe``, naming
+# a prompt in an error).
 def chat_prompt(example: Example) -> list[dict]:
-    return [{"role": "user", "content": example.prompt}]
+    """The conversation ``example`` is asked as: its own (``chat()``), else its prompt as the one
+    user message."""
+    own = getattr(example, "chat", None)
+    return own() if own is not None else [{"role": "user", "content": example.prompt}]
 
 
-def sample_record(ex: Example, text: str, stats: SequenceStats, ok: bool, final_ok: bool | None,
+def grades(example: Example, output_text: str) -> tuple[bool | None, bool | None, bool | None]:
+    """``output_text``'s (whole answer, final answer, form) grades, None for one not measured: an
+    example's own (``grades(text)``), else its task's graders."""
+    own = getattr(example, "grades", None)
+    if own is not None:
+        return own(output_text)
+    return grade(example, output_text), grade_final(example, output_text), grade_form(example, output_text)
+
+
+def sample_record(ex: Example, text: str, stats: SequenceStats, ok: bool | None, final_ok: bool | None,
                   form_ok: bool | None) -> dict:
     """One prompt's line of ``--samples``: what was asked, what was expected, what came out, its
     grades (None for a grade the task does not have) and its decoding counts."""
@@ -167,7 +191,8 @@ def sample_record(ex: Example, text: str, stats: SequenceStats, ok: bool, final_
 def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, limit: int | None = None,
              batch_size: int = 32, use_tqdm: bool = True, examples: list[Example] | None = None,
              desc: str | None = None, samples: str | Path | None = None) -> EvalReport:
-    """Accuracy and stats (``SequenceStats``) of ``params`` on the held-out split (or ``examples``);
+    """Accuracy and stats (``SequenceStats``) of ``params`` on the held-out split (or ``examples``:
+    task examples, or a prompts file's, ``bench.prompts``);
     ``use_tqdm``: a progress bar of the prompts done, named ``desc`` (default: eval METHOD);
     ``samples``: a JSON-lines file that gets every prompt's ``sample_record``, a batch at a time as
     it finishes (an interrupted run keeps the prompts it graded)."""
@@ -190,7 +215,7 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
             outs = llm.chat([chat_prompt(e) for e in chunk], params)
             report.method, records = outs.method, records + [outs.diagnostics]
             for ex, out in zip(chunk, outs):
-                ok, final_ok, form_ok = grade(ex, out.text), grade_final(ex, out.text), grade_form(ex, out.text)
+                ok, final_ok, form_ok = grades(ex, out.text)
                 report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(ok, out.stats, final_ok, form_ok)
                 all_stats.append(out.stats)
                 report.outputs.append(list(out.token_ids))
