@@ -91,6 +91,25 @@ def test_profile_one_reports_floor_overhead_and_syncs(llada):
     assert 0 < r.ops_per_step <= 200 and r.layer_ops_per_step > 0  # docs/performance.md: ~110 for dual-cache
 
 
+def test_the_breakdown_sums_op_time_by_kind(llada, capsys, tmp_path):
+    from dllm_engine.bench.profile import KINDS, breakdown_table, op_kind
+    assert [op_kind(f"aten::{op}") for op in ("mm", "_scaled_dot_product_flash_attention_for_cpu", "mul",
+                                               "index_put_", "transpose", "_foreach_norm")] == [*KINDS]
+    params = parse_spec("dual-cache:threshold=0.9", max_new_tokens=16, block_length=8)
+    r = profile_one(llada, "dual-cache", params, PROMPTS, 4, breakdown=True)
+    assert set(r.breakdown) == set(KINDS)
+    # a forward is mostly its matmuls and attention; the rest of the engine's work is all there too
+    assert r.breakdown["matmul"] > 0 and r.breakdown["attention"] > 0 and r.breakdown["data movement"] > 0
+    assert sum(r.breakdown.values()) < r.step_ms * 3  # ms per step, not per run (the profiler's cost aside)
+    assert breakdown_table([r]).splitlines()[2].startswith("| `dual-cache` | 4 | ")
+    assert profile_one(llada, "dual-cache", params, PROMPTS, 4).breakdown is None  # only when asked
+    ckpt = write_checkpoint(tmp_path / "ckpt", "sdar", block_size=8)
+    assert main(["profile", "--model", str(ckpt), "--methods", "block:threshold=0.9", "--batch-sizes", "1",
+                 "--limit", "1", "--max-new-tokens", "8", "--tasks", "sort", "--breakdown"]) == 0
+    out = capsys.readouterr().out
+    assert "op time by kind" in out and "| method | batch | matmul | attention |" in out
+
+
 def test_profile_command_prints_the_table(tmp_path, capsys):
     ckpt = write_checkpoint(tmp_path / "ckpt", "sdar", block_size=8)
     assert main(["profile", "--model", str(ckpt), "--methods", "block:threshold=0.9",

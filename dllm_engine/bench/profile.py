@@ -21,7 +21,10 @@ deterministic, so every pass makes the same steps:
    stops a CUDA graph from capturing the step. The same pass counts the **forward shapes**:
    the distinct signatures of a forward (per layer: rows, tokens, keys, masked or not) over the
    run. A captured step (a CUDA graph, ``torch.compile`` without dynamic shapes) needs one
-   capture per signature.
+   capture per signature;
+4. with ``--breakdown``, the op time by kind (matmul, attention, elementwise, data movement,
+   views and allocation, other) under torch's profiler (``op_breakdown``): what a method that computes fewer tokens
+   saves where, e.g. FOCUS's attention still reading every cached key for the queries it keeps.
 """
 from __future__ import annotations
 
@@ -243,6 +246,7 @@ class ProfileRecord:
     forward_shapes: int = 0  # distinct forward signatures (ShapeLog) over the run
     ops_per_step: float = 0.0  # aten ops outside the layer loop (the engine's own work)
     layer_ops_per_step: float = 0.0  # aten ops inside the layer loop
+    breakdown: dict[str, float] | None = None  # ms per step by op kind (``op_breakdown``), when asked
 
 
 def run_batches(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
@@ -264,11 +268,11 @@ def run_batches(llm: LLM, params: SamplingParams, prompts: list[list[int]], batc
 
 
 def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[int]],
-                batch_size: int, repeats: int = 1, clock: str = "wall") -> ProfileRecord:
+                batch_size: int, repeats: int = 1, clock: str = "wall", breakdown: bool = False) -> ProfileRecord:
     """Profile one spec at one batch size; prompts repeat to fill a batch larger than them.
     ``repeats``: timed and floor passes alternate that many times and each keeps its fastest
     (on a shared machine the minimum is the least disturbed). ``clock``: ``wall`` or ``cpu``
-    (``CLOCKS``)."""
+    (``CLOCKS``). ``breakdown``: a last pass under torch's profiler (``op_breakdown``)."""
     tick = CLOCKS[clock]
     prompts = [prompts[i % len(prompts)] for i in range(max(len(prompts), batch_size))]
     run_batches(llm, params, prompts[:1], 1)  # warm-up
@@ -286,7 +290,8 @@ def profile_one(llm: LLM, spec: str, params: SamplingParams, prompts: list[list[
                          layer_syncs_per_step=round(count.in_layers / steps, 2),
                          throughput=round(tokens / seconds, 2), forward_shapes=len(shapes.signatures),
                          ops_per_step=round((count.ops - count.layer_ops) / steps, 1),
-                         layer_ops_per_step=round(count.layer_ops / steps, 1))
+                         layer_ops_per_step=round(count.layer_ops / steps, 1),
+                         breakdown=op_breakdown(llm, params, prompts, batch_size) if breakdown else None)
 
 
 def floor_seconds(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int,
@@ -318,8 +323,9 @@ def count_syncs(llm: LLM, params: SamplingParams, prompts: list[list[int]], batc
 
 def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
                 defaults: dict | None = None, progress=print, repeats: int = 1,
-                clock: str = "wall") -> list[ProfileRecord]:
-    """Profile every spec at every batch size (interleaved, as ``dllm bench`` does)."""
+                clock: str = "wall", breakdown: bool = False) -> list[ProfileRecord]:
+    """Profile every spec at every batch size (interleaved, as ``dllm bench`` does);
+    ``breakdown``: each row's op time by kind too (``op_breakdown``)."""
     if not specs or not batch_sizes or any(b < 1 for b in batch_sizes):
         raise UserError(f"give at least one method spec and batch sizes >= 1, got {specs} / {batch_sizes}")
     if repeats < 1:
@@ -337,7 +343,7 @@ def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: li
     try:
         for bs in batch_sizes:
             for spec in specs:
-                records.append(profile_one(llm, spec, params[spec], prompts, bs, repeats, clock))
+                records.append(profile_one(llm, spec, params[spec], prompts, bs, repeats, clock, breakdown))
                 progress(format_row(records[-1]))
     finally:
         llm.engine.prefix_store = store
@@ -362,4 +368,77 @@ def table(records: list[ProfileRecord]) -> str:
         lines.append(f"| `{r.method}` | {r.batch_size} | {r.steps} | {r.step_ms:.2f} | {r.floor_ms:.2f} | "
                      f"{r.overhead:.1%} | {r.syncs_per_step:.1f} | {r.layer_syncs_per_step:.1f} | "
                      f"{r.ops_per_step:.1f} | {r.layer_ops_per_step:.1f} | {r.throughput:.1f} | {r.forward_shapes} |")
+    return "\n".join(lines)
+
+
+# -- where the op time goes ----------------------------------------------------------------------
+# The kinds of aten op ``op_breakdown`` sums self time by; an op no set names is "other".
+MATMUL = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_weight_int8pack_mm",
+                    "_weight_int4pack_mm", "_int_mm"})
+ELEMENTWISE = frozenset({"mul", "add", "sub", "div", "pow", "rsqrt", "sqrt", "exp", "log", "tanh", "neg", "silu",
+                         "gelu", "sigmoid", "_softmax", "softmax", "_log_softmax", "log_softmax", "mean", "sum",
+                         "max", "amax", "min", "amin", "argmax", "topk", "sort", "clamp", "clamp_min", "reciprocal",
+                         "abs", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not",
+                         "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "cumsum", "remainder",
+                         "floor_divide", "maximum", "minimum", "sin", "cos", "erf", "mul_", "add_", "div_",
+                         "sub_", "exponential_", "uniform_", "log1p", "expm1", "any", "all"})
+MOVEMENT = frozenset({"copy_", "_to_copy", "to", "clone", "contiguous", "index", "index_put_", "_index_put_impl_",
+                      "index_copy", "index_copy_", "index_select", "gather", "scatter", "scatter_", "scatter_add_",
+                      "cat", "stack", "fill_", "zero_", "masked_fill", "masked_fill_", "masked_select", "where",
+                      "nonzero", "nonzero_static", "embedding", "repeat", "expand_as", "narrow_copy",
+                      "constant_pad_nd", "pad", "flip", "roll", "_unsafe_view", "take_along_dim"})
+# no data touched: a view's or a new tensor's bookkeeping, the per-op host cost a fused or
+# captured step removes
+VIEWS = frozenset({"as_strided", "transpose", "slice", "reshape", "view", "t", "narrow", "unsqueeze", "squeeze",
+                   "expand", "select", "alias", "permute", "split", "split_with_sizes", "chunk", "unbind",
+                   "unflatten", "flatten", "detach", "resolve_conj", "resolve_neg", "lift_fresh", "empty",
+                   "empty_strided", "empty_like", "new_empty", "new_empty_strided", "zeros", "zeros_like",
+                   "new_zeros", "ones", "ones_like", "full", "new_full", "arange", "scalar_tensor"})
+KINDS = ("matmul", "attention", "elementwise", "data movement", "views and allocation", "other")
+
+
+def op_kind(name: str) -> str:
+    """The kind of a profiler event named ``aten::NAME``: matmul, attention (every SDPA kernel),
+    elementwise (and reductions), data movement (copies, gathers, scatters, concatenation,
+    fills), views and allocation (no data touched), or other."""
+    op = name.removeprefix("aten::")
+    if "scaled_dot_product" in op or "attention" in op:
+        return "attention"
+    if op in MATMUL:
+        return "matmul"
+    if op in ELEMENTWISE:
+        return "elementwise"
+    if op in MOVEMENT:
+        return "data movement"
+    if op in VIEWS:
+        return "views and allocation"
+    return "other"
+
+
+def op_breakdown(llm: LLM, params: SamplingParams, prompts: list[list[int]], batch_size: int
+                 ) -> dict[str, float]:
+    """The same steps once more under ``torch.profiler``: each kind's self time (``op_kind``;
+    device time on CUDA, else CPU time) in ms per step. Self time: a composite op (``linear``)
+    counts only what it does itself, the kernels it calls count as theirs."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = llm.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        steps = run_batches(llm, params, prompts, batch_size)[0]
+    totals = dict.fromkeys(KINDS, 0.0)
+    for event in prof.key_averages():
+        if event.key.startswith("aten::"):
+            us = event.self_device_time_total if cuda else event.self_cpu_time_total
+            totals[op_kind(event.key)] += us
+    return {kind: round(us / 1e3 / steps, 3) for kind, us in totals.items()}
+
+
+def breakdown_table(records: list[ProfileRecord]) -> str:
+    """Each profiled row's op time by kind: ms per step and its share of the step's op time."""
+    lines = ["| method | batch | " + " | ".join(KINDS) + " |", "|---|---|" + "---|" * len(KINDS)]
+    for r in records:
+        if r.breakdown:
+            total = sum(r.breakdown.values()) or 1.0
+            cells = [f"{r.breakdown[k]:.2f} ({r.breakdown[k] / total:.0%})" for k in KINDS]
+            lines.append(f"| `{r.method}` | {r.batch_size} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -23,11 +23,14 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall time, or the engine thread's CPU time (barely disturbed by other "
                         "processes; tok/s then counts CPU seconds; use with --threads 1)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="one more pass under torch's profiler: each row's op time by kind (matmul, attention, "
+                        "elementwise, data movement, views and allocation), ms per step")
     add_model_args(p)
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    from ..bench.profile import HEADER, run_profile as profile, table
+    from ..bench.profile import HEADER, breakdown_table, run_profile as profile, table
     if args.tensor_parallel_size != 1:  # its floor pass calls modules whose collectives need every rank
         raise UserError("dllm profile replays the model's modules in this process; run it with "
                         "--tensor-parallel-size 1")
@@ -48,6 +51,9 @@ def run_profile(args: argparse.Namespace) -> None:
           f"repeats: {args.repeats}  clock: {args.clock}")
     print(HEADER)
     records = profile(llm, args.methods, args.batch_sizes, examples, defaults, repeats=args.repeats,
-                      clock=args.clock)
+                      clock=args.clock, breakdown=args.breakdown)
     print()
     print(table(records))
+    if args.breakdown:
+        print("\nop time by kind, ms per step (share of the step's op time):\n")
+        print(breakdown_table(records))
