@@ -205,6 +205,22 @@ def test_saved_layout_names_and_vision_notice(pair, caplog):
     assert len(notices) == 1 and "skipping" in notices[0]
 
 
+def test_a_hub_id_loads_from_the_cache_as_the_folder(pair, tmp_path, monkeypatch):
+    """``org/name`` at a revision, from a cache in the Hub's layout (offline): the same weights
+    as the folder it was made from."""
+    from huggingface_hub import constants
+    from test_hub import add_snapshot, folder_files
+    _, ours, folder = pair
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    add_snapshot(tmp_path, "google/tiny-diffusiongemma", commit, folder_files(folder), refs=("main",))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    by_id = load_diffusion_gemma("google/tiny-diffusiongemma", revision="main")
+    assert all(torch.equal(a, b) for a, b in zip(by_id.state_dict().values(), ours.state_dict().values()))
+    with pytest.raises(UserError, match="does not exist"):
+        load_diffusion_gemma(tmp_path / "nope")
+
+
 def test_loader_refuses_a_checkpoint_missing_a_tensor(pair, tmp_path):
     ref, _, folder = pair
     from safetensors.torch import load_file, save_file

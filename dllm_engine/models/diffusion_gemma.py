@@ -632,13 +632,15 @@ def check_shape(name: str, shape: tuple, param: Tensor) -> None:
 
 
 def load_diffusion_gemma(path: str | Path, dtype: str | torch.dtype = "float32",
-                         device: str | torch.device = "cpu") -> DiffusionGemma:
+                         device: str | torch.device = "cpu", revision: str | None = None) -> DiffusionGemma:
     """A released-layout DiffusionGemma folder (config.json with ``text_config``, safetensors
-    shards) as a ``DiffusionGemma``, without transformers or remote code. Built on the meta
-    device, allocated once in ``dtype`` on ``device``, then filled tensor by tensor; on the
-    ``meta`` device nothing is read (config and shapes only). ``dtype`` ``"auto"``: the
-    checkpoint's."""
-    folder = Path(path)
+    shards), or a Hugging Face id (``google/diffusiongemma-26B-A4B-it``, at ``revision``: from
+    the cache, downloaded when missing, as every family's ids: ``hub.resolve_model``), as a
+    ``DiffusionGemma``, without transformers or remote code. Built on the meta device,
+    allocated once in ``dtype`` on ``device``, then filled tensor by tensor; on the ``meta``
+    device nothing is read (config and shapes only). ``dtype`` ``"auto"``: the checkpoint's."""
+    from ..hub import resolve_model
+    folder = resolve_model(path, revision)
     device = parse_device(device)
     hf = read_json(folder / "config.json", "a JSON object of model settings")
     try:
