@@ -177,3 +177,21 @@ def test_cli_says_how_to_install_gradio(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "gradio", None)  # import gradio raises ImportError
     assert main(["playground", "--port", "1"]) == 2
     assert "pip install 'dllm-engine[ui]'" in capsys.readouterr().err
+
+
+def test_example_messages_from_a_prompts_file(tmp_path, monkeypatch, capsys):
+    """--prompts: the page's examples are the file's messages (a conversation's last one); a bad
+    file is one error line before the model loads."""
+    from dllm_engine.cli import common
+    from dllm_engine.playground.app import example_prompts
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "sort : 3 1 2"}\n'
+                    '{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}\n')
+    assert example_prompts(good) == ["sort : 3 1 2", "hi"]
+    assert example_prompts() and all(isinstance(p, str) and p for p in example_prompts())  # the task suite's
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    monkeypatch.setattr(common, "load_llm", lambda args: pytest.fail("the model loaded before the file was read"))
+    assert main(["playground", "--prompts", str(bad), "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "line 2" in err

@@ -21,6 +21,9 @@ def add_playground(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", choices=("yes", "no"), default="no",
                    help="yes: also a public Gradio share link (needs internet)")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help="the page's example messages from a prompts file (as dllm bench --prompts; default: "
+                        "held-out prompts of the task suite)")
     add_model_args(p)
 
 
@@ -40,9 +43,10 @@ def run_playground(args: argparse.Namespace) -> None:
         from ..spec import parse_spec
         for spec in args.methods:  # a typo fails here, not in the page
             parse_spec(spec)
+    from ..playground.app import build_app, example_prompts, launch
+    examples = example_prompts(args.prompts) if args.prompts else None  # a bad file fails before the model loads
     llm = common.load_llm(args)
-    from ..playground.app import build_app, launch
-    demo = build_app(llm, tuple(args.methods) if args.methods else None, warm_up=True)
+    demo = build_app(llm, tuple(args.methods) if args.methods else None, warm_up=True, examples=examples)
     print(f"dllm playground: model {args.model}; Ctrl-C stops it")
     url = launch(demo, args.host, args.port, share=args.share == "yes", block=False)
     print(f"open {url}")

@@ -9,6 +9,7 @@ model cannot run, a prompt it refuses) is shown in the page; nothing is raised t
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections.abc import Iterator
 
 import gradio as gr
@@ -22,8 +23,13 @@ REPLAY_SECONDS = 5.0
 Outputs = tuple  # (pane A html, pane B html, A's text, B's text, summary, A's trace, B's trace)
 
 
-def example_prompts() -> list[str]:
-    """Held-out prompts of the task suite the embedded checkpoints were trained on."""
+def example_prompts(path: str | Path | None = None) -> list[str]:
+    """The page's example messages: a prompts file's (``bench/prompts.py``; a conversation line
+    gives its last message), else held-out prompts of the task suite the embedded checkpoints
+    were trained on."""
+    if path is not None:
+        from ..bench.prompts import load_prompts
+        return [e.chat()[-1]["content"] for e in load_prompts(path)]
     from ..tasks import load_split
     return [e.prompt for e in load_split(["sort", "spell", "story"], limit=1)]
 
@@ -108,8 +114,10 @@ class PaneError(Exception):
         self.pane = pane
 
 
-def build_app(llm: LLM, methods: tuple[str, str] | None = None, warm_up: bool = False) -> gr.Blocks:
-    """The page for ``llm``, its panes running ``methods`` (default: ``default_methods``)."""
+def build_app(llm: LLM, methods: tuple[str, str] | None = None, warm_up: bool = False,
+              examples: list[str] | None = None) -> gr.Blocks:
+    """The page for ``llm``, its panes running ``methods`` (default: ``default_methods``), with
+    ``examples`` as its example messages (default: ``example_prompts()``)."""
     pg = Playground(llm, methods)
     if warm_up:
         pg.warm_up()
@@ -139,7 +147,7 @@ def build_app(llm: LLM, methods: tuple[str, str] | None = None, warm_up: bool = 
                 text_b = gr.Textbox(label="B's answer", interactive=False, elem_id="text-b")
         with gr.Accordion("Traces (JSON, docs/traces.md)", open=False):
             trace_a, trace_b = gr.JSON(label="A"), gr.JSON(label="B")
-        gr.Examples(example_prompts(), inputs=message)
+        gr.Examples(examples or example_prompts(), inputs=message)
         inputs = [message, spec_a, spec_b, replay, chat, max_new]
         outputs = [pane_a, pane_b, text_a, text_b, summary, trace_a, trace_b]
         send.click(pg.send, inputs, outputs, api_name="send")
