@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[test,lm-eval,distributed,ui,quant]"
 	touch $@
 
-.PHONY: venv demo test test-fast wheel browser playground gpu-check
+.PHONY: venv demo test test-fast test-engine test-lab wheel browser playground gpu-check
 venv: $(VENV)/.installed
 
 # Chromium from Debian's packages, for the playground's browser check (tests/test_playground_browser.py);
@@ -40,6 +40,13 @@ gpu-check:
 # the inner loop: every test not marked slow (pyproject.toml's markers), under a minute
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
+
+# the two tiers `make test` runs together: the engine's tests, and the lab's (dllm_lab)
+test-engine: venv
+	$(PY) -m pytest -q -m "not lab"
+
+test-lab: venv
+	$(PY) -m pytest -q -m lab
 
 # the sdist and the wheel (with the embedded checkpoints) in dist/; docs/install.md
 wheel: venv

@@ -10,10 +10,12 @@ from dllm_engine import SamplingParams
 from dllm_engine.errors import UserError
 from dllm_engine.tasks import TASKS, load_split
 from dllm_engine.tasks.phrased import END, check_trace, fill_canvas
-from dllm_engine.train import TrainConfig, Trainer
-from dllm_engine.train.canvases import CanvasRows, canvas_rows
-from dllm_engine.train.data import block_diffusion_mask
+from dllm_lab.train import TrainConfig, Trainer
+from dllm_lab.train.canvases import CanvasRows, canvas_rows
+from dllm_lab.train.data import block_diffusion_mask
 from fixtures import ScriptedLLM, commit_script
+
+pytestmark = pytest.mark.lab  # dllm_lab's canvas rows
 
 TRACED = ["calc", "shop", "biggest", "tally"]
 

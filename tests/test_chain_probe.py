@@ -6,13 +6,13 @@ import torch
 
 from dllm_engine import LLM
 from dllm_engine.errors import UserError
-from dllm_engine.eval.chain_probe import (chain_probe, copy_masked_rows, result_positions,
+from dllm_lab.probes.chain_probe import (chain_probe, copy_masked_rows, result_positions,
                                           right_masked_rows)
-from dllm_engine.eval.frontier_probe import block_ends, frontier_probe, oracle_frontier_probe
+from dllm_lab.probes.frontier_probe import block_ends, frontier_probe, oracle_frontier_probe
 from dllm_engine.tasks import load_split
 from fixtures import ScriptedLLM, commit_script, write_checkpoint
 
-pytestmark = pytest.mark.slow  # probe runs over the held-out split
+pytestmark = [pytest.mark.slow, pytest.mark.lab]  # probe runs over the held-out split (dllm_lab)
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
@@ -220,7 +220,7 @@ def test_canvas_probe_finds_the_step_that_loses_each_canvas():
     threshold exactly when every slot it commits is, and the counts add up."""
     import random
     from dllm_engine import SamplingParams
-    from dllm_engine.eval.canvas_probe import canvas_probe, canvas_table
+    from dllm_lab.probes.canvas_probe import canvas_probe, canvas_table
     from dllm_engine.tasks import TASKS
     from dllm_engine.tasks.phrased import END, check_trace
     rng, n_slots = random.Random("canvas-probe"), 256

@@ -13,7 +13,7 @@ import pytest
 
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.eval import evaluate
-from dllm_engine.eval.chain_probe import chain_probe
+from dllm_lab.probes.chain_probe import chain_probe
 from dllm_engine.tasks import load_split
 
 pytestmark = pytest.mark.slow  # the shipped checkpoints on held-out tasks

@@ -190,8 +190,8 @@ def test_bad_numbers_are_refused_by_the_parser(capsys, argv, message):
 
 def test_help_is_plain_text(capsys):
     """`dllm --help` and every command's help: no reST markup from the docstrings."""
-    from dllm_engine.cli import COMMANDS, main
-    for argv in (["--help"], *([name, "--help"] for name in COMMANDS)):
+    from dllm_engine.cli import all_commands, main
+    for argv in (["--help"], *([name, "--help"] for name in all_commands())):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         out = capsys.readouterr().out

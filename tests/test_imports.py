@@ -1,5 +1,6 @@
 """The engine's modules import one another without a circle (docs/architecture.md): read from the
-source (module-level imports, those under ``if TYPE_CHECKING:`` included), not by importing."""
+source (module-level imports, those under ``if TYPE_CHECKING:`` included), not by importing; and
+the engine never imports the lab (``dllm_lab``)."""
 import ast
 from pathlib import Path
 
@@ -88,3 +89,31 @@ def test_the_step_plan_is_a_leaf():
 
 def test_a_circle_is_found():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_engine_never_imports_the_lab():
+    """No engine module names ``dllm_lab`` in any import, at any depth of its code (function-level
+    imports included): read from the source; and importing every engine module loads no lab
+    module (a fresh process)."""
+    import subprocess
+    import sys
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            offenders += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}" for n in names
+                          if n == "dllm_lab" or n.startswith("dllm_lab.")]
+    assert offenders == []
+    code = ("import importlib, pkgutil, sys, dllm_engine\n"
+            # the optional extras' modules (slow to import; the source check above reads them) and __main__
+            "skip = ('dllm_engine.integrations', 'dllm_engine.playground', 'dllm_engine.server.replicated',\n"
+            "        'dllm_engine.cli.__main__')\n"
+            "for m in pkgutil.walk_packages(dllm_engine.__path__, 'dllm_engine.'):\n"
+            "    if not m.name.startswith(skip):\n"
+            "        importlib.import_module(m.name)\n"
+            "print(sorted(n for n in sys.modules if n.split('.')[0] == 'dllm_lab'))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE.parent)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"

@@ -8,12 +8,12 @@ import torch
 from dllm_engine.tasks import TASK_FAMILIES, TASK_NAMES
 
 from dllm_engine import LLM
-from dllm_engine.train import TrainConfig, Trainer
-from dllm_engine.train.trainer import grow_weights
-from dllm_engine.train.data import (LONG_TAILS, MAX_CANVAS, MIN_T, SUFFIX_WINDOW, block_causal_mask,
+from dllm_lab.train import TrainConfig, Trainer
+from dllm_lab.train.trainer import grow_weights
+from dllm_lab.train.data import (LONG_TAILS, MAX_CANVAS, MIN_T, SUFFIX_WINDOW, block_causal_mask,
                                     block_diffusion_mask, noise, pack_rows)
 
-pytestmark = pytest.mark.slow  # training runs
+pytestmark = [pytest.mark.slow, pytest.mark.lab]  # training runs (dllm_lab)
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
             batch_size=4, warmup=2, save_every=2, block_size=8)
@@ -224,7 +224,7 @@ def test_task_mix_weight_zero_leaves_tasks_out(tmp_path):
 
 def test_cli_task_mix(tmp_path, capsys):
     from dllm_engine.cli import main
-    from dllm_engine.cli.train import task_mix
+    from dllm_lab.cli.train import task_mix
     assert task_mix("lookup=3,spell=2") == {"lookup": 3, "spell": 2}
     assert task_mix("lookup=3,calc=0") == {"lookup": 3, "calc": 0}
     base = ["train", "--family", "llada", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]
@@ -238,7 +238,7 @@ def test_cli_task_mix(tmp_path, capsys):
 def test_cli_takes_trainconfigs_defaults_and_shows_them(capsys):
     """dllm train sets only the options it is given; the rest, and --help's defaults, are TrainConfig's."""
     from dllm_engine.cli import build_parser
-    from dllm_engine.cli.train import train_config
+    from dllm_lab.cli.train import train_config
     base = ["train", "--family", "sdar", "--out", "o", "--work", "w"]
     assert train_config(build_parser().parse_args(base)) == TrainConfig(family="sdar", out="o", work="w")
     given = train_config(build_parser().parse_args([*base, "--steps", "7", "--lr", "0.01", "--task-mix", "calc=2",
@@ -341,7 +341,7 @@ def guarded_signals():
 def test_sigint_finishes_the_step_saves_and_resumes_exactly(tmp_path, guarded_signals):
     import os
     import signal
-    from dllm_engine.train.trainer import Interrupted
+    from dllm_lab.train.trainer import Interrupted
     whole = trainer(tmp_path, name="whole")
     whole.train()
     first = trainer(tmp_path, name="split", save_every=50)  # no periodic save before the signal
@@ -373,7 +373,7 @@ def test_cli_sigterm_exits_143_saves_and_resumes(tmp_path, capsys, monkeypatch, 
     import dataclasses
     import os
     import signal
-    import dllm_engine.cli.train as cli_train
+    import dllm_lab.cli.train as cli_train
     from dllm_engine.cli import main
     real_config = cli_train.train_config
     monkeypatch.setattr(cli_train, "train_config", lambda args: dataclasses.replace(real_config(args), **TINY_MODEL))
@@ -455,7 +455,7 @@ def test_export_replaces_a_stale_sharded_checkpoint_and_keeps_other_files(tmp_pa
 
 
 def test_a_failed_export_keeps_the_previous_checkpoint_whole(tmp_path, monkeypatch):
-    import dllm_engine.train.trainer as trainer_module
+    import dllm_lab.train.trainer as trainer_module
     t = trainer(tmp_path, steps=2)
     out = t.train()
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -487,7 +487,7 @@ def test_a_second_signal_stops_at_once_and_threads_train_without_handlers(tmp_pa
     import os
     import signal
     import threading
-    from dllm_engine.train.trainer import Interrupted
+    from dllm_lab.train.trainer import Interrupted
     t = trainer(tmp_path)  # save_every=2
     real_step = t.train_step
 

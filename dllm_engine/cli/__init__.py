@@ -1,16 +1,15 @@
-"""The ``dllm`` command: generate, eval, bench, train, serve, lm-eval, download, playground."""
+"""The ``dllm`` command: generate, eval, bench, serve, lm-eval, download, playground, and the
+commands other installed packages register (the lab's train and probes: ``dllm_lab.cli``)."""
 from __future__ import annotations
 
 import argparse
 import sys
-from importlib.metadata import version
+from importlib.metadata import entry_points, version
 
 from ..errors import UserError
 
 from .bench import add_bench, run_bench
 from .bench_serve import add_bench_serve, run_bench_serve
-from .chain_probe import (add_canvas_probe, add_chain_probe, add_frontier_probe, run_canvas_probe,
-                          run_chain_probe, run_frontier_probe)
 from .download import add_download, run_download
 from .eval import add_eval, run_eval
 from .generate import add_generate, run_generate
@@ -19,29 +18,36 @@ from .playground import add_playground, run_playground
 from .profile import add_profile, run_profile
 from .report import add_report, run_report
 from .serve import add_serve, run_serve
-from .train import add_canvas_rows, add_train, run_canvas_rows, run_train
 
 DESCRIPTION = ("Fast inference for diffusion LLMs: generate, eval, bench, profile, serve, lm-eval, download, "
-               "report, playground, train. `dllm COMMAND --help` for each command's options.")
+               "report, playground (and, with the lab installed, train and its probes). `dllm COMMAND --help` "
+               "for each command's options.")
 # command -> (adds its subparser, runs it); one module per command beside this file
 COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eval),
-            "chain-probe": (add_chain_probe, run_chain_probe),
-            "frontier-probe": (add_frontier_probe, run_frontier_probe),
-            "canvas-probe": (add_canvas_probe, run_canvas_probe),
-            "canvas-rows": (add_canvas_rows, run_canvas_rows),
-            "bench": (add_bench, run_bench), "profile": (add_profile, run_profile), "train": (add_train, run_train),
+            "bench": (add_bench, run_bench), "profile": (add_profile, run_profile),
             "serve": (add_serve, run_serve), "bench-serve": (add_bench_serve, run_bench_serve),
             "lm-eval-tasks": (add_lm_eval_tasks, run_lm_eval_tasks),
             "download": (add_download, run_download), "report": (add_report, run_report),
             "playground": (add_playground, run_playground)}
+ENTRY_POINTS = "dllm.commands"  # a package's commands(): more {command: (add, run)} (the lab's)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def all_commands() -> dict:
+    """The engine's commands, then those the installed packages register under ``ENTRY_POINTS``
+    (an engine command's name is never taken over)."""
+    found = dict(COMMANDS)
+    for point in entry_points(group=ENTRY_POINTS):
+        for name, pair in point.load()().items():
+            found.setdefault(name, pair)
+    return found
+
+
+def build_parser(commands: dict | None = None) -> argparse.ArgumentParser:
     """``dllm`` and its subcommands (``lm-eval`` only for its help line: main hands it over)."""
     parser = argparse.ArgumentParser(prog="dllm", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"dllm-engine {version('dllm-engine')}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add, _ in COMMANDS.values():
+    for add, _ in (commands or all_commands()).values():
         add(sub)
     sub.add_parser("lm-eval", help="lm-evaluation-harness with the model 'dllm' and the embedded tasks "
                    "(needs the lm-eval extra; every argument goes to lm-eval: dllm lm-eval --help)")
@@ -57,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv[:1] == ["lm-eval"]:  # every other argument belongs to lm-eval's own parser
             return run_lm_eval(argv[1:])
-        args = build_parser().parse_args(argv)
-        COMMANDS[args.command][1](args)
+        commands = all_commands()
+        args = build_parser(commands).parse_args(argv)
+        commands[args.command][1](args)
     # bad input, or the environment refusing a path or port the user gave: one line, no traceback
     except (UserError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

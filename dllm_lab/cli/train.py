@@ -1,4 +1,4 @@
-"""``dllm train``: train an embedded tiny checkpoint (the trainer lives in ``dllm_engine.train``);
+"""``dllm train``: train an embedded tiny checkpoint (the trainer lives in ``dllm_lab.train``);
 ``dllm canvas-rows``: rows from a model's own decoded canvases for it to train on."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import sys
 from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING
 
-from . import common  # common.load_llm, looked up per call: tests stand in for the model
-from ..errors import UserError
-from .common import add_model_args, add_sampling_args, check_output_path, sampling_params, set_threads
+from dllm_engine.cli import common  # common.load_llm, looked up per call: tests stand in for the model
+from dllm_engine.errors import UserError
+from dllm_engine.cli.common import add_model_args, add_sampling_args, check_output_path, sampling_params, set_threads
 
 if TYPE_CHECKING:
     from ..train import TrainConfig
@@ -144,8 +144,8 @@ def run_train(args: argparse.Namespace) -> None:
 def run_canvas_rows(args: argparse.Namespace) -> None:
     import itertools
 
-    from ..eval.canvas_probe import refuse_untraced
-    from ..tasks import resolve_tasks, train_examples
+    from ..probes.canvas_probe import refuse_untraced
+    from dllm_engine.tasks import resolve_tasks, train_examples
     from ..train.canvases import canvas_rows
     tasks = resolve_tasks(args.tasks)
     refuse_untraced(tasks)  # before the model loads

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import argparse
 
-from . import common  # common.load_llm, looked up per call: tests stand in for the model
-from .common import add_model_args, add_sampling_args, check_output_path, sampling_params, set_threads
+from dllm_engine.cli import common  # common.load_llm, looked up per call: tests stand in for the model
+from dllm_engine.cli.common import add_model_args, add_sampling_args, check_output_path, sampling_params, set_threads
 
 
 def add_chain_probe(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chain-probe", help="worked tasks: does the model compute each intermediate "
-                       "result with the right masked, or only copy it (see eval/chain_probe.py)")
+                       "result with the right masked, or only copy it (see probes/chain_probe.py)")
     p.add_argument("--tasks", default="sum,add,story", help="worked tasks whose results follow '='")
     add_probe_args(p)
 
@@ -20,7 +20,7 @@ def add_chain_probe(sub: argparse._SubParsersAction) -> None:
 def add_frontier_probe(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("frontier-probe", help="along the held-out answers, is the first masked slot the "
                        "most confident of its block, as a threshold decoder ranks them "
-                       "(see eval/frontier_probe.py)")
+                       "(see probes/frontier_probe.py)")
     p.add_argument("--tasks", default="phrased", help="tasks, a family or 'all' (as dllm eval)")
     p.add_argument("--block-length", type=int, default=None,
                    help="the decoder's block (default: a block-diffusion model's own, else 32)")
@@ -36,7 +36,7 @@ def add_frontier_probe(sub: argparse._SubParsersAction) -> None:
 def add_canvas_probe(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("canvas-probe", help="phrased tasks: which step of a method's own decoding "
                        "makes the canvas unfinishable, and did it commit ahead of the frontier "
-                       "(see eval/canvas_probe.py)")
+                       "(see probes/canvas_probe.py)")
     p.add_argument("--tasks", default="calc,shop,biggest,tally", help="phrased tasks with a trace")
     p.add_argument("--batch-size", type=int, default=32)
     add_probe_args(p)
@@ -51,8 +51,8 @@ def add_probe_args(p: argparse.ArgumentParser) -> None:
 
 def run_probe(args: argparse.Namespace, probe, table) -> None:
     """Load the split and the model, run ``probe(llm, examples)``, print ``table`` of its rows."""
-    from ..outputs import write_json_atomic
-    from ..tasks import load_split, resolve_tasks
+    from dllm_engine.outputs import write_json_atomic
+    from dllm_engine.tasks import load_split, resolve_tasks
     tasks = resolve_tasks(args.tasks)
     check_output_path(args.json)
     set_threads(args.threads)
@@ -64,12 +64,12 @@ def run_probe(args: argparse.Namespace, probe, table) -> None:
 
 
 def run_chain_probe(args: argparse.Namespace) -> None:
-    from ..eval.chain_probe import chain_probe, probe_table
+    from ..probes.chain_probe import chain_probe, probe_table
     run_probe(args, chain_probe, probe_table)
 
 
 def run_frontier_probe(args: argparse.Namespace) -> None:
-    from ..eval.frontier_probe import frontier_probe, frontier_table, oracle_frontier_probe
+    from ..probes.frontier_probe import frontier_probe, frontier_table, oracle_frontier_probe
     layout = {"block_length": args.block_length, "threshold": args.threshold,
               "max_new_tokens": args.max_new_tokens}
     if args.oracle:
@@ -80,8 +80,8 @@ def run_frontier_probe(args: argparse.Namespace) -> None:
 
 
 def run_canvas_probe(args: argparse.Namespace) -> None:
-    from ..eval.canvas_probe import canvas_probe, canvas_table, refuse_untraced
-    from ..tasks import resolve_tasks
+    from ..probes.canvas_probe import canvas_probe, canvas_table, refuse_untraced
+    from dllm_engine.tasks import resolve_tasks
     refuse_untraced(resolve_tasks(args.tasks))  # before the model loads
     given = sampling_params(args)  # bad options fail before the model loads
     run_probe(args, lambda llm, examples: canvas_probe(llm, given, examples, batch_size=args.batch_size),

@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import UserError
-from ..models.context import block_causal_limit
-from ..outputs import write_atomic
-from ..tasks import TASKS, Example
+from dllm_engine.errors import UserError
+from dllm_engine.models.context import block_causal_limit
+from dllm_engine.outputs import write_atomic
+from dllm_engine.tasks import TASKS, Example
 from .data import MIN_T, SUFFIX_WINDOW, Batch, block_diffusion_mask, content_length
 
 if TYPE_CHECKING:
-    from ..engine.llm import LLM
-    from ..sampling_params import SamplingParams
+    from dllm_engine.engine.llm import LLM
+    from dllm_engine.sampling_params import SamplingParams
 
 FORMAT = "dllm-canvas-rows/1"
 
@@ -149,9 +149,9 @@ def canvas_rows(llm: LLM, params: SamplingParams, examples: list[Example], per_a
     block-causal decoder, at the end of the block holding its first masked slot: the block it
     was decoding (``use_tqdm``: a progress bar of the prompts decoded)."""
     from tqdm import tqdm
-    from ..engine.trace import MASK
-    from ..eval.canvas_probe import decoded_canvases, first_unfinishable, refuse_untraced
-    from ..tasks.phrased import check_trace, fill_canvas
+    from dllm_engine.engine.trace import MASK
+    from ..probes.canvas_probe import decoded_canvases, first_unfinishable, refuse_untraced
+    from dllm_engine.tasks.phrased import check_trace, fill_canvas
     refuse_untraced(ex.task for ex in examples)
     if per_answer < 1 or batch_size < 1:
         raise UserError(f"per_answer and batch_size must be >= 1, got {per_answer} and {batch_size}")

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..errors import UserError
-from ..config import ModelConfig
-from ..models import DiffusionLM, get_family, save_model
-from ..models.loader import parse_device
-from ..outputs import write_atomic
-from ..tasks import check_mix, train_examples
-from ..tokenizer import save_tokenizer
+from dllm_engine.errors import UserError
+from dllm_engine.config import ModelConfig
+from dllm_engine.models import DiffusionLM, get_family, save_model
+from dllm_engine.models.loader import parse_device
+from dllm_engine.outputs import write_atomic
+from dllm_engine.tasks import check_mix, train_examples
+from dllm_engine.tokenizer import save_tokenizer
 from .canvases import CanvasRows
 from .data import LONG_TAILS, Batch, Encoder, block_diffusion_batch, masked_diffusion_batch
 
@@ -256,7 +256,7 @@ class Trainer:
 
     def load_checkpoint(self, path: str, flag: str) -> DiffusionLM:
         """The checkpoint ``flag`` names, refused unless it is of this run's family."""
-        from ..models import load_model
+        from dllm_engine.models import load_model
         model = load_model(path)
         if model.config.model_type != self.model.config.model_type:
             raise UserError(f"{flag} {path} is a {model.config.model_type} checkpoint, "

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..models.context import block_causal_mask as causal_by_block
-from ..tasks import Example
+from dllm_engine.models.context import block_causal_mask as causal_by_block
+from dllm_engine.tasks import Example
 
 MAX_CANVAS = 256  # longest response canvas trained on (the ODB benchmarks run 256 new tokens)
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..errors import UserError
-from ..engine.llm import LLM
-from ..tasks import Example
+from dllm_engine.errors import UserError
+from dllm_engine.engine.llm import LLM
+from dllm_engine.tasks import Example
 from ..train.data import block_causal_mask
-from .evaluate import chat_prompt
+from dllm_engine.eval.evaluate import chat_prompt
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Probes of the embedded checkpoints (``dllm chain-probe``, ``frontier-probe``, ``canvas-probe``)."""
