@@ -10,7 +10,10 @@ Writes DIR/gpu_check.json and DIR/gpu_check.md. Two parts:
    mismatch is reported with the share of rows that agree). A sampled request (temperature 0.6,
    SDAR's chat default) must run on the device (the draws are counter-based: no CPU generator)
    and its agreement with the CPU is reported. Each method must also decode with attention held
-   to SDPA's fused kernels (no math fallback), masks and grouped-query heads included.
+   to SDPA's fused kernels (no math fallback), masks and grouped-query heads included. A random
+   DiffusionGemma (its model and sampler from Python: the released layer pattern, MoE, three
+   left-padded prompts, seeded draws) samples on the device and on the CPU; the rows that agree
+   are counted.
 2. **Step cost.** Random-weight models shaped like LLaDA-8B (dense, full attention) and
    LLaDA2.0-mini (MoE, block diffusion), in bfloat16 on the device (``--layers`` of their layers:
    a step's host work does not depend on the depth, its forward grows with it), profiled as
@@ -143,6 +146,54 @@ def fused_attention(device: str, tiny: bool) -> list[dict]:
     return rows
 
 
+def diffusion_gemma(device: str, tiny: bool) -> list[dict]:
+    """DiffusionGemma's model and sampler (from Python; not yet in the engine) on ``device``
+    against the CPU: a random model of the released layer pattern (five sliding layers, then a
+    full one; MoE beside a dense MLP), three left-padded prompts, seeded draws, the batch-invariant
+    loop. Sampled tokens: a near-tie may flip one between devices, so the row counts them."""
+    from dllm_engine.decoding.diffusion_gemma import GenerationSettings, SeededDraws, generate
+    from dllm_engine.models.diffusion_gemma import FULL, SLIDING, DiffusionGemma, config_from_hf
+    types = [SLIDING] * 5 + [FULL]
+    text = dict(model_type="diffusion_gemma_text", num_hidden_layers=len(types), layer_types=types,
+                max_position_embeddings=4096, **(
+                    dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+                         sliding_window=4, num_experts=4, top_k_experts=2, moe_intermediate_size=12) if tiny else
+                    dict(vocab_size=32768, hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
+                         num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2,
+                         sliding_window=128, num_experts=32, top_k_experts=4, moe_intermediate_size=256)))
+    canvas = 8 if tiny else 64
+    cfg = config_from_hf({"model_type": "diffusion_gemma", "canvas_length": canvas, "text_config": text})
+    torch.manual_seed(0)
+    cpu = DiffusionGemma(cfg).eval()
+    with torch.no_grad():
+        for p in cpu.parameters():  # norms and scales around 1, matrices small: peaked, stable logits
+            p.copy_(0.5 + torch.rand(p.shape) if p.dim() == 1 else 0.2 * torch.randn(p.shape))
+    here = DiffusionGemma(cfg).eval()
+    here.load_state_dict(cpu.state_dict())
+    here.to(device)
+    lengths = [5, 9, 7]
+    prompt = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(prompt)
+    for i, n in enumerate(lengths):  # left-padded
+        prompt[i, -n:] = torch.randint(1, cfg.vocab_size, (n,))
+        mask[i, -n:] = 1
+    settings = GenerationSettings(max_new_tokens=2 * canvas, max_denoising_steps=8 if tiny else 32,
+                                  eos_token_ids=(), pad_token_id=0)
+    outs = {}
+    for name, model in (("here", here), ("cpu", cpu)):
+        dev = next(model.parameters()).device
+        start = time.perf_counter()
+        out = generate(model, prompt.to(dev), settings, SeededDraws([11, 12, 13]), attention_mask=mask.to(dev),
+                       batch_invariant=True)
+        outs[name] = (out, time.perf_counter() - start)
+    (got, seconds), (want, _) = outs["here"], outs["cpu"]
+    same = [torch.equal(a.cpu(), b) for a, b in zip(got.token_ids, want.token_ids)]
+    return [{"model": f"random diffusion_gemma, {cfg.num_layers} layers, hidden {cfg.hidden_size}",
+             "prompts": len(lengths), "rows_equal": sum(same), "equal": all(same), "seconds": round(seconds, 3),
+             "denoising_steps": int(got.num_steps.sum())}]
+
+
 def step_cost(device: str, tiny: bool, layers: int, batch_sizes: list[int], root: Path) -> list[dict]:
     """``dllm profile``'s records for the shaped random models on ``device``: every method in
     bf16, the base method under each other variant, with the weights' bytes and peak memory."""
@@ -167,12 +218,16 @@ def step_cost(device: str, tiny: bool, layers: int, batch_sizes: list[int], root
 
 
 def markdown(report: dict) -> str:
-    """The report's two tables."""
+    """The report's tables."""
     lines = [f"*`scripts/gpu_check.py` on {report['device_name']}, commit {report['commit']}, {report['date']}; "
              f"torch {report['torch']}; command: `{report['command']}`*", "",
              "| checkpoint | method | draw | rows equal to the CPU's | seconds |", "|---|---|---|---|---|"]
     for r in report["correctness"]:
         lines.append(f"| {r['checkpoint']} | `{r['method']}` | {r['draw']} | {r['rows_equal']} / {r['prompts']} | "
+                     f"{r['seconds']} |")
+    lines += ["", "| model | prompts | sampled rows equal to the CPU's | denoising steps | seconds |", "|---|---|---|---|---|"]
+    for r in report.get("diffusion_gemma", []):
+        lines.append(f"| {r['model']} | {r['prompts']} | {r['rows_equal']} / {r['prompts']} | {r['denoising_steps']} | "
                      f"{r['seconds']} |")
     lines += ["", "| checkpoint | method | attention in fused kernels only |", "|---|---|---|"]
     for r in report["fused_attention"]:
@@ -214,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     report["correctness"] = correctness(args.device, args.tiny)
     report["fused_attention"] = fused_attention(args.device, args.tiny)
+    report["diffusion_gemma"] = diffusion_gemma(args.device, args.tiny)
     with tempfile.TemporaryDirectory() as tmp:
         report["step_cost"] = step_cost(args.device, args.tiny, layers, batch_sizes, Path(tmp))
     report["seconds"] = round(time.perf_counter() - started, 1)

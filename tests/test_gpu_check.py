@@ -21,6 +21,8 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(tmp_path):
     assert {r["draw"] for r in checks} == {"greedy", "sampled"}
     assert all(r["equal"] and r["rows_equal"] == r["prompts"] > 0 for r in checks)  # the CPU against itself
     # the CPU's fused SDPA kernel takes every mask and grouped-query layout the methods use
+    gemma, = report["diffusion_gemma"]  # the CPU against itself: every sampled row the same
+    assert gemma["equal"] and gemma["rows_equal"] == gemma["prompts"] == 3 and gemma["denoising_steps"] > 0
     fused = report["fused_attention"]
     assert len(fused) == len(checks) // 2 and all(r["fused"] and r["error"] is None for r in fused)
     cost = report["step_cost"]
