@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # a subprocess that decodes and profiles (~45 s)
+@pytest.mark.slow  # a subprocess that decodes and profiles (~25 s)
 def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--tiny",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
