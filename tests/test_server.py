@@ -24,6 +24,7 @@ import uvicorn
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.bench.serve import percentile
 from dllm_engine.cli import main
+from dllm_engine.engine.host_memory import resident_bytes
 from dllm_engine.seeds import SeedStream
 from dllm_engine.server import EngineLoop, create_app, shutdown_timeouts
 from dllm_engine.server.loop import Job, held_back
@@ -810,7 +811,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(ckpt):
         assert metric(url, "requests_total", '{status="413"}') == 2
         # 20 MB bodies (10 million words), five times: refused unread, the memory stays where it was
         body = json.dumps({**SHORT, "prompt": "a " * 10_000_000}).encode()
-        before = rss()
+        before = resident_bytes()
         for _ in range(5):
             try:
                 r = httpx.post(url + "/v1/completions", content=body, timeout=30,
@@ -818,14 +819,9 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(ckpt):
                 assert r.status_code == 413
             except httpx.WriteError:  # the server answered and closed before the client had sent it all
                 pass
-        assert rss() < 1.1 * before
+        assert resident_bytes() < 1.1 * before
         assert metric(url, "requests_total", '{status="413"}') == 7  # each one refused by the server
         assert httpx.get(url + "/health", timeout=10).status_code == 200
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_a_prompt_too_long_for_the_positions_is_refused_from_its_prefix(live, monkeypatch):

@@ -9,7 +9,6 @@ range of the speed-ups the rounds measured one by one."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..engine.host_memory import resident_bytes
 from ..engine.llm import LLM
 from ..engine.sequence import stop_share
 from ..eval import evaluate
@@ -38,19 +38,15 @@ class PeakMemory:
     def __init__(self, device: torch.device) -> None:
         self.device, self.peak, self.running = device, 0, False
 
-    def rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
     def sample(self) -> None:
         while self.running:
-            self.peak = max(self.peak, self.rss())
+            self.peak = max(self.peak, resident_bytes() or 0)
             time.sleep(0.005)
 
     def __enter__(self) -> "PeakMemory":
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif os.path.exists("/proc/self/statm"):
+        elif resident_bytes() is not None:
             self.running = True
             self.thread = threading.Thread(target=self.sample, daemon=True)
             self.thread.start()

@@ -24,6 +24,7 @@ import httpx
 from ..errors import UserError
 from ..eval.evaluate import chat_prompt, grades
 from ..outputs import BenchInterrupted, percent, prepare_out_dir, saved, write_json_atomic
+from ..server.metrics import PREFIX
 from .report import collect_meta
 from ..tasks import Example, load_split
 
@@ -196,14 +197,18 @@ async def peak_memory(url: str, stop: asyncio.Event) -> float | None:
                 pass
 
 
+# the gauges of ``server.metrics.process_memory`` a level's peak reads, the first found
+PEAK_GAUGES = tuple(PREFIX + name for name in ("device_memory_peak_bytes", "resident_memory_bytes"))
+
+
 def memory_reading(metrics: str) -> float | None:
-    """``dllm_device_memory_peak_bytes`` from Prometheus text, else ``dllm_resident_memory_bytes``."""
+    """The first of ``PEAK_GAUGES`` in Prometheus text: the device peak (CUDA), else the resident memory."""
     values = {}
     for line in metrics.splitlines():
         name, _, value = line.partition(" ")
-        if name in ("dllm_device_memory_peak_bytes", "dllm_resident_memory_bytes"):
+        if name in PEAK_GAUGES:
             values[name] = float(value)
-    return values.get("dllm_device_memory_peak_bytes", values.get("dllm_resident_memory_bytes"))
+    return next((values[name] for name in PEAK_GAUGES if name in values), None)
 
 
 def summarize(records: list[RequestRecord], concurrency: int, wall: float,

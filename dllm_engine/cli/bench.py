@@ -5,8 +5,8 @@ import argparse
 
 from ..errors import UserError
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
-from .common import add_model_args, add_prompt_source, load_examples, prepare_out, set_threads, split_ints, \
-    split_quantizations
+from .common import (add_model_args, add_prompt_source, load_examples, prepare_out, set_threads, split_ints,
+                     split_quantizations, workload)
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +58,6 @@ def run_bench(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     examples = load_examples(args, args.limit)  # a typo or a bad file fails before the model loads
     args.tasks = list(dict.fromkeys(e.task for e in examples))
-    workload = f"prompts file: {args.prompts}" if args.prompts else f"tasks: {','.join(args.tasks)}"
     defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
                                   ("block_length", args.block_length)) if v is not None}
     check_compile(args.compile, args.tensor_parallel_size, args.compile_step)  # bench compiles after loading
@@ -76,7 +75,7 @@ def run_bench(args: argparse.Namespace) -> None:
     for spec, params in resolved.items():
         print(f"method: {spec} = {params.describe()}")
     from ..engine.host_memory import is_kept
-    print(f"model: {args.model}  prompts: {len(examples)}  {workload}  device: {args.device}  "
+    print(f"model: {args.model}  prompts: {len(examples)}  {workload(args, examples)}  device: {args.device}  "
           f"keep_freed_memory: {'on' if is_kept() else 'off'}  repeats: {args.repeats}")
     print(HEADER)
     records = bench(llm, args.methods, args.batch_sizes, examples, args.out, defaults,

@@ -144,6 +144,13 @@ def load_examples(args: argparse.Namespace, limit: int | None):
     return load_split(args.tasks, limit=limit)
 
 
+def workload(args: argparse.Namespace, examples) -> str:
+    """What a bench or profile runs, for its header line: the prompts file, or the tasks."""
+    if args.prompts is not None:
+        return f"prompts file: {args.prompts}"
+    return f"tasks: {','.join(dict.fromkeys(e.task for e in examples))}"
+
+
 def sampling_params(args: argparse.Namespace) -> "SamplingParams":
     """The options the command line gave; ``LLM.resolve`` fills the rest (one resolution)."""
     fields = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length, steps=args.steps,

@@ -5,7 +5,7 @@ import argparse
 
 from ..errors import UserError
 from . import common  # common.load_llm, looked up per call: tests stand in for the model
-from .common import add_model_args, add_prompt_source, load_examples, set_threads, split_ints
+from .common import add_model_args, add_prompt_source, load_examples, set_threads, split_ints, workload
 
 
 def add_profile(sub: argparse._SubParsersAction) -> None:
@@ -44,9 +44,7 @@ def run_profile(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     llm = common.load_llm(args)  # as dllm bench: freed host memory kept unless --no-keep-freed-memory
     defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
-    workload = (f"prompts file: {args.prompts}" if args.prompts
-                else f"tasks: {','.join(dict.fromkeys(e.task for e in examples))}")
-    print(f"model: {args.model}  prompts: {len(examples)}  {workload}  device: {args.device}  "
+    print(f"model: {args.model}  prompts: {len(examples)}  {workload(args, examples)}  device: {args.device}  "
           f"compile: {'on' if args.compile else 'off'}  fixed shapes: {'on' if args.fixed_shapes else 'off'}  "
           f"repeats: {args.repeats}  clock: {args.clock}")
     print(HEADER)

@@ -183,10 +183,8 @@ def repeat_shared(view, source: list[int], host: HostStep, logits: Tensor, posit
             spans.setdefault((int(written.min()), int(written.max()) + 1), []).append(i)
     for (lo, hi), rows in spans.items():
         view.cache.copy_rows([start + source[i] for i in rows], [start + i for i in rows], lo, hi)
-    counts = [c.size for c in host.candidates]
-    starts = np.cumsum([0, *counts[:-1]])
     rows = [index[j] for j in source]
-    take = to_device(np.concatenate([np.arange(starts[k], starts[k] + counts[k]) for k in rows]), logits.device)
+    take = to_device(candidate_rows([c.size for c in host.candidates], rows), logits.device)
     full = HostStep(host.inputs, host.lengths, host.num_keys, host.masked, host.span,
                     [host.candidates[k] for k in rows], host.logit_index)
     return logits[take], positions[take], full, [work[index[i]] if j == i else 0.0 for i, j in enumerate(source)]

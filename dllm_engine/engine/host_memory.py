@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 M_TRIM_THRESHOLD = -1
@@ -53,3 +54,12 @@ def keep_freed_memory() -> bool:
 def is_kept() -> bool:
     """Whether this process applied the thresholds."""
     return _thresholds_applied
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux: /proc/self/statm); None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

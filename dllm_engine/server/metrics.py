@@ -3,11 +3,11 @@
 Small enough to write by hand: counters, gauges read at scrape time, and histograms."""
 from __future__ import annotations
 
-import os
 import threading
 from bisect import bisect_left
 from collections import Counter
 
+from ..engine.host_memory import resident_bytes
 from ..engine.sequence import SequenceStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -50,12 +50,8 @@ MEMORY_GAUGES = {
 def process_memory(device) -> dict[str, int]:
     """This process's memory for ``MEMORY_GAUGES``: its resident set (Linux), and on CUDA the
     device memory its tensors hold now and at most."""
-    out = {}
-    try:
-        with open("/proc/self/statm") as f:
-            out["resident_memory_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        pass
+    resident = resident_bytes()
+    out = {} if resident is None else {"resident_memory_bytes": resident}
     if device.type == "cuda":
         import torch
         out["device_memory_allocated_bytes"] = torch.cuda.memory_allocated(device)
