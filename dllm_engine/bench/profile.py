@@ -425,11 +425,16 @@ def op_breakdown(llm: LLM, params: SamplingParams, prompts: list[list[int]], bat
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         steps = run_batches(llm, params, prompts, batch_size)[0]
+    return kind_totals(prof.key_averages(), steps, cuda)
+
+
+def kind_totals(events, steps: int, cuda: bool = False) -> dict[str, float]:
+    """The profiler's ``events`` (``key_averages()``) as each kind's aten self time in ms per
+    step of ``steps``: device time on CUDA, else CPU time."""
     totals = dict.fromkeys(KINDS, 0.0)
-    for event in prof.key_averages():
+    for event in events:
         if event.key.startswith("aten::"):
-            us = event.self_device_time_total if cuda else event.self_cpu_time_total
-            totals[op_kind(event.key)] += us
+            totals[op_kind(event.key)] += event.self_device_time_total if cuda else event.self_cpu_time_total
     return {kind: round(us / 1e3 / steps, 3) for kind, us in totals.items()}
 
 
