@@ -1,14 +1,15 @@
 # Two entry points: `make demo` (generate with the embedded checkpoint) and `make test`.
 # Both create .venv first; torch is pinned to the CPU wheel available offline. The venv holds the
-# test, lm-eval, distributed (Ray Serve), ui (Gradio) and quant (torchao) extras, so their tests run too.
+# test, lm-eval, distributed (Ray Serve), ui (Gradio) and quant (torchao) extras, so their tests run too,
+# and the lab (lab/: the task suite the embedded checkpoints were trained on, the trainer, the probes).
 VENV := .venv
 PY := $(VENV)/bin/python
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml lab/pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e ".[test,lm-eval,distributed,ui,quant]"
+	$(VENV)/bin/pip install -q -e ".[test,lm-eval,distributed,ui,quant]" -e ./lab
 	touch $@
 
 .PHONY: venv demo test test-fast test-engine test-lab wheel browser playground gpu-check
@@ -48,6 +49,7 @@ test-engine: venv
 test-lab: venv
 	$(PY) -m pytest -q -m lab
 
-# the sdist and the wheel (with the embedded checkpoints) in dist/; docs/install.md
+# the engine's sdist and wheel (with the embedded checkpoints) and the lab's, in dist/; docs/install.md
 wheel: venv
 	$(PY) -m build --outdir dist
+	$(PY) -m build --outdir dist lab

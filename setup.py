@@ -6,5 +6,5 @@ docs and tests cite it); the wheel ships them inside the package as ``dllm_engin
 from outside the package, so the package list is given here, with that one mapped folder added."""
 from setuptools import find_namespace_packages, setup
 
-setup(packages=[*find_namespace_packages(include=["dllm_engine*", "dllm_lab*"]), "dllm_engine.checkpoints"],
+setup(packages=[*find_namespace_packages(include=["dllm_engine*"]), "dllm_engine.checkpoints"],
       package_dir={"dllm_engine.checkpoints": "checkpoints"})

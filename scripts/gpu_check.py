@@ -42,14 +42,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "lab")]  # the engine and the lab of this checkout
 
 from dllm_engine import LLM  # noqa: E402
 from dllm_engine.bench.offline import check_prompts, resolve_specs  # noqa: E402
 from dllm_engine.bench.profile import run_profile  # noqa: E402
 from dllm_engine.config import ModelConfig, MoEConfig  # noqa: E402
 from dllm_engine.models.quantize import weight_bytes  # noqa: E402
-from dllm_engine.tasks import load_split  # noqa: E402
+from dllm_lab.tasks import load_split  # noqa: E402
 from scripts.random_checkpoint import IDS, random_checkpoint  # noqa: E402
 
 CHECKPOINTS = {"tiny-llada": ["dual-cache:threshold=0.9", "dual-cache+focus:threshold=0.9",

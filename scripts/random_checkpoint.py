@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "lab")]  # the engine and the lab of this checkout
 
 from dllm_engine.config import ModelConfig, MoEConfig  # noqa: E402
 from dllm_engine.models import DiffusionLM, get_family, save_model  # noqa: E402
 from dllm_engine.models.loader import parse_dtype  # noqa: E402
-from dllm_engine.tokenizer import save_tokenizer  # noqa: E402
+from dllm_lab.tokenizer import save_tokenizer  # noqa: E402
 
 IDS = dict(mask_token_id=4, eos_token_id=3, pad_token_id=3, bos_token_id=2)  # the project's llada tokenizer
 

@@ -56,7 +56,7 @@ def write_checkpoint(folder: Path, model_type: str, seed: int = 0, shard_bytes: 
     model = random_model(model_type, seed, **overrides)
     save_model(model, folder, model.family, max_shard_bytes=shard_bytes)
     if tokenizer:
-        from dllm_engine.tokenizer import save_tokenizer
+        from dllm_lab.tokenizer import save_tokenizer
         save_tokenizer(folder, "sdar" if model_type == "sdar" else "llada")
     return folder
 
@@ -92,7 +92,7 @@ def write_llada2_checkpoint(folder: Path, seed: int = 0, shard_bytes: int | None
     model = random_llada2_model(seed, **overrides)
     save_model(model, folder, model.family, max_shard_bytes=shard_bytes)
     if tokenizer:
-        from dllm_engine.tokenizer import save_tokenizer
+        from dllm_lab.tokenizer import save_tokenizer
         save_tokenizer(folder, "sdar")
     return folder
 
@@ -162,7 +162,7 @@ def write_llada_moe_checkpoint(folder: Path, seed: int = 0, shard_bytes: int | N
     model = random_llada_moe_model(seed, expert_bias, **overrides)
     save_model(model, folder, model.family, max_shard_bytes=shard_bytes)
     if tokenizer:
-        from dllm_engine.tokenizer import save_tokenizer
+        from dllm_lab.tokenizer import save_tokenizer
         save_tokenizer(folder, "llada")
     return folder
 

@@ -9,7 +9,7 @@ from dllm_engine import LLM
 from dllm_engine.bench import parse_spec, run_bench
 from dllm_engine.cli import main
 from dllm_engine.eval import evaluate
-from dllm_engine.tasks import load_split
+from dllm_lab.tasks import load_split
 from fixtures import write_checkpoint
 
 pytestmark = pytest.mark.slow  # bench and eval runs
@@ -136,8 +136,7 @@ def test_eval_samples_hold_every_prompt_with_the_report_s_grades(tmp_path):
     """``--samples``: one JSON line per prompt, in split order, whose grades add up to the report's
     and whose output is what the model wrote for that prompt."""
     from dllm_engine import SamplingParams
-    from dllm_engine.eval.evaluate import chat_prompt
-    from dllm_engine.tasks import VOCAB
+    from dllm_lab.tasks import VOCAB
     ckpt = write_checkpoint(tmp_path / "llada", "llada", vocab_size=len(VOCAB))  # reads phrased words
     llm, params = LLM(ckpt), SamplingParams(method="dual-cache", max_new_tokens=16, block_length=8)
     examples = load_split(["sort", "calc"], limit=3)
@@ -153,7 +152,7 @@ def test_eval_samples_hold_every_prompt_with_the_report_s_grades(tmp_path):
         assert sum(r["output_tokens"] for r in mine) == result.stats.output_tokens
     assert {r["form_correct"] is None for r in rows if r["task"] == "sort"} == {True}  # no form grade
     assert {type(r["form_correct"]) for r in rows if r["task"] == "calc"} == {bool}
-    assert rows[0]["output"] == llm.chat([chat_prompt(examples[0])], params)[0].text
+    assert rows[0]["output"] == llm.chat([examples[0].chat()], params)[0].text
 
 
 def test_eval_reports_the_final_answer_grade_of_worked_tasks():
@@ -489,9 +488,8 @@ def test_bench_refuses_a_spec_too_long_for_the_longest_prompt_before_any_run(tmp
     """A canvas that fits the shortest prompt but not the longest: refused up front, naming the
     spec, before the first spec runs (it used to fail mid-run, after the rows before it)."""
     from dllm_engine.cli.common import DEFAULT_MODEL
-    from dllm_engine.eval.evaluate import chat_prompt
     llm = LLM(DEFAULT_MODEL)  # the embedded tiny-llada: a context of 1024, every task's tokens
-    lengths = {e.task: len(llm.apply_chat_template(chat_prompt(e))) for e in load_split(["sort", "story"], limit=1)}
+    lengths = {e.task: len(llm.apply_chat_template(e.chat())) for e in load_split(["sort", "story"], limit=1)}
     assert lengths["story"] >= lengths["sort"] + 8
     context = llm.model.config.max_position_embeddings
     spec = f"dual-cache:max_new_tokens={(context - lengths['sort']) // 8 * 8},block_length=8"

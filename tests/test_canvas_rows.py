@@ -8,8 +8,8 @@ import torch
 
 from dllm_engine import SamplingParams
 from dllm_engine.errors import UserError
-from dllm_engine.tasks import TASKS, load_split
-from dllm_engine.tasks.phrased import END, check_trace, fill_canvas
+from dllm_lab.tasks import TASKS, load_split
+from dllm_lab.tasks.phrased import END, check_trace, fill_canvas
 from dllm_lab.train import TrainConfig, Trainer
 from dllm_lab.train.canvases import CanvasRows, canvas_rows
 from dllm_lab.train.data import block_diffusion_mask

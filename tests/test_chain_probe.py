@@ -7,9 +7,9 @@ import torch
 from dllm_engine import LLM
 from dllm_engine.errors import UserError
 from dllm_lab.probes.chain_probe import (chain_probe, copy_masked_rows, result_positions,
-                                          right_masked_rows)
+                                         right_masked_rows)
 from dllm_lab.probes.frontier_probe import block_ends, frontier_probe, oracle_frontier_probe
-from dllm_engine.tasks import load_split
+from dllm_lab.tasks import load_split
 from fixtures import ScriptedLLM, commit_script, write_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.lab]  # probe runs over the held-out split (dllm_lab)
@@ -135,7 +135,7 @@ def test_frontier_probe_matches_the_decoders_first_step(tmp_path, family):
     commits the frontier exactly when the decoder's first step does, and otherwise how far ahead
     the decoder's single commit stands; every answer token is probed once."""
     from dllm_engine import SamplingParams
-    from dllm_engine.tasks import Example
+    from dllm_lab.tasks import Example
     llm = LLM(write_checkpoint(tmp_path / family, family))
     method = "block" if family == "sdar" else "dual-cache"
     prompts = [f"sort : {' '.join(str((i * 7 + k) % 10) for k in range(4 + i % 5))}" for i in range(12)]
@@ -185,8 +185,8 @@ def test_oracle_frontier_probe_reads_the_generator_s_next_word(tmp_path):
     the writing states give (each state's pending word, or the first words of the next step's
     writings, or the end); every position whose next word is certain reaches the threshold."""
     from collections import defaultdict
-    from dllm_engine.tasks import TASKS, VOCAB
-    from dllm_engine.tasks.phrased import step_writings, writing_states
+    from dllm_lab.tasks import TASKS, VOCAB
+    from dllm_lab.tasks.phrased import step_writings, writing_states
     llm = LLM(write_checkpoint(tmp_path / "llada", "llada", vocab_size=len(VOCAB)))
     ex = load_split(["tally"], limit=1)[0]
     task, gold = TASKS["tally"], ex.answer.split()
@@ -221,8 +221,8 @@ def test_canvas_probe_finds_the_step_that_loses_each_canvas():
     import random
     from dllm_engine import SamplingParams
     from dllm_lab.probes.canvas_probe import canvas_probe, canvas_table
-    from dllm_engine.tasks import TASKS
-    from dllm_engine.tasks.phrased import END, check_trace
+    from dllm_lab.tasks import TASKS
+    from dllm_lab.tasks.phrased import END, check_trace
     rng, n_slots = random.Random("canvas-probe"), 256
     sure = random.Random("forced")  # the commits' confidences
     examples = load_split(["calc", "tally"], limit=6)

@@ -14,7 +14,7 @@ import pytest
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.eval import evaluate
 from dllm_lab.probes.chain_probe import chain_probe
-from dllm_engine.tasks import load_split
+from dllm_lab.tasks import load_split
 
 pytestmark = pytest.mark.slow  # the shipped checkpoints on held-out tasks
 
@@ -50,7 +50,7 @@ def test_shipped_checkpoint_reads_phrased_prompts(name, method):
     vocabulary with the same ids, and each names the right final answer of some held-out `biggest`
     prompts (tiny-llada 5, tiny-sdar 8 of the first 10), though it writes few whole traces right
     (the cards: tiny-llada 4.2%, tiny-sdar 10.4% of the phrased split)."""
-    from dllm_engine.tokenizer import build_tokenizer
+    from dllm_lab.tokenizer import build_tokenizer
     llm = LLM(CHECKPOINTS / name)
     assert llm.tokenizer.get_vocab() == build_tokenizer().get_vocab()
     report = evaluate(llm, SamplingParams(method=method, threshold=0.9), tasks="biggest", limit=10,

@@ -62,7 +62,7 @@ def test_compiled_logits_are_close_not_bit_exact(llms):
 def test_bench_runs_each_spec_eager_then_compiled(llms, tmp_path):
     from dllm_engine.bench import run_bench
     from dllm_engine.bench.offline import table
-    from dllm_engine.tasks import load_split
+    from dllm_lab.tasks import load_split
     llm = llms["llada"]
     records = run_bench(llm, ["dual-cache:threshold=0.9"], [2], load_split(["sort"], limit=2), tmp_path,
                         defaults={"max_new_tokens": 16}, progress=lambda row: None, compare_compiled=True)

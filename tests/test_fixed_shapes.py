@@ -154,7 +154,7 @@ def test_compiled_step_gives_eager_tokens_and_reuses_its_graphs(llms, family="sd
 def test_bench_runs_each_spec_as_loaded_then_with_fixed_shapes(llms, tmp_path):
     from dllm_engine.bench import run_bench
     from dllm_engine.bench.offline import table
-    from dllm_engine.tasks import load_split
+    from dllm_lab.tasks import load_split
     llm = llms["llada"][0]
     examples = load_split(["sort"], limit=2)
     records = run_bench(llm, ["dual-cache:threshold=0.9"], [2], examples, tmp_path, defaults={"max_new_tokens": 16},

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from dllm_engine import LLM
-from dllm_engine.eval.evaluate import chat_prompt
 from dllm_engine.spec import parse_spec
-from dllm_engine.tasks import load_split
+from dllm_lab.tasks import load_split
 
 ROOT = Path(__file__).resolve().parent.parent
 FROZEN = Path(__file__).resolve().parent / "data" / "frozen_greedy.json"
@@ -54,7 +53,7 @@ def frozen():
 def test_greedy_tokens_alone_and_in_a_batch_of_eight_are_the_frozen_ones(llms, frozen, ckpt, spec):
     llm = llms[ckpt]
     params = parse_spec(spec, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
-    conversations = [chat_prompt(ex) for t in TASKS for ex in load_split([t], limit=1)]
+    conversations = [ex.chat() for t in TASKS for ex in load_split([t], limit=1)]
     together = [o.token_ids for o in llm.chat(conversations, params)]
     alone = [llm.chat([conversations[i]], params)[0].token_ids for i in ALONE]
     key = f"{ckpt} {spec}"

@@ -117,3 +117,22 @@ def test_the_engine_never_imports_the_lab():
                          cwd=PACKAGE.parent)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "[]"
+
+
+def package_graph() -> dict[str, list[str]]:
+    """Subpackage (or top-level module) -> those it imports, from the module graph."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    group = lambda m: m.split(".")[1] if "." in m else "(package)"  # noqa: E731
+    edges: dict[str, set[str]] = {}
+    for name, path in files.items():
+        for target in imports(path, set(files)):
+            if group(name) != group(target):
+                edges.setdefault(group(name), set()).add(group(target))
+    return {a: sorted(b) for a, b in sorted(edges.items())}
+
+
+def test_architecture_md_draws_the_import_graph_the_source_has():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = text.split("The engine's import graph by subpackage", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    drawn = {a: b.split(", ") for a, b in (line.split(" -> ") for line in block.strip().splitlines())}
+    assert drawn == package_graph()

@@ -11,11 +11,10 @@ import torch
 
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.engine.stop_strings import committed_end, committed_ids
-from dllm_engine.eval.evaluate import chat_prompt
 from dllm_engine.methods import BLOCK_METHODS, FULL_ATTENTION_METHODS, JOINT_THRESHOLD_PRESETS
 from dllm_engine.resolve import resolve_params
 from dllm_engine.spec import parse_spec
-from dllm_engine.tasks import load_split
+from dllm_lab.tasks import load_split
 from fixtures import write_checkpoint, write_llada2_checkpoint
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
@@ -116,7 +115,7 @@ def test_batch_invariance(llms):
 
 def test_the_embedded_tiny_sdar_equals_the_plain_sampler():
     llm = LLM(CHECKPOINTS / "tiny-sdar")
-    prompts = [llm.apply_chat_template(chat_prompt(e)) for e in load_split(["copy"], limit=1)[:2]]
+    prompts = [llm.apply_chat_template(e.chat()) for e in load_split(["copy"], limit=1)[:2]]
     for options in (dict(preset="S"), dict(preset="Q")):
         check_plain(llm, prompts, options, gen_length=32, block_length=32)
 

@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from dllm_engine import LLM, SamplingParams
-from dllm_engine.eval.evaluate import chat_prompt
 from dllm_engine.models.layers import apply_rope, rope_cos_sin
-from dllm_engine.tasks import load_split
+from dllm_lab.tasks import load_split
 
 CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-llada"
 THRESHOLD = EOS_THRESHOLD = 0.9
@@ -201,7 +200,7 @@ def test_tokens_and_forwards_equal_the_official_rules(llm):
     params = SamplingParams(method="dual-cache+adaptive-length+jump-share", threshold=THRESHOLD,
                             eos_threshold=EOS_THRESHOLD, max_new_tokens=256, block_length=BLOCK)
     examples = held_out(2)
-    outs = llm.chat([chat_prompt(ex) for ex in examples], params)
+    outs = llm.chat([ex.chat() for ex in examples], params)
     ids = llm.make_sequence(outs[0].prompt_token_ids, params).ids
     differ = []
     for ex, out in zip(examples, outs):

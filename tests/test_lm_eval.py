@@ -20,8 +20,8 @@ from dllm_engine import LLM, SamplingParams  # noqa: E402
 from dllm_engine.cli import main  # noqa: E402
 from dllm_engine.eval import evaluate  # noqa: E402
 from dllm_engine.integrations.lm_eval import DllmLM  # noqa: E402
-from dllm_engine.integrations.lm_eval_tasks import GROUP, write_tasks  # noqa: E402
-from dllm_engine.tasks import load_split  # noqa: E402
+from dllm_lab.lm_eval_tasks import GROUP, write_tasks  # noqa: E402
+from dllm_lab.tasks import load_split  # noqa: E402
 from fixtures import write_checkpoint  # noqa: E402
 from test_server import serving  # noqa: E402
 
@@ -110,8 +110,8 @@ def test_metrics_declared_are_the_ones_process_results_reports(tmp_path):
     is no task's name declare ``final_answer`` (lm-eval otherwise reports it undeclared, with a
     warning and no direction), copy rows under a worked task's name do not, and the family group
     averages only what all its files declare."""
-    from dllm_engine.integrations.lm_eval_tasks import process_results
-    from dllm_engine.tasks.splits import DATA_DIR
+    from dllm_lab.lm_eval_tasks import process_results
+    from dllm_lab.tasks.splits import DATA_DIR
     split = tmp_path / "split"
     split.mkdir()
     worked_row = (DATA_DIR / "test" / "sum.jsonl").read_text().splitlines()[0]

@@ -16,9 +16,8 @@ import torch
 
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.decoding.commit_rules import rule_instance
-from dllm_engine.eval.evaluate import chat_prompt
 from dllm_engine.methods import COMMIT_RULES, DECODERS, check_commit_rule
-from dllm_engine.tasks import load_split
+from dllm_lab.tasks import load_split
 from fixtures import write_checkpoint
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
@@ -239,7 +238,7 @@ def replay_in_block_rows(calls, rule, block_length, mask_id):
 
 # -- the embedded checkpoints ---------------------------------------------------------------------
 def task_prompts(llm, n=3):
-    return [llm.apply_chat_template(chat_prompt(e)) for e in load_split(["copy"], limit=1)[:n]]
+    return [llm.apply_chat_template(e.chat()) for e in load_split(["copy"], limit=1)[:n]]
 
 
 @pytest.mark.parametrize("rule", [RULES[0], RULES[2]])

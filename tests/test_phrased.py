@@ -7,10 +7,12 @@ from collections import Counter
 
 import pytest
 
-from dllm_engine.tasks import (TASK_FAMILIES, TASKS, VOCAB, Example, grade, grade_final, grade_form,
-                               load_split)
-from dllm_engine.tasks.phrased import (CALC_STEPS, END, PHRASED_WORDS, SEPARATORS, PhrasedTask, check_trace,
-                                      continue_writing, describe_ok, step_writings, writing_states)
+from dllm_lab.tasks import (TASK_FAMILIES, TASKS, VOCAB, Example, grade, grade_final, grade_form,
+                            load_split)
+from dllm_lab.tasks.phrased import (CALC_STEPS, END, PHRASED_WORDS, SEPARATORS, PhrasedTask, check_trace,
+                                    continue_writing, describe_ok, step_writings, writing_states)
+
+pytestmark = pytest.mark.lab  # the lab's task suite and tokenizer builder (dllm_lab)
 
 PHRASED = TASK_FAMILIES["phrased"]
 TRACED = [t for t in PHRASED if isinstance(TASKS[t], PhrasedTask)]

@@ -115,7 +115,7 @@ def test_a_server_reuses_a_shared_header_and_says_so(tmp_path):
     test's shared-prefix workload reports what was computed and reused."""
     import httpx
     from dllm_engine.bench.serve import run_serve_bench, shared_header
-    from dllm_engine.tasks import load_split
+    from dllm_lab.tasks import load_split
     from test_server import NAME, metric, serving
     folder = write_checkpoint(tmp_path, "sdar", block_size=BLOCK)
     params = SamplingParams(method="block", threshold=0.9, max_new_tokens=8, block_length=BLOCK)

@@ -54,7 +54,7 @@ def test_load_prompts_reads_prompts_conversations_answers_and_ids(tmp_path):
 
 def test_a_task_split_file_reads_as_it_is():
     """Fields beyond prompt / answer / id (a split's ``task``) are ignored."""
-    split = Path(__file__).resolve().parent.parent / "dllm_engine" / "tasks" / "data" / "test" / "sort.jsonl"
+    split = Path(__file__).resolve().parent.parent / "lab" / "dllm_lab" / "tasks" / "data" / "test" / "sort.jsonl"
     rows = load_prompts(split, limit=3)
     first = json.loads(split.read_text().splitlines()[0])
     assert len(rows) == 3 and (rows[0].prompt, rows[0].answer, rows[0].id) == (first["prompt"], first["answer"], first["id"])

@@ -62,14 +62,13 @@ def test_int8_shrinks_the_linear_weights_to_a_quarter_of_float32():
 @pytest.mark.parametrize("checkpoint", ["tiny-llada", "tiny-sdar"])
 def test_int8_answers_agree_with_float32(checkpoint):
     """The embedded checkpoints' held-out answers, greedy: nearly every token as float32's."""
-    from dllm_engine.eval.evaluate import chat_prompt
-    from dllm_engine.tasks import load_split
+    from dllm_lab.tasks import load_split
     examples = load_split("worked", limit=2)
     plain, quantized = LLM(f"{CHECKPOINTS}/{checkpoint}"), LLM(f"{CHECKPOINTS}/{checkpoint}", quantization="int8")
     assert quantized.model.quantization.quantized == len(linears(quantized.model))
     params = SamplingParams(max_new_tokens=64)
-    want = plain.chat([chat_prompt(e) for e in examples], params)
-    got = quantized.chat([chat_prompt(e) for e in examples], params)
+    want = plain.chat([e.chat() for e in examples], params)
+    got = quantized.chat([e.chat() for e in examples], params)
     same = sum(a == b for x, y in zip(got, want) for a, b in zip(x.token_ids, y.token_ids))
     total = sum(max(len(x.token_ids), len(y.token_ids)) for x, y in zip(got, want))
     assert total > 0 and same / total >= 0.9
@@ -117,7 +116,7 @@ def test_without_torchao_the_error_says_how_to_install_it(monkeypatch):
 def test_the_bench_compares_quantized_weights_with_agreement_and_size(tmp_path):
     from dllm_engine.bench.offline import run_bench
     from dllm_engine.bench.report import table
-    from dllm_engine.tasks import load_split
+    from dllm_lab.tasks import load_split
     llm = LLM(f"{CHECKPOINTS}/tiny-llada")
     records = run_bench(llm, ["dual-cache"], [2], load_split("worked", limit=1), tmp_path,
                         {"max_new_tokens": 32}, progress=lambda line: None, variants=["int8"])

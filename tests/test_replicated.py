@@ -24,7 +24,7 @@ from dllm_engine.cli import main  # noqa: E402
 from dllm_engine.cli.common import CHECKPOINTS  # noqa: E402
 from dllm_engine.server import create_app  # noqa: E402
 from dllm_engine.server.replicated import ReplicaOptions, Scaling, deploy  # noqa: E402
-from dllm_engine.tasks import load_split  # noqa: E402
+from dllm_lab.tasks import load_split  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray Serve replicas
 

@@ -7,7 +7,7 @@ import pytest
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.cli import main
 from dllm_engine.seeds import SeedStream, choice_seeds
-from dllm_engine.tasks import load_split
+from dllm_lab.tasks import load_split
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLED = SamplingParams(method="block", temperature=1.5, top_k=50, max_new_tokens=48)

@@ -29,7 +29,7 @@ from dllm_engine.seeds import SeedStream
 from dllm_engine.server import EngineLoop, create_app, shutdown_timeouts
 from dllm_engine.server.loop import Job, held_back
 from dllm_engine.server.protocol import ApiError
-from dllm_engine.tasks import load_split
+from dllm_lab.tasks import load_split
 from fixtures import write_checkpoint
 
 pytestmark = pytest.mark.slow  # live servers

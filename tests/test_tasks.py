@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from dllm_engine.tasks import (TASK_FAMILIES, TASK_NAMES, TASKS, VOCAB, Example, grade, load_split,
-                               resolve_tasks, task_family, train_examples, write_split)
-from dllm_engine.tasks import splits
-from dllm_engine.tasks.suite import answer_stats, main as suite_main
+from dllm_lab.tasks import (TASK_FAMILIES, TASK_NAMES, TASKS, VOCAB, Example, grade, load_split,
+                            resolve_tasks, task_family, train_examples, write_split)
+from dllm_lab.tasks import splits
+from dllm_lab.tasks.suite import answer_stats, main as suite_main
+
+pytestmark = pytest.mark.lab  # the lab's task suite and tokenizer builder (dllm_lab)
 
 COMMITTED = Path(splits.DATA_DIR) / "test"
 # the tasks with one right answer, graded by exact match (phrased tasks: tests/test_phrased.py)
@@ -182,7 +184,7 @@ def test_final_answer_grader(task: str) -> None:
 def test_final_answer_grade(task: str) -> None:
     """A worked answer's final-only grade passes a wrong trace with the right result and fails the
     right trace with a wrong or missing one; a copy task has no final grade (None)."""
-    from dllm_engine.tasks import grade_final
+    from dllm_lab.tasks import grade_final
     ex = load_split([task], limit=1)[0]
     if task not in TASK_FAMILIES["worked"]:
         assert grade_final(ex, ex.answer) is None and not TASKS[task].has_final_answer
@@ -209,7 +211,7 @@ def test_resolve_tasks() -> None:
 
 def test_vocabulary_keeps_copy_suite_ids() -> None:
     """The worked words are appended, so a checkpoint trained on the copy suite keeps its ids."""
-    from dllm_engine.tasks.generators import COPY_VOCAB
+    from dllm_lab.tasks.generators import COPY_VOCAB
     assert VOCAB[: len(COPY_VOCAB)] == COPY_VOCAB and len(set(VOCAB)) == len(VOCAB)
 
 

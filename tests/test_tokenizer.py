@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from dllm_engine.tasks import load_split
-from dllm_engine.tokenizer import (FAMILY_TOKENIZER_CONFIG, SPECIAL_TOKENS, build_tokenizer,
-                                   save_tokenizer, tokenizer_config, vocabulary)
+from dllm_lab.tasks import load_split
+from dllm_lab.tokenizer import (FAMILY_TOKENIZER_CONFIG, SPECIAL_TOKENS, build_tokenizer,
+                                save_tokenizer, tokenizer_config, vocabulary)
+
+pytestmark = pytest.mark.lab  # the lab's task suite and tokenizer builder (dllm_lab)
 
 MESSAGES = [{"role": "system", "content": "sort : 1"},
             {"role": "user", "content": "lookup : a = 3 , b = 4 ? a b a b"}]

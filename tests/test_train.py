@@ -5,13 +5,13 @@ import re
 import pytest
 import torch
 
-from dllm_engine.tasks import TASK_FAMILIES, TASK_NAMES
+from dllm_lab.tasks import TASK_FAMILIES, TASK_NAMES
 
 from dllm_engine import LLM
 from dllm_lab.train import TrainConfig, Trainer
 from dllm_lab.train.trainer import grow_weights
 from dllm_lab.train.data import (LONG_TAILS, MAX_CANVAS, MIN_T, SUFFIX_WINDOW, block_causal_mask,
-                                    block_diffusion_mask, noise, pack_rows)
+                                 block_diffusion_mask, noise, pack_rows)
 
 pytestmark = [pytest.mark.slow, pytest.mark.lab]  # training runs (dllm_lab)
 

@@ -1,11 +1,14 @@
-"""The wheel is complete: ``python -m build`` makes an sdist and, from it, a wheel; installed into a
-fresh venv, ``dllm generate`` (the default model), ``dllm eval --limit 2`` and ``dllm serve`` + one
-request work from a folder that is not the checkout.
+"""The two wheels are complete and apart: ``python -m build`` makes the engine's sdist and, from it,
+its wheel, and the lab's (``lab/``). The engine's wheel holds no trainer, task suite or probe.
+Installed alone into a fresh venv, the engine generates from a given prompt and serves one
+request from a folder that is not the checkout, and says what to do for a default prompt; with
+the lab's wheel beside it, ``dllm generate`` (the default model and prompt) and ``dllm eval
+--limit 2`` run as from a checkout.
 
-Offline: the fresh venv gets the wheel alone (``--no-deps --no-index``); its dependencies come
+Offline: a fresh venv gets the wheels alone (``--no-deps --no-index``); their dependencies come
 from this interpreter's site-packages through a ``.pth`` line (a plain path: that folder's own
 ``.pth`` files, e.g. an editable install of this checkout, are not run), so nothing is downloaded
-and the package imported is the wheel's (checked)."""
+and the packages imported are the wheels' (checked)."""
 import json
 import os
 import socket
@@ -14,6 +17,7 @@ import sys
 import sysconfig
 import time
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -30,26 +34,85 @@ def run(cmd: list, cwd: Path, env: dict, timeout: int = 600) -> str:
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> tuple[Path, Path, dict]:
-    """(the fresh venv's bin folder, a working folder outside the checkout, the environment)."""
-    pytest.importorskip("build", reason="the test extra's `build` makes the wheel")
-    tmp = tmp_path_factory.mktemp("wheel")
-    run([sys.executable, "-m", "build", "--no-isolation", "--outdir", tmp / "dist", ROOT], tmp, dict(os.environ))
+def wheels(tmp_path_factory) -> tuple[Path, Path]:
+    """(the engine's wheel, the lab's), built without isolation from the checkout."""
+    pytest.importorskip("build", reason="the test extra's `build` makes the wheels")
+    tmp = tmp_path_factory.mktemp("wheels")
+    for source in (ROOT, ROOT / "lab"):
+        run([sys.executable, "-m", "build", "--no-isolation", "--outdir", tmp / "dist", source], tmp, dict(os.environ))
+    assert len(list((tmp / "dist").glob("*.tar.gz"))) == 2, "python -m build makes an sdist of each"
+    engine, = (tmp / "dist").glob("dllm_engine-*.whl")
+    lab, = (tmp / "dist").glob("dllm_lab-*.whl")
+    return engine, lab
+
+
+def fresh_venv(tmp: Path, wheels: list[Path]) -> tuple[Path, Path, dict]:
+    """(its bin folder, a working folder outside the checkout, the environment) of a venv that has
+    ``wheels`` installed and this interpreter's packages beneath them."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing from the checkout
     env.update(OMP_NUM_THREADS="1", MPLBACKEND="Agg")
-    assert len(list((tmp / "dist").glob("*.tar.gz"))) == 1, "python -m build makes an sdist"
-    wheel, = (tmp / "dist").glob("*.whl")
     run([sys.executable, "-m", "venv", tmp / "venv"], tmp, env)
     bin_dir = tmp / "venv" / "bin"
     site = run([bin_dir / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                tmp, env).strip()
-    Path(site, "dllm-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    run([bin_dir / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel], tmp, env)
+    Path(site, "dllm-test-deps.pth").write_text(f"{dependencies(tmp)}\n")
+    run([bin_dir / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index", *wheels], tmp, env)
     work = tmp / "elsewhere"
     work.mkdir()
-    where = run([bin_dir / "python", "-c", "import dllm_engine; print(dllm_engine.__file__)"], work, env)
-    assert where.startswith(site), f"the wheel's package is imported, not {where}"
+    probe = ("import importlib.util as u\n"
+             "for name in ('dllm_engine', 'dllm_lab'):\n"
+             "    spec = u.find_spec(name)\n"
+             "    print(name, spec.origin if spec else None)")
+    where = dict(line.split(" ", 1) for line in run([bin_dir / "python", "-c", probe], work, env).splitlines())
+    assert where["dllm_engine"].startswith(site), f"the wheel's engine is imported, not {where['dllm_engine']}"
+    lab = where["dllm_lab"]
+    assert (lab != "None") == (len(wheels) == 2) and (lab == "None" or lab.startswith(site)), where
     return bin_dir, work, env
+
+
+def dependencies(tmp: Path) -> Path:
+    """A folder of links to this interpreter's site-packages but the checkout's own packages (their
+    editable installs and metadata): the venv sees the dependencies and only the wheels' dllm."""
+    folder = tmp / "deps"
+    folder.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.lower().replace("-", "_").lstrip("_").removeprefix("editable__").startswith("dllm"):
+            (folder / entry.name).symlink_to(entry)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine_only(wheels, tmp_path_factory) -> tuple[Path, Path, dict]:
+    return fresh_venv(tmp_path_factory.mktemp("engine"), [wheels[0]])
+
+
+@pytest.fixture(scope="module")
+def installed(wheels, tmp_path_factory) -> tuple[Path, Path, dict]:
+    return fresh_venv(tmp_path_factory.mktemp("both"), list(wheels))
+
+
+def test_the_engine_wheel_holds_no_lab(wheels):
+    engine, lab = (set(zipfile.ZipFile(w).namelist()) for w in wheels)
+    code = {n for n in engine if n.endswith(".py")}
+    assert "dllm_engine/engine/llm.py" in code and "dllm_engine/tokenizer.py" in code
+    assert not any(n.startswith("dllm_lab/") or "/tasks/" in n or "train" in n.split("/")[-1] or "probe" in n
+                   for n in engine), sorted(n for n in engine if "lab" in n or "task" in n or "probe" in n)
+    assert {"dllm_lab/train/trainer.py", "dllm_lab/tasks/splits.py", "dllm_lab/probes/chain_probe.py",
+            "dllm_lab/tasks/data/test/story.jsonl"} <= lab
+    assert any(n.startswith("dllm_engine/checkpoints/tiny-llada/") for n in engine)  # checkpoints, not lab code
+    assert not any(n.startswith("dllm_engine/") for n in lab)
+
+
+def test_the_engine_alone_generates_and_asks_for_a_prompt(engine_only):
+    bin_dir, work, env = engine_only
+    out = run([bin_dir / "dllm", "generate", "--threads", "1", "--prompt", "sort : 9 2 7 4"], work, env)
+    assert "output: 2 4 7 9" in out, out
+    proc = subprocess.run([bin_dir / "dllm", "generate", "--threads", "1"], cwd=work, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "give a prompt: --prompt TEXT (no dataset named 'tasks'" in proc.stderr, proc.stderr
+    assert "pip install dllm-lab" in proc.stderr
+    help_text = run([bin_dir / "dllm", "--help"], work, env)
+    assert "generate" in help_text and "train" not in help_text.split("positional arguments")[1], help_text
 
 
 def test_generate_runs_the_packaged_default_model(installed):
@@ -84,8 +147,8 @@ def wait_for(url: str, proc: subprocess.Popen, seconds: float = 300) -> None:
     pytest.fail(f"dllm serve did not answer {url} within {seconds} s")
 
 
-def test_serve_answers_one_request(installed):
-    bin_dir, work, env = installed
+def test_the_engine_alone_serves_one_request(engine_only):
+    bin_dir, work, env = engine_only
     port = free_port()
     proc = subprocess.Popen([bin_dir / "dllm", "serve", "--port", str(port), "--threads", "1"], cwd=work,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -21,7 +21,7 @@ from ..engine.host_memory import resident_bytes
 from ..engine.llm import LLM
 from ..engine.sequence import stop_share
 from ..eval import evaluate
-from ..eval.evaluate import chat_prompt, rounded
+from ..eval.evaluate import rounded
 from ..models.compiled import compile_model, uncompile_model
 from ..models.quantize import QUANTIZATIONS, check_quantization, quantize_reversibly, weight_bytes
 from ..models.loader import read_config, read_generation_config
@@ -29,7 +29,7 @@ from ..outputs import BenchInterrupted, percent, prepare_out_dir, saved, write_j
 from ..resolve import resolve_params, trained_block_size
 from ..sampling_params import SamplingParams
 from ..spec import parse_spec
-from ..tasks import Example
+from ..datasets import Prompt
 from .report import collect_meta, table as report_table, write_table
 
 class PeakMemory:
@@ -116,7 +116,7 @@ class BenchRecord:
         return stop_share(self.output_tokens, self.decoded_tokens)
 
 
-def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Example],
+def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Prompt],
               batch_size: int, warm_all: bool = False, use_tqdm: bool = False, place: str = "") -> BenchRecord:
     """``warm_all``: the warm-up is the whole run, not one prompt (a compiled step compiles
     each shape it meets on first use: the timed run then measures the steady state).
@@ -192,7 +192,7 @@ VARIANTS = {
 }
 
 
-def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
+def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Prompt],
               out_dir: str | Path, defaults: dict | None = None, progress=print,
               compare_compiled: bool = False, variants: list[str] | None = None,
               repeats: int = 1, meta: dict | None = None, use_tqdm: bool = False) -> list[BenchRecord]:
@@ -256,7 +256,7 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
 
 
 def bench_variant(llm: LLM, spec: str, name: str | None, params: SamplingParams,
-                  examples: list[Example], batch_size: int, use_tqdm: bool = False, place: str = "") -> BenchRecord:
+                  examples: list[Prompt], batch_size: int, use_tqdm: bool = False, place: str = "") -> BenchRecord:
     """One timed pass of ``spec`` as loaded (``name`` None) or under the variant ``name``."""
     if name is None:
         return bench_one(llm, spec, params, examples, batch_size, use_tqdm=use_tqdm, place=place)
@@ -278,7 +278,7 @@ def save(records: list[BenchRecord], record: BenchRecord, path: Path, progress, 
     progress(format_row(record))
 
 
-def check_prompts(llm: LLM, params: dict[str, SamplingParams], examples: list[Example]) -> list[list[int]]:
+def check_prompts(llm: LLM, params: dict[str, SamplingParams], examples: list[Prompt]) -> list[list[int]]:
     """Each spec against the longest prompt as ``evaluate`` sends it (chat template applied):
     a canvas that does not fit the model's context fails here, before any run, naming the spec.
     Returns the prompts' token ids, checked, in order."""
@@ -287,7 +287,7 @@ def check_prompts(llm: LLM, params: dict[str, SamplingParams], examples: list[Ex
     prompts, lengths = [], {}
     for e in examples:
         try:
-            prompts.append(llm.check_ids(llm.apply_chat_template(chat_prompt(e))))
+            prompts.append(llm.check_ids(llm.apply_chat_template(e.chat())))
         except UserError as error:
             raise UserError(f"a prompt of {describe(e)}: {error}") from None
         lengths[len(prompts[-1])] = e
@@ -301,7 +301,7 @@ def check_prompts(llm: LLM, params: dict[str, SamplingParams], examples: list[Ex
     return prompts
 
 
-def describe(example: Example) -> str:
+def describe(example: Prompt) -> str:
     """Where a prompt an error names comes from: ``FILE, line N`` (a prompts file's,
     ``bench.prompts.PromptExample.where``) or ``task NAME``."""
     where = getattr(example, "where", None)

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import UserError
 from ..engine.llm import LLM
 from ..sampling_params import SamplingParams
-from ..tasks import Example
+from ..datasets import Prompt
 
 aten = torch.ops.aten
 # wall: what a user waits; cpu: this thread's CPU time, which other processes on a shared
@@ -321,7 +321,7 @@ def count_syncs(llm: LLM, params: SamplingParams, prompts: list[list[int]], batc
     return count
 
 
-def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Example],
+def run_profile(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list[Prompt],
                 defaults: dict | None = None, progress=print, repeats: int = 1,
                 clock: str = "wall", breakdown: bool = False) -> list[ProfileRecord]:
     """Profile every spec at every batch size (interleaved, as ``dllm bench`` does);

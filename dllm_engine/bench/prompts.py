@@ -10,9 +10,9 @@ stripped of surrounding whitespace, equals the answer (stripped too); when no li
 is no accuracy (None: null in JSON, "–" in tables). A file mixing both is refused, as is any
 line that is not such an object, naming the line.
 
-A line becomes a ``PromptExample``, which goes wherever a task ``Example`` goes (``evaluate``,
-the benches, the profiler) and brings its own conversation (``chat``) and grade (``grades``), so
-nothing downstream needs a task's code for it.
+A line becomes a ``PromptExample``, a ``datasets.Prompt`` as a dataset's examples are: it goes
+wherever they go (``evaluate``, the benches, the profiler) with its own conversation (``chat``)
+and grade (``grades``).
 """
 from __future__ import annotations
 

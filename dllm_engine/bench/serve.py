@@ -22,11 +22,11 @@ from pathlib import Path
 import httpx
 
 from ..errors import UserError
-from ..eval.evaluate import chat_prompt, grades
 from ..outputs import BenchInterrupted, percent, prepare_out_dir, saved, write_json_atomic
 from ..server.metrics import PREFIX
 from .report import collect_meta
-from ..tasks import Example, load_split
+from .. import datasets
+from ..datasets import Prompt
 
 
 @dataclass
@@ -86,14 +86,14 @@ def parse_sse(line: str) -> dict | None:
     return None if data == "[DONE]" else json.loads(data)
 
 
-def shared_header(words: int, examples: list[Example]) -> str:
+def shared_header(words: int, examples: list[Prompt]) -> str:
     """``words`` words of the held-out prompts in turn (the model's own vocabulary): the header
     every request of a shared-prefix load test starts with (a system prompt, few-shot examples)."""
     vocabulary = [w for e in examples for w in e.prompt.split()]
     return " ".join(vocabulary[i % len(vocabulary)] for i in range(words))
 
 
-async def send(client: httpx.AsyncClient, model: str, messages: list[dict], example: Example,
+async def send(client: httpx.AsyncClient, model: str, messages: list[dict], example: Prompt,
                extra: dict) -> RequestRecord:
     """One streamed chat completion of ``messages``, its choices graded against ``example``;
     never raises (a failure is a record)."""
@@ -121,21 +121,21 @@ async def send(client: httpx.AsyncClient, model: str, messages: list[dict], exam
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
         return RequestRecord(False, time.perf_counter() - start, error=f"{type(e).__name__}: {e}")
     answers = ["".join(text.get(i, [])) for i in range(extra.get("n", 1))]
-    marks = [ok for ok in (grades(example, a)[0] for a in answers) if ok is not None]
+    marks = [ok for ok in (example.grades(a)[0] for a in answers) if ok is not None]
     return RequestRecord(True, time.perf_counter() - start, first, usage.get("completion_tokens", 0),
                          sum(marks), len(marks), usage, text=answers[0])
 
 
-def turn_messages(example: Example, header: str = "") -> list[dict]:
-    """The messages ``example`` adds to a chat (``evaluate.chat_prompt``: its prompt as a user
-    message, or a prompts file's conversation); ``header`` starts the first of them."""
-    messages = chat_prompt(example)
+def turn_messages(example: Prompt, header: str = "") -> list[dict]:
+    """The messages ``example`` adds to a chat (its ``chat()``: its prompt as a user message, or a
+    prompts file's conversation); ``header`` starts the first of them."""
+    messages = example.chat()
     if header:
         messages[0] = {**messages[0], "content": f"{header}\n{messages[0]['content']}"}
     return messages
 
 
-async def run_level(url: str, model: str, examples: list[Example], concurrency: int,
+async def run_level(url: str, model: str, examples: list[Prompt], concurrency: int,
                     num_requests: int, extra: dict, timeout: float,
                     lengths: list[int] | None = None, header: str = "", turns: int = 1) -> LevelResult:
     """``concurrency`` clients share ``num_requests`` requests, each sending its next as soon as
@@ -236,9 +236,9 @@ def summarize(records: list[RequestRecord], concurrency: int, wall: float,
         processed_tokens=round(processed, 1), peak_memory_mb=peak_memory_mb)
 
 
-def interleave(examples: list[Example]) -> list[Example]:
+def interleave(examples: list[Prompt]) -> list[Prompt]:
     """Round-robin over tasks, so any number of requests mixes every task (and answer length)."""
-    by_task: dict[str, list[Example]] = {}
+    by_task: dict[str, list[Prompt]] = {}
     for e in examples:
         by_task.setdefault(e.task, []).append(e)
     rounds = itertools.zip_longest(*by_task.values())
@@ -277,7 +277,7 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
                     timeout: float = 600.0, progress=print,
                     lengths: list[int] | None = None, shared_prefix: int = 0,
                     baseline_url: str | None = None, meta: dict | None = None, turns: int = 1,
-                    examples: list[Example] | None = None) -> list[LevelResult]:
+                    examples: list[Prompt] | None = None) -> list[LevelResult]:
     """Every concurrency level in turn; writes ``serve_bench.json`` (after every level) and
     ``serve_bench.png`` (at the end, or on Ctrl-C: ``BenchInterrupted``) to ``out`` (when
     given, checked before the run) and returns the per-level results. ``lengths`` (``parse_length_mix``)
@@ -303,7 +303,7 @@ def run_serve_bench(url: str, concurrency: list[int], num_requests: int, out: st
     if baseline_url is not None and served_model(baseline_url, timeout) != model:
         raise UserError(f"{baseline_url} serves {served_model(baseline_url, timeout)!r}, {url} {model!r}: "
                         f"a baseline serves the same model")
-    examples = interleave(examples if examples is not None else load_split(tasks))
+    examples = interleave(examples if examples is not None else datasets.load(tasks))
     if not examples:
         raise UserError("no prompts to send")
     header = shared_header(shared_prefix, examples) if shared_prefix else ""

@@ -1,32 +1,31 @@
-"""The ``dllm`` command: generate, eval, bench, serve, lm-eval, download, playground, and the
-commands other installed packages register (the lab's train and probes: ``dllm_lab.cli``)."""
+"""The ``dllm`` command: generate, bench, profile, serve, lm-eval, download, report, playground, and
+the commands other installed packages register (the lab's eval, train and probes: ``dllm_lab.cli``)."""
 from __future__ import annotations
 
 import argparse
 import sys
-from importlib.metadata import entry_points, version
+from importlib.metadata import version
 
+from .. import plugins
 from ..errors import UserError
 
 from .bench import add_bench, run_bench
 from .bench_serve import add_bench_serve, run_bench_serve
 from .download import add_download, run_download
-from .eval import add_eval, run_eval
 from .generate import add_generate, run_generate
-from .lm_eval import add_lm_eval_tasks, run_lm_eval, run_lm_eval_tasks
+from .lm_eval import run_lm_eval
 from .playground import add_playground, run_playground
 from .profile import add_profile, run_profile
 from .report import add_report, run_report
 from .serve import add_serve, run_serve
 
-DESCRIPTION = ("Fast inference for diffusion LLMs: generate, eval, bench, profile, serve, lm-eval, download, "
-               "report, playground (and, with the lab installed, train and its probes). `dllm COMMAND --help` "
-               "for each command's options.")
+DESCRIPTION = ("Fast inference for diffusion LLMs: generate, bench, profile, serve, lm-eval, download, "
+               "report, playground (and, with the lab installed, eval on its task suite, train and its "
+               "probes). `dllm COMMAND --help` for each command's options.")
 # command -> (adds its subparser, runs it); one module per command beside this file
-COMMANDS = {"generate": (add_generate, run_generate), "eval": (add_eval, run_eval),
+COMMANDS = {"generate": (add_generate, run_generate),
             "bench": (add_bench, run_bench), "profile": (add_profile, run_profile),
             "serve": (add_serve, run_serve), "bench-serve": (add_bench_serve, run_bench_serve),
-            "lm-eval-tasks": (add_lm_eval_tasks, run_lm_eval_tasks),
             "download": (add_download, run_download), "report": (add_report, run_report),
             "playground": (add_playground, run_playground)}
 ENTRY_POINTS = "dllm.commands"  # a package's commands(): more {command: (add, run)} (the lab's)
@@ -36,8 +35,8 @@ def all_commands() -> dict:
     """The engine's commands, then those the installed packages register under ``ENTRY_POINTS``
     (an engine command's name is never taken over)."""
     found = dict(COMMANDS)
-    for point in entry_points(group=ENTRY_POINTS):
-        for name, pair in point.load()().items():
+    for _, commands in plugins.load(ENTRY_POINTS):
+        for name, pair in commands().items():
             found.setdefault(name, pair)
     return found
 

@@ -122,11 +122,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_prompt_source(p: argparse.ArgumentParser, tasks_default: str, tasks_help: str) -> None:
-    """``--tasks`` (the held-out task split) or ``--prompts FILE.jsonl`` (``bench.prompts``), not both."""
+    """``--dataset`` and its ``--tasks`` (a registered dataset's held-out prompts: ``datasets``), or
+    ``--prompts FILE.jsonl`` (``bench.prompts``), not both."""
+    from ..datasets import DEFAULT
+    p.add_argument("--dataset", default=DEFAULT,
+                   help=f"a dataset an installed package registers (default: {DEFAULT!r}, the task suite "
+                        "the embedded checkpoints were trained on, registered by the lab, dllm-lab)")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--tasks", default=tasks_default, help=tasks_help)
+    source.add_argument("--tasks", default=tasks_default,
+                        help=f"which of the dataset's prompts; of the task suite 'tasks': {tasks_help}")
     source.add_argument("--prompts", default=None, metavar="FILE.jsonl",
-                        help='prompts from a JSON-lines file instead of the task split: one object a line, '
+                        help='prompts from a JSON-lines file instead of a dataset: one object a line, '
                              '"prompt" (a user message, through the chat template) or "messages" (a list of '
                              '{role, content}), and optionally "answer": when every line has one, accuracy is '
                              'exact match of the stripped output against it; when none has, accuracy is n/a '
@@ -135,20 +141,22 @@ def add_prompt_source(p: argparse.ArgumentParser, tasks_default: str, tasks_help
 
 def load_examples(args: argparse.Namespace, limit: int | None):
     """The prompts a bench or profile runs: ``--prompts``' lines (the first ``limit``), else the
-    held-out split of ``--tasks`` (``limit`` per task); a bad file or task name fails here,
-    before any model loads or server is asked."""
+    held-out prompts of ``--tasks`` in ``--dataset`` (``limit`` per task); a bad file, dataset or
+    task name fails here, before any model loads or server is asked."""
     if args.prompts is not None:
         from ..bench.prompts import load_prompts
         return load_prompts(args.prompts, limit)
-    from ..tasks import load_split
-    return load_split(args.tasks, limit=limit)
+    from .. import datasets
+    return datasets.load(args.tasks, limit, name=args.dataset)
 
 
 def workload(args: argparse.Namespace, examples) -> str:
     """What a bench or profile runs, for its header line: the prompts file, or the tasks."""
     if args.prompts is not None:
         return f"prompts file: {args.prompts}"
-    return f"tasks: {','.join(dict.fromkeys(e.task for e in examples))}"
+    tasks = ",".join(dict.fromkeys(e.task for e in examples))
+    from ..datasets import DEFAULT
+    return f"tasks: {tasks}" if args.dataset == DEFAULT else f"dataset: {args.dataset}, tasks: {tasks}"
 
 
 def sampling_params(args: argparse.Namespace) -> "SamplingParams":

@@ -14,7 +14,8 @@ from ..seeds import SeedStream
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate from one prompt and print the text and stats")
-    p.add_argument("--prompt", default=None, help="default: a held-out prompt of the task suite")
+    p.add_argument("--prompt", default=None, help="default: a held-out prompt of the task suite the "
+                   "embedded checkpoints were trained on (the lab's dataset 'tasks')")
     form = p.add_mutually_exclusive_group()
     form.add_argument("--raw", action="store_true",
                       help="a plain completion of the prompt (default: the checkpoint's chat template "
@@ -52,8 +53,7 @@ def run_generate(args: argparse.Namespace) -> None:
         llm.seeds = SeedStream(secrets.randbelow(MAX_SEED))
     expected = None
     if args.prompt is None:
-        from ..tasks import load_split
-        example = load_split(["story"], limit=1)[0]
+        example = default_prompt()
         args.prompt, expected = example.prompt, example.answer
     if use_chat(args, llm):
         out = llm.chat([[{"role": "user", "content": args.prompt}]], params, use_tqdm=True)
@@ -75,3 +75,15 @@ def run_generate(args: argparse.Namespace) -> None:
     if args.show_steps:
         from ..engine.trace import format_steps
         print(format_steps(out[0].steps, len(out[0].prompt_token_ids)))
+
+
+def default_prompt():
+    """The default dataset's demo prompt; a ``UserError`` asking for ``--prompt`` without one."""
+    from .. import datasets
+    try:
+        demo = datasets.get().demo
+    except UserError as e:
+        raise UserError(f"give a prompt: --prompt TEXT ({e})") from None
+    if demo is None:
+        raise UserError(f"give a prompt: --prompt TEXT (the dataset {datasets.DEFAULT!r} has no default one)")
+    return demo()

@@ -1,4 +1,5 @@
-"""Run a decoding method over the held-out split with the chat template; grade exactly."""
+"""Run a decoding method over a dataset's held-out prompts (``datasets``) or a prompts file's, with
+the chat template; grade each answer by its example's own grades."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,8 @@ from ..engine.sequence import SequenceStats
 from ..outputs import percent
 from ..sampling_params import SamplingParams
 from ..strategies.base import merge_diagnostics
-from ..tasks import Example, grade, grade_final, grade_form, load_split
+from .. import datasets
+from ..datasets import Prompt
 
 
 @dataclass
@@ -158,27 +160,7 @@ class EvalReport:
         return "\n".join(lines)
 
 
-# An example is a task ``Example`` (the lab's suite, graded by its task) or one that brings its own
-# conversation and grade (``bench.prompts.PromptExample``: a prompts file's line, exact match or
-# none): ``chat_prompt`` and ``grades`` tell them apart (and ``bench.offline.describe``, naming
-# a prompt in an error).
-def chat_prompt(example: Example) -> list[dict]:
-    """The conversation ``example`` is asked as: its own (``chat()``), else its prompt as the one
-    user message."""
-    own = getattr(example, "chat", None)
-    return own() if own is not None else [{"role": "user", "content": example.prompt}]
-
-
-def grades(example: Example, output_text: str) -> tuple[bool | None, bool | None, bool | None]:
-    """``output_text``'s (whole answer, final answer, form) grades, None for one not measured: an
-    example's own (``grades(text)``), else its task's graders."""
-    own = getattr(example, "grades", None)
-    if own is not None:
-        return own(output_text)
-    return grade(example, output_text), grade_final(example, output_text), grade_form(example, output_text)
-
-
-def sample_record(ex: Example, text: str, stats: SequenceStats, ok: bool | None, final_ok: bool | None,
+def sample_record(ex: Prompt, text: str, stats: SequenceStats, ok: bool | None, final_ok: bool | None,
                   form_ok: bool | None) -> dict:
     """One prompt's line of ``--samples``: what was asked, what was expected, what came out, its
     grades (None for a grade the task does not have) and its decoding counts."""
@@ -188,11 +170,12 @@ def sample_record(ex: Example, text: str, stats: SequenceStats, ok: bool | None,
             "ahead_tokens": stats.ahead_tokens}
 
 
-def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, limit: int | None = None,
-             batch_size: int = 32, use_tqdm: bool = True, examples: list[Example] | None = None,
+def evaluate(llm: LLM, params: SamplingParams, tasks: str | list[str] | None = None, limit: int | None = None,
+             batch_size: int = 32, use_tqdm: bool = True, examples: list[Prompt] | None = None,
              desc: str | None = None, samples: str | Path | None = None) -> EvalReport:
-    """Accuracy and stats (``SequenceStats``) of ``params`` on the held-out split (or ``examples``:
-    task examples, or a prompts file's, ``bench.prompts``);
+    """Accuracy and stats (``SequenceStats``) of ``params`` on ``examples`` (a dataset's, or a
+    prompts file's: ``bench.prompts``), else on the held-out ``tasks`` of the default dataset
+    (``datasets.load``, ``limit`` per task);
     ``use_tqdm``: a progress bar of the prompts done, named ``desc`` (default: eval METHOD);
     ``samples``: a JSON-lines file that gets every prompt's ``sample_record``, a batch at a time as
     it finishes (an interrupted run keeps the prompts it graded)."""
@@ -200,7 +183,7 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
         raise UserError(f"batch size must be >= 1, got {batch_size}")
     if params.n != 1:
         raise UserError(f"n={params.n}: an evaluation grades one answer per prompt; drop n")
-    examples = examples if examples is not None else load_split(tasks, limit=limit)
+    examples = examples if examples is not None else datasets.load(tasks, limit)
     params = llm.resolve(params)
     report = EvalReport(method=params.method)
     all_stats: list[SequenceStats] = []
@@ -212,10 +195,10 @@ def evaluate(llm: LLM, params: SamplingParams, tasks: list[str] | None = None, l
         start = time.perf_counter()
         for i in range(0, len(examples), batch_size):
             chunk = examples[i:i + batch_size]
-            outs = llm.chat([chat_prompt(e) for e in chunk], params)
+            outs = llm.chat([e.chat() for e in chunk], params)
             report.method, records = outs.method, records + [outs.diagnostics]
             for ex, out in zip(chunk, outs):
-                ok, final_ok, form_ok = grades(ex, out.text)
+                ok, final_ok, form_ok = ex.grades(out.text)
                 report.tasks.setdefault(ex.task, TaskResult(ex.task)).add(ok, out.stats, final_ok, form_ok)
                 all_stats.append(out.stats)
                 report.outputs.append(list(out.token_ids))

@@ -1,2 +1,2 @@
-"""Bridges to other tools (optional extras): ``lm_eval`` (the lm-evaluation-harness model ``dllm``)
-and ``lm_eval_tasks`` (the embedded task suite as lm-eval YAML tasks)."""
+"""Bridges to other tools (optional extras): ``lm_eval`` (the lm-evaluation-harness model ``dllm``;
+the task suite as lm-eval YAML tasks is the lab's, ``dllm_lab.lm_eval_tasks``)."""

@@ -25,13 +25,14 @@ Outputs = tuple  # (pane A html, pane B html, A's text, B's text, summary, A's t
 
 def example_prompts(path: str | Path | None = None) -> list[str]:
     """The page's example messages: a prompts file's (``bench/prompts.py``; a conversation line
-    gives its last message), else held-out prompts of the task suite the embedded checkpoints
-    were trained on."""
+    gives its last message), else the default dataset's showcase (held-out prompts of the task
+    suite the embedded checkpoints were trained on), else none."""
     if path is not None:
         from ..bench.prompts import load_prompts
         return [e.chat()[-1]["content"] for e in load_prompts(path)]
-    from ..tasks import load_split
-    return [e.prompt for e in load_split(["sort", "spell", "story"], limit=1)]
+    from .. import datasets
+    showcase = datasets.registered().get(datasets.DEFAULT)
+    return [e.prompt for e in showcase.showcase()] if showcase and showcase.showcase else []
 
 
 class Playground:
@@ -147,7 +148,9 @@ def build_app(llm: LLM, methods: tuple[str, str] | None = None, warm_up: bool = 
                 text_b = gr.Textbox(label="B's answer", interactive=False, elem_id="text-b")
         with gr.Accordion("Traces (JSON, docs/traces.md)", open=False):
             trace_a, trace_b = gr.JSON(label="A"), gr.JSON(label="B")
-        gr.Examples(examples or example_prompts(), inputs=message)
+        shown = examples or example_prompts()
+        if shown:  # none without a prompts file or the lab's task suite
+            gr.Examples(shown, inputs=message)
         inputs = [message, spec_a, spec_b, replay, chat, max_new]
         outputs = [pane_a, pane_b, text_a, text_b, summary, trace_a, trace_b]
         send.click(pg.send, inputs, outputs, api_name="send")

@@ -28,8 +28,8 @@ from dllm_engine.config import ModelConfig
 from dllm_engine.models import DiffusionLM, get_family, save_model
 from dllm_engine.models.loader import parse_device
 from dllm_engine.outputs import write_atomic
-from dllm_engine.tasks import check_mix, train_examples
-from dllm_engine.tokenizer import save_tokenizer
+from ..tasks import check_mix, train_examples
+from ..tokenizer import save_tokenizer
 from .canvases import CanvasRows
 from .data import LONG_TAILS, Batch, Encoder, block_diffusion_batch, masked_diffusion_batch
 

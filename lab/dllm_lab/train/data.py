@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from dllm_engine.models.context import block_causal_mask as causal_by_block
-from dllm_engine.tasks import Example
+from ..tasks import Example
 
 MAX_CANVAS = 256  # longest response canvas trained on (the ODB benchmarks run 256 new tokens)
 

@@ -26,9 +26,8 @@ from torch import Tensor
 
 from dllm_engine.errors import UserError
 from dllm_engine.engine.llm import LLM
-from dllm_engine.tasks import Example
+from ..tasks import Example
 from ..train.data import block_causal_mask
-from dllm_engine.eval.evaluate import chat_prompt
 
 
 @dataclass
@@ -65,7 +64,7 @@ def encode_example(llm: LLM, ex: Example) -> tuple[list[int], list[int]]:
     """(the chat prompt's ids, the answer's ids) of ``ex``; a model whose vocabulary lacks the
     task's words is refused by name, not with an IndexError."""
     tok = llm.tokenizer
-    prompt = list(tok.apply_chat_template(chat_prompt(ex), add_generation_prompt=True, tokenize=True,
+    prompt = list(tok.apply_chat_template(ex.chat(), add_generation_prompt=True, tokenize=True,
                                           return_dict=False))
     answer = tok.encode(ex.answer, add_special_tokens=False)
     try:

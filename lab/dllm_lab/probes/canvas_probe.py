@@ -32,9 +32,8 @@ from dllm_engine.engine.llm import LLM, RequestOutput
 from dllm_engine.engine.trace import MASK, StepRecord, canvas_frames
 from dllm_engine.errors import UserError
 from dllm_engine.sampling_params import SamplingParams
-from dllm_engine.tasks import TASKS, Example
+from ..tasks import TASKS, Example
 from .chain_probe import probe_table
-from dllm_engine.eval.evaluate import chat_prompt
 
 
 @dataclass
@@ -139,7 +138,7 @@ def first_unfinishable(finishable, n: int) -> int | None:
 
 def refuse_untraced(tasks) -> None:
     """UserError naming any of ``tasks`` that is not a phrased task with a trace."""
-    from dllm_engine.tasks.phrased import PhrasedTask
+    from ..tasks.phrased import PhrasedTask
     other = [t for t in dict.fromkeys(tasks) if not isinstance(TASKS[t], PhrasedTask)]
     if other:
         traced = ", ".join(n for n, t in TASKS.items() if isinstance(t, PhrasedTask))
@@ -152,7 +151,7 @@ def decoded_canvases(llm: LLM, params: SamplingParams, examples: list[Example], 
     per example, its output, the frames after each step (``canvas_frames``) and the same frames as
     ``check_trace`` reads canvases: a word per slot, ``None`` masked (the canvas's slots past a
     frame too), ``END`` a stop token. ``progress``: a bar advanced per batch."""
-    from dllm_engine.tasks.phrased import END
+    from ..tasks.phrased import END
     stop_ids = llm.token_ids.stop_ids
     words = {}  # token id -> its word in a canvas
 
@@ -167,7 +166,7 @@ def decoded_canvases(llm: LLM, params: SamplingParams, examples: list[Example], 
 
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
-        for ex, out in zip(chunk, llm.chat([chat_prompt(e) for e in chunk], params)):
+        for ex, out in zip(chunk, llm.chat([e.chat() for e in chunk], params)):
             frames = canvas_frames(out.steps or [], len(out.prompt_token_ids))
             yield ex, out, frames, [tuple(map(word, f)) + (None,) * (params.max_new_tokens - len(f)) for f in frames]
         if progress is not None:
@@ -178,7 +177,7 @@ def canvas_probe(llm: LLM, params: SamplingParams, examples: list[Example],
                  batch_size: int = 32) -> dict[str, CanvasRow]:
     """Per task, which steps of ``params``'s decoding made the canvas unfinishable (see the
     module's docstring); the phrased tasks with a trace only (``describe`` has no steps)."""
-    from dllm_engine.tasks.phrased import check_trace
+    from ..tasks.phrased import check_trace
     refuse_untraced(ex.task for ex in examples)
     if batch_size < 1:
         raise UserError(f"batch_size must be >= 1, got {batch_size}")

@@ -145,7 +145,7 @@ def run_canvas_rows(args: argparse.Namespace) -> None:
     import itertools
 
     from ..probes.canvas_probe import refuse_untraced
-    from dllm_engine.tasks import resolve_tasks, train_examples
+    from ..tasks import resolve_tasks, train_examples
     from ..train.canvases import canvas_rows
     tasks = resolve_tasks(args.tasks)
     refuse_untraced(tasks)  # before the model loads

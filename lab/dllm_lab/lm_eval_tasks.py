@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..tasks import TASK_FAMILIES, TASKS, Example, grade, grade_final, grade_form
-from ..tasks.splits import DATA_DIR
+from .tasks import TASK_FAMILIES, TASKS, Example, grade, grade_final, grade_form
+from .tasks.splits import DATA_DIR
 
 GROUP = "dllm_suite"
 PREFIX = "dllm_"

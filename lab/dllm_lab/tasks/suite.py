@@ -1,4 +1,4 @@
-"""Command line for the task suite: ``python -m dllm_engine.tasks.suite --write-split``.
+"""Command line for the task suite: ``python -m dllm_lab.tasks.suite --write-split``.
 
 Kept separate from the package ``__init__`` (which never imports it) so running it with
 ``-m`` does not trigger runpy's "found in sys.modules" warning.

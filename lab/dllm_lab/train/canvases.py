@@ -27,7 +27,7 @@ import torch
 from dllm_engine.errors import UserError
 from dllm_engine.models.context import block_causal_limit
 from dllm_engine.outputs import write_atomic
-from dllm_engine.tasks import TASKS, Example
+from ..tasks import TASKS, Example
 from .data import MIN_T, SUFFIX_WINDOW, Batch, block_diffusion_mask, content_length
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ def canvas_rows(llm: LLM, params: SamplingParams, examples: list[Example], per_a
     from tqdm import tqdm
     from dllm_engine.engine.trace import MASK
     from ..probes.canvas_probe import decoded_canvases, first_unfinishable, refuse_untraced
-    from dllm_engine.tasks.phrased import check_trace, fill_canvas
+    from ..tasks.phrased import check_trace, fill_canvas
     refuse_untraced(ex.task for ex in examples)
     if per_answer < 1 or batch_size < 1:
         raise UserError(f"per_answer and batch_size must be >= 1, got {per_answer} and {batch_size}")

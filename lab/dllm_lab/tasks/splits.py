@@ -13,7 +13,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import UserError
+from dllm_engine.errors import UserError
 from .generators import Example
 from .registry import TASK_NAMES, TASKS, resolve_tasks
 

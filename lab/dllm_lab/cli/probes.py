@@ -52,7 +52,7 @@ def add_probe_args(p: argparse.ArgumentParser) -> None:
 def run_probe(args: argparse.Namespace, probe, table) -> None:
     """Load the split and the model, run ``probe(llm, examples)``, print ``table`` of its rows."""
     from dllm_engine.outputs import write_json_atomic
-    from dllm_engine.tasks import load_split, resolve_tasks
+    from ..tasks import load_split, resolve_tasks
     tasks = resolve_tasks(args.tasks)
     check_output_path(args.json)
     set_threads(args.threads)
@@ -81,7 +81,7 @@ def run_frontier_probe(args: argparse.Namespace) -> None:
 
 def run_canvas_probe(args: argparse.Namespace) -> None:
     from ..probes.canvas_probe import canvas_probe, canvas_table, refuse_untraced
-    from dllm_engine.tasks import resolve_tasks
+    from ..tasks import resolve_tasks
     refuse_untraced(resolve_tasks(args.tasks))  # before the model loads
     given = sampling_params(args)  # bad options fail before the model loads
     run_probe(args, lambda llm, examples: canvas_probe(llm, given, examples, batch_size=args.batch_size),

@@ -7,7 +7,7 @@ real dLLM's). ``--tasks`` of ``dllm eval`` / ``dllm bench`` takes a family, ``al
 """
 from __future__ import annotations
 
-from ..errors import UserError
+from dllm_engine.errors import UserError
 from .generators import COPY_TASKS, COPY_VOCAB, Task
 from .phrased import PHRASED_TASKS, PHRASED_WORDS
 from .worked import WORKED_TASKS, WORKED_WORDS

@@ -1,10 +1,11 @@
-"""``dllm eval``: accuracy and speed of one method on the held-out task split."""
+"""``dllm eval``: accuracy and speed of one method on the held-out task split; ``dllm lm-eval-tasks``:
+the splits as lm-eval tasks."""
 from __future__ import annotations
 
 import argparse
 
-from . import common  # common.load_llm, looked up per call: tests stand in for the model
-from .common import add_model_args, add_sampling_args, check_output_path, sampling_params, set_threads
+from dllm_engine.cli import common  # common.load_llm, looked up per call: tests stand in for the model
+from dllm_engine.cli.common import add_model_args, add_sampling_args, check_output_path, sampling_params, set_threads
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
@@ -23,9 +24,9 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> None:
-    from ..eval import evaluate
-    from ..outputs import write_json_atomic
-    from ..tasks import resolve_tasks
+    from dllm_engine.eval import evaluate
+    from dllm_engine.outputs import write_json_atomic
+    from ..tasks import load_split, resolve_tasks
     args.tasks = resolve_tasks(args.tasks)  # a typo fails before the model loads
     check_output_path(args.json)
     check_output_path(args.samples, "--samples")
@@ -33,10 +34,24 @@ def run_eval(args: argparse.Namespace) -> None:
     given = sampling_params(args)  # bad options fail before the model loads
     llm = common.load_llm(args)
     params = llm.resolve(given)
-    report = evaluate(llm, params, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
-                      samples=args.samples)
+    report = evaluate(llm, params, examples=load_split(args.tasks, limit=args.limit),
+                      batch_size=args.batch_size, samples=args.samples)
     print(f"model: {args.model}")
     print(f"method: {params.describe()}")
     print(report.table())
     if args.json:
         write_json_atomic(args.json, report.as_dict())
+
+
+def add_lm_eval_tasks(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lm-eval-tasks", help="write the held-out splits as lm-eval YAML tasks "
+                       "(for lm_eval --include_path DIR)")
+    p.add_argument("--out", required=True,
+                   help="folder for dllm_<task>.yaml, a group per task family and dllm_suite.yaml")
+
+
+def run_lm_eval_tasks(args: argparse.Namespace) -> None:
+    from ..lm_eval_tasks import groups, write_tasks
+    names = write_tasks(args.out)
+    print(f"wrote {len(names)} tasks ({', '.join(names)}) and the groups "
+          f"{', '.join(groups([n.removeprefix('dllm_') for n in names]))} to {args.out}")

@@ -35,7 +35,7 @@ from dllm_engine.decoding.rules import greedy_predictions
 from dllm_engine.engine.llm import LLM
 from dllm_engine.engine.sequence import block_layout
 from dllm_engine.errors import UserError
-from dllm_engine.tasks import Example
+from ..tasks import Example
 from .chain_probe import encode_example, probe_table
 
 
@@ -152,8 +152,8 @@ def oracle_frontier_probe(llm: LLM, examples: list[Example], block_length: int |
     way it can have written the prefix, weighted, each continued as ``phrase`` continues). What a
     model that had learned the tasks perfectly would see; the phrased tasks with a trace only
     (``describe`` has no steps). ``llm`` gives the tokenizer and the decoder's block layout."""
-    from dllm_engine.tasks import TASKS
-    from dllm_engine.tasks.phrased import PhrasedTask, continue_writing, writing_states
+    from ..tasks import TASKS
+    from ..tasks.phrased import PhrasedTask, continue_writing, writing_states
     block_causal, block_length = decoder_layout(llm, block_length, threshold)
     if samples < 1:
         raise UserError(f"samples must be >= 1, got {samples}")

@@ -42,6 +42,17 @@ class Example:
     answer: str
     id: str | None = None
 
+    def chat(self) -> list[dict]:
+        """The conversation it is asked as: its prompt, the one user message (the engine's
+        ``datasets.Prompt``)."""
+        return [{"role": "user", "content": self.prompt}]
+
+    def grades(self, output_text: str) -> tuple[bool, bool | None, bool | None]:
+        """(whole answer, final answer, form) grades of ``output_text`` by its task's graders
+        (None for a grade the task does not have)."""
+        from .splits import grade, grade_final, grade_form
+        return grade(self, output_text), grade_final(self, output_text), grade_form(self, output_text)
+
 
 class Task(ABC):
     """A named generator plus its exact-match grader.
