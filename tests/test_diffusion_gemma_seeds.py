@@ -1,9 +1,11 @@
 """DiffusionGemma's per-request reproducible sampling (``SeededDraws``) and batch-invariant
 generation (``generate(batch_invariant=True)``) on a tiny random model built here (no
-transformers needed): a row's draws are keyed by its seed, canvas, step, position and draw; a
-prompt gives the same tokens alone, in a left-padded batch and in any order; rows that stop
-leave the forwards without changing any other row's tokens, and ``num_steps`` counts exactly
-the decoder forwards each row was in."""
+transformers needed): a row's draws are keyed by its seed, canvas, step, position and draw; its
+positions count from its first token; rows that stop leave the forwards, and ``num_steps``
+counts exactly the decoder forwards each row was in. On this fixture a prompt gets the same
+tokens alone, in a left-padded batch and in any order, which checks all of that at once; that
+is not so on every model and prompt (kernels round a row differently in another batch, and
+self-conditioning amplifies it: docs/models/diffusion-gemma.md#batch-invariance)."""
 import pytest
 import torch
 

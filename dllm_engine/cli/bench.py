@@ -52,6 +52,7 @@ def default_out() -> str:
 def run_bench(args: argparse.Namespace) -> None:
     from ..bench.offline import HEADER, check_prompts, check_specs, run_bench as bench, table
     from ..hub import resolve_model
+    from ..engine.canvas_llm import refuse_canvas
     from ..models.compiled import check_compile
     if args.repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {args.repeats}")
@@ -62,6 +63,7 @@ def run_bench(args: argparse.Namespace) -> None:
                                   ("block_length", args.block_length)) if v is not None}
     check_compile(args.compile, args.tensor_parallel_size, args.compile_step)  # bench compiles after loading
     folder = str(resolve_model(args.model, args.revision))  # an id: fetched once, here
+    refuse_canvas(folder, None, "dllm bench")
     resolved = check_specs(folder, args.methods, defaults)  # before the weights load
     args.out = args.out or default_out()
     prepare_out(args.out, "results.json")

@@ -74,7 +74,12 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
 
 
 def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
+    """The model of a command's ``--model`` (or ``model``) with the command's engine options; a
+    canvas checkpoint (DiffusionGemma) only for ``dllm generate``, before any weight loads."""
     from .. import LLM
+    if getattr(args, "command", None) != "generate":
+        from ..engine.canvas_llm import refuse_canvas
+        refuse_canvas(model or args.model, args.revision, f"dllm {getattr(args, 'command', None) or 'this command'}")
     kw.setdefault("compile", getattr(args, "compile", False))
     kw.setdefault("fixed_shapes", getattr(args, "fixed_shapes", False))
     kw.setdefault("compile_step", getattr(args, "compile_step", False))

@@ -547,8 +547,10 @@ def generate(model: DiffusionGemma, prompt_ids: Tensor, settings: GenerationSett
     ``batch_invariant``: each row's positions count from its first token (the reference counts
     the batch's columns, padding included), and a row leaves the forwards once it stops (early
     stop, for the rest of the canvas; EOS with a pad id, for good: its later canvases are pad).
-    With ``SeededDraws`` a row's tokens then depend on its prompt and seed alone: the same alone,
-    in any batch and in any order. Off (the default): transformers' layout and work."""
+    With ``SeededDraws`` a row's positions, draws and stops then depend on its prompt and seed
+    alone, and its tokens too up to the kernels' rounding, which self-conditioning amplifies
+    (docs/models/diffusion-gemma.md#batch-invariance). Off (the default): transformers' layout
+    and work."""
     check_prompt(prompt_ids, attention_mask, batch_invariant)
     settings = settings or GenerationSettings()
     draws = draws or TorchDraws()

@@ -1,6 +1,7 @@
 """Offline API: ``LLM(path or Hugging Face id).generate(prompts, SamplingParams(...))``."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import numbers
 import time
@@ -41,6 +42,8 @@ class RequestOutput:
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
     # params.record_steps: one record per forward (engine/trace.py, docs/traces.md)
     steps: list[StepRecord] | None = None
+    # a canvas family (DiffusionGemma): the denoising steps of each canvas the request ran
+    canvas_steps: list[int] | None = None
 
 
 PROGRESS_DELAY_S = 2.0
@@ -73,6 +76,14 @@ def quiet_transformers():
         yield
     finally:
         hf_logging.set_verbosity(verbosity)
+
+
+def check_options(device, tensor_parallel_size, compile: bool, compile_step: bool, quantization) -> None:
+    """The options ``LLM`` can refuse before it reads or fetches anything."""
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise UserError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
+    check_compile(compile, tensor_parallel_size, compile_step)
+    check_quantization(quantization, parse_device(device), None)  # the dtype's check comes with the config
 
 
 def memory_budget(device: torch.device, kv_cache_memory: int | None, utilization: float) -> int | None:
@@ -119,6 +130,25 @@ def parse_bytes(value: int | str | None) -> int | None:
 
 
 class LLM:
+    def __new__(cls, model: str | Path, *args, **kwargs):
+        """``LLM``, or for a DiffusionGemma checkpoint (a uniform-noise canvas family with its own
+        sampler) a ``canvas_llm.CanvasLLM``, which answers the same calls. The options are
+        checked and the model resolved (a Hub id fetched) once, here."""
+        if cls is not LLM:
+            return super().__new__(cls)
+        bound = inspect.signature(LLM.__init__).bind(None, model, *args, **kwargs)
+        bound.apply_defaults()
+        options = {k: v for k, v in bound.arguments.items() if k != "self"}
+        check_options(options["device"], options["tensor_parallel_size"], options["compile"],
+                      options["compile_step"], options["quantization"])  # before any download
+        path = resolve_model(model, options["revision"])
+        from .canvas_llm import CanvasLLM, is_canvas_checkpoint
+        if is_canvas_checkpoint(path):
+            return CanvasLLM(**options, path=path)
+        self = super().__new__(cls)
+        self._path = path
+        return self
+
     def __init__(self, model: str | Path, dtype: str = "auto", device: str = "cpu",
                  max_num_seqs: int = 256, keep_freed_memory: bool = False,
                  tensor_parallel_size: int = 1, compile: bool = False, fixed_shapes: bool = False,
@@ -167,11 +197,9 @@ class LLM:
         prompt, in every family, compute their first forward once (exact: the same inputs)."""
         self.device = parse_device(device)
         self.seeds = SeedStream(seed)
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise UserError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
-        check_compile(compile, tensor_parallel_size, compile_step)
-        check_quantization(quantization, self.device, None)  # the dtype's check comes with the config
-        self.path = resolve_model(model, revision)  # bad options above fail before any download
+        check_options(device, tensor_parallel_size, compile, compile_step, quantization)
+        # resolved by __new__ (after the options' checks: bad options fail before any download)
+        self.path = getattr(self, "_path", None) or resolve_model(model, revision)
         self.name = model_name(model)
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()

@@ -32,6 +32,7 @@ from lm_eval.models.utils import normalize_gen_kwargs
 from tqdm import tqdm
 
 from ..errors import UserError
+from ..engine.canvas_llm import refuse_canvas
 from ..engine.llm import LLM, quiet_transformers
 from ..engine.sequence import Sequence, SequenceStats
 from ..engine.stop_strings import committed_end, committed_ids, find_stop, tokens_through_stop
@@ -122,6 +123,7 @@ class DllmLM(LM):
         super().__init__()
         fields = sampling_fields(sampling)
         revision = None if revision is None else str(revision)  # lm-eval parses "2024" as a number
+        refuse_canvas(str(pretrained), revision, "the lm-eval model dllm")
         self.llm = LLM(str(pretrained), revision=revision, dtype=dtype, device=available_device(device),
                        max_num_seqs=engine_batch(batch_size, max_batch_size))
         if self.llm.tokenizer is None:

@@ -1,0 +1,309 @@
+"""The offline API for a uniform-noise canvas model: what ``LLM(folder)`` returns for a
+DiffusionGemma checkpoint (``model_type`` ``diffusion_gemma``; docs/models/diffusion-gemma.md).
+
+The masked-diffusion families run through the engine's step loop (``engine.Engine``); this
+family's sampler is its own (``decoding.diffusion_gemma``: random canvases, entropy-bound
+acceptance, renoising, self-conditioning), so a call runs it directly: the requests are grouped
+by their settings, each group in batches of ``max_num_seqs`` rows, batch-invariantly (each row's
+positions count from its first token, a stopped row leaves the forwards, every draw is keyed by the
+request's seed), so a request gets the same tokens alone, in any batch and in any order. Its
+surface is ``LLM``'s (``generate``, ``chat``, ``resolve``, ``seeds``, ``tokenizer``,
+``GenerateResult`` of ``RequestOutput`` with ``SequenceStats``); what does not apply to this
+family (another method, a temperature, logprobs, traces, tensor parallelism, compiling, fixed
+shapes, quantization, a KV budget) is refused up front, naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..decoding.diffusion_gemma import GenerationSettings, SeededDraws, generate, load_generation_settings
+from ..errors import UserError
+from ..hub import model_name, resolve_model
+from ..models.diffusion_gemma import MODEL_TYPE, DiffusionGemma, load_diffusion_gemma
+from ..models.loader import parse_device
+from ..sampling_params import ParamError, SamplingParams
+from ..seeds import SeedStream
+from ..tokenizer import load_tokenizer
+from . import host_memory
+from .llm import PROGRESS_DELAY_S, GenerateResult, RequestOutput
+from .sequence import SequenceStats
+
+METHOD = "diffusion-gemma"  # what results and tables name this family's sampler
+DOCS = "docs/models/diffusion-gemma.md"
+# SamplingParams fields a canvas request reads; every other one must keep its default
+READ = {"max_new_tokens", "steps", "block_length", "seed", "n", "stop_token_ids", "stop_at_eos"}
+# why a field the masked-diffusion decoders read does not apply here, by field (else: generic)
+WHY = {"method": "it samples with its own entropy-bound sampler, not a masked-diffusion decoder",
+       "temperature": "its temperature falls from t_max to t_min over a canvas's steps (generation_config.json)",
+       "logprobs": "its tokens are drawn from a renoised canvas, not committed one by one",
+       "record_steps": "its canvas traces are not recorded yet"}
+
+
+@dataclass(frozen=True)
+class CanvasParams:
+    """One request's options as the canvas sampler runs them (``CanvasLLM.resolve``)."""
+
+    settings: GenerationSettings
+    canvas_length: int
+    seed: int | None = None
+    n: int = 1
+    method: str = METHOD
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.settings.max_new_tokens
+
+    @property
+    def temperature(self) -> float:
+        """The first step's temperature: every canvas is sampled (a caller asking whether a run
+        samples, as ``dllm generate`` does to pick a fresh seed, is told yes)."""
+        return self.settings.t_max
+
+    def replace(self, **changes) -> CanvasParams:
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        s = self.settings
+        values = {"max_new_tokens": s.max_new_tokens, "canvas_length": self.canvas_length,
+                  "steps": s.max_denoising_steps, "entropy_bound": s.entropy_bound, "t_max": s.t_max,
+                  "t_min": s.t_min, "stability_threshold": s.stability_threshold,
+                  "confidence_threshold": s.confidence_threshold, "stop_at_eos": bool(s.eos_token_ids),
+                  "seed": self.seed, "n": self.n if self.n > 1 else None}
+        return " ".join([self.method] + [f"{k}={v}" for k, v in values.items() if v is not None])
+
+
+@dataclass
+class Request:
+    index: int  # its place among the call's outputs
+    prompt_ids: list[int]
+    params: CanvasParams  # with its seed
+
+
+class CanvasLLM:
+    """``LLM`` for a DiffusionGemma checkpoint (see the module docstring); the arguments are
+    ``LLM``'s, ``path`` the folder ``LLM`` resolved already."""
+
+    family = MODEL_TYPE
+
+    def __init__(self, model, dtype: str = "auto", device: str = "cpu", max_num_seqs: int = 256,
+                 keep_freed_memory: bool = False, tensor_parallel_size: int = 1, compile: bool = False,
+                 fixed_shapes: bool = False, compile_step: bool = False, revision: str | None = None,
+                 seed: int | None = 0, kv_cache_memory=None, gpu_memory_utilization: float = 0.9,
+                 quantization: str | None = None, prefix_cache: bool = True, path=None) -> None:
+        refused = {"tensor_parallel_size": tensor_parallel_size != 1, "compile": compile,
+                   "fixed_shapes": fixed_shapes, "compile_step": compile_step,
+                   "quantization": quantization is not None, "kv_cache_memory": kv_cache_memory is not None}
+        named = [name for name, given in refused.items() if given]
+        if named:
+            raise UserError(f"{', '.join(named)}: not available for {MODEL_TYPE} yet (its sampler runs in one "
+                            f"process, eager, unquantized, unbudgeted; {DOCS})")
+        if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
+            raise UserError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        self.device = parse_device(device)
+        self.seeds = SeedStream(seed)
+        self.max_num_seqs = max_num_seqs
+        self.path = path if path is not None else resolve_model(model, revision)
+        self.name = model_name(model)
+        if keep_freed_memory and self.device.type == "cpu":
+            host_memory.keep_freed_memory()
+        self.model: DiffusionGemma = load_diffusion_gemma(self.path, dtype=dtype, device=self.device)
+        cfg = self.model.config
+        self.tokenizer = load_tokenizer(self.path)
+        self.settings = load_generation_settings(self.path, cfg.eos_token_ids, cfg.pad_token_id)
+
+    def close(self) -> None:
+        """Nothing to release (one process): ``LLM``'s surface."""
+
+    def __enter__(self) -> CanvasLLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- options --------------------------------------------------------------------------------
+    def resolve(self, params: SamplingParams | CanvasParams | None = None) -> CanvasParams:
+        """``params`` as this model runs them: ``max_new_tokens`` and ``steps`` (denoising steps
+        per canvas) over the checkpoint's generation_config.json, ``stop_token_ids`` ending an
+        answer as EOS does, ``stop_at_eos`` False running every canvas; ``block_length`` may only
+        name the canvas length. Any other field set is a ``ParamError`` naming it."""
+        if isinstance(params, CanvasParams):
+            return params
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise UserError(f"params must be a SamplingParams, got {type(params).__name__}")
+        defaults = SamplingParams()
+        for f in dataclasses.fields(SamplingParams):
+            if f.name not in READ and getattr(params, f.name) != getattr(defaults, f.name):
+                why = WHY.get(f.name, "the masked-diffusion decoders and strategies read it")
+                raise ParamError(f.name, f"{f.name}={getattr(params, f.name)!r} does not apply to {MODEL_TYPE}: "
+                                         f"{why} ({DOCS})")
+        canvas = self.model.config.canvas_length
+        if params.block_length is not None and params.block_length != canvas:
+            raise ParamError("block_length", f"block_length {params.block_length}: {MODEL_TYPE} denoises canvases "
+                                             f"of its canvas_length, {canvas}; leave it unset")
+        vocab = self.model.config.vocab_size
+        if any(i >= vocab for i in params.stop_token_ids):
+            raise ParamError("stop_token_ids", f"stop_token_ids must be ids in [0, {vocab}), the model's "
+                                               f"vocabulary, got {list(params.stop_token_ids)}")
+        eos = () if params.stop_at_eos is False else \
+            tuple(dict.fromkeys((*self.settings.eos_token_ids, *params.stop_token_ids)))
+        changes = {"eos_token_ids": eos}
+        if params.max_new_tokens is not None:
+            changes["max_new_tokens"] = params.max_new_tokens
+        if params.steps is not None:
+            changes["max_denoising_steps"] = params.steps
+        return CanvasParams(dataclasses.replace(self.settings, **changes), canvas, params.seed, params.n)
+
+    def stop_ids(self, params: CanvasParams) -> frozenset[int]:
+        """Where an answer ends: EOS and the request's stop ids (even when ``stop_at_eos`` is off:
+        the text is cut there either way, as the other families cut it)."""
+        return frozenset((*self.settings.eos_token_ids, *params.settings.eos_token_ids))
+
+    # -- prompts --------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids: its text through the tokenizer, or its ids checked."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise UserError(f"{self.path} has no tokenizer: give prompts as token ids")
+            return self.check_ids(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return self.check_ids(list(prompt))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise UserError(f"{self.path} has no chat template: give plain prompts (generate)")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"])
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise UserError("an empty prompt: give at least one token")
+        if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
+            bad = next(i for i in ids if not (isinstance(i, numbers.Integral) and 0 <= i < vocab))
+            raise UserError(f"prompt token {bad!r} is not an id in [0, {vocab}), the model's vocabulary")
+        return [int(i) for i in ids]
+
+    def check_fits(self, prompt_len: int, params: CanvasParams) -> None:
+        """A prompt and its canvases within the model's positions."""
+        canvases = params.settings.num_canvases(params.canvas_length)
+        need = prompt_len + canvases * params.canvas_length
+        limit = self.model.config.max_position_embeddings
+        if need > limit:
+            raise ParamError("max_new_tokens", f"a prompt of {prompt_len} tokens and {canvases} canvas(es) of "
+                                               f"{params.canvas_length} need {need} positions; the model has {limit}")
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(self, prompts, params=None, use_tqdm: bool = False) -> GenerateResult:
+        if not isinstance(prompts, (str, list, tuple)):
+            raise UserError("prompts are a string, a list of token ids, or a list of those; got "
+                            + type(prompts).__name__ + (" (pass .tolist())" if hasattr(prompts, "tolist") else ""))
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
+            prompts = [prompts]
+        return self.run([self.encode(p) for p in prompts], params, use_tqdm)
+
+    def chat(self, conversations, params=None, use_tqdm: bool = False) -> GenerateResult:
+        if conversations and isinstance(conversations, (list, tuple)) and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        if not isinstance(conversations, (list, tuple)) or not all(
+                isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c) for c in conversations):
+            raise UserError("a conversation is a list of messages, {'role': ..., 'content': ...}; "
+                            "chat takes one conversation or a list of them")
+        return self.run([self.apply_chat_template(list(c)) for c in conversations], params, use_tqdm)
+
+    def run(self, prompt_ids: list[list[int]], params, use_tqdm: bool) -> GenerateResult:
+        if not prompt_ids:
+            raise UserError("no prompts given")
+        given = params if isinstance(params, (list, tuple)) else [params] * len(prompt_ids)
+        if len(given) != len(prompt_ids):
+            raise UserError(f"{len(given)} SamplingParams for {len(prompt_ids)} prompts: give one, or one per prompt")
+        per_prompt = [self.resolve(p) for p in given]  # every request checked before any runs
+        requests, shape = [], []
+        for ids, p in zip(prompt_ids, per_prompt):
+            self.check_fits(len(ids), p)
+            seeds = self.seeds.choice_seeds(p.seed, p.n)
+            shape.append(len(seeds) if p.n > 1 else None)
+            requests += [Request(len(requests) + j, ids, p.replace(seed=s)) for j, s in enumerate(seeds)]
+        start = time.perf_counter()
+        outputs: list[RequestOutput | None] = [None] * len(requests)
+        with tqdm(total=len(requests), desc="generate", unit="req", delay=PROGRESS_DELAY_S,
+                  disable=not use_tqdm) as bar:
+            for batch in self.batches(requests):
+                for request, output in zip(batch, self.run_batch(batch)):
+                    outputs[request.index] = output
+                bar.update(len(batch))
+        seconds = time.perf_counter() - start
+        it = iter(outputs)
+        result = GenerateResult([next(it) if n is None else [next(it) for _ in range(n)] for n in shape])
+        result.stats = SequenceStats.total([o.stats for o in outputs], seconds)
+        result.method = METHOD
+        result.diagnostics = {}
+        return result
+
+    def batches(self, requests: list[Request]) -> list[list[Request]]:
+        """Requests with the same settings (one sampler loop), ``max_num_seqs`` at a time."""
+        groups: dict[GenerationSettings, list[Request]] = {}
+        for r in requests:
+            groups.setdefault(r.params.settings, []).append(r)
+        return [group[i:i + self.max_num_seqs] for group in groups.values()
+                for i in range(0, len(group), self.max_num_seqs)]
+
+    def run_batch(self, batch: list[Request]) -> list[RequestOutput]:
+        """One sampler loop over ``batch`` (left-padded), each row drawing by its own seed."""
+        settings = batch[0].params.settings
+        width = max(len(r.prompt_ids) for r in batch)
+        pad = self.model.config.pad_token_id or 0
+        ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch], device=self.device)
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch],
+                            device=self.device)
+        start = time.perf_counter()
+        out = generate(self.model, ids, settings, SeededDraws([r.params.seed for r in batch]),
+                       attention_mask=mask, batch_invariant=True)
+        seconds = time.perf_counter() - start
+        tokens, steps = out.token_ids.tolist(), out.num_steps.tolist()  # the batch's one read back
+        return [self.output(r, row, canvas_steps, seconds) for r, row, canvas_steps in zip(batch, tokens, steps)]
+
+    def output(self, request: Request, row: list[int], canvas_steps: list[int], seconds: float) -> RequestOutput:
+        """A row's answer (cut at its first stop id and at ``max_new_tokens``) and its counts."""
+        p, canvas = request.params, request.params.canvas_length
+        stops = self.stop_ids(p)
+        end = next((i for i, t in enumerate(row) if t in stops), None)
+        ids = row[:min(p.max_new_tokens, len(row) if end is None else end)]
+        ran = [s for s in canvas_steps if s > 0]  # a canvas a row ran has at least one step
+        prompt_len = len(request.prompt_ids)
+        stats = SequenceStats(
+            nfe=sum(ran) + len(ran),  # its decoder steps and its encoder passes (the prompt, each later canvas)
+            decoded_tokens=len(ran) * canvas, output_tokens=len(ids),
+            processed_tokens=float(prompt_len + sum(ran) * canvas + (len(ran) - 1) * canvas),
+            prefill_tokens=prompt_len, seconds=seconds)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return RequestOutput(prompt_token_ids=list(request.prompt_ids), token_ids=ids, text=text, stats=stats,
+                             finish_reason="stop" if end is not None and end < p.max_new_tokens else "length",
+                             canvas_steps=ran)
+
+
+def is_canvas_checkpoint(folder) -> bool:
+    """Whether ``folder``'s config.json names the canvas family (read without loading anything)."""
+    file = Path(folder) / "config.json"
+    try:
+        return json.loads(file.read_text(encoding="utf-8")).get("model_type") == MODEL_TYPE
+    except (OSError, ValueError, AttributeError):
+        return False  # LLM's own loading says what is wrong with the folder
+
+
+
+def refuse_canvas(model, revision: str | None, what: str) -> None:
+    """A ``UserError`` when ``model`` (a folder or Hub id, resolved as ``LLM`` resolves it) is a
+    canvas checkpoint and ``what`` (a command, the server) needs the engine's step loop, which
+    does not run this family yet: said before any weight loads."""
+    if is_canvas_checkpoint(resolve_model(model, revision)):
+        raise UserError(f"{what} does not run {MODEL_TYPE} yet: its sampler runs from Python (LLM(...).generate, "
+                        f".chat) and dllm generate; the engine's step loop (continuous batching, the server, "
+                        f"benches, profiles, the playground, lm-eval) does not take it ({DOCS})")

@@ -1,0 +1,211 @@
+"""DiffusionGemma through the offline API and ``dllm generate``: ``LLM(folder)`` of a
+``diffusion_gemma`` checkpoint (saved here in the released layout: config.json with
+``text_config``, safetensors under the checkpoint's names, generation_config.json, a tokenizer
+with a chat template) gives a ``CanvasLLM``. Its answers are the sampler's (``generate`` with the
+request's seed, alone), cut at EOS and at ``max_new_tokens``, in any batch, batch size and order;
+its counts are the work the sampler did; what does not apply to the family is refused, naming it.
+
+Its answers are the sampler's on the batches it forms (``batched``), not a prompt's alone: the
+draws, positions and stops of a row do not depend on the rows beside it, but the kernels' rounding
+does (a vectorised kernel's scalar tail falls elsewhere in a longer tensor), and self-conditioning
+amplifies it step after step (docs/models/diffusion-gemma.md#batch-invariance)."""
+import json
+import random
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+
+from dllm_engine import LLM, SamplingParams
+from dllm_engine.cli import main
+from dllm_engine.decoding.diffusion_gemma import SeededDraws, generate, load_generation_settings
+from dllm_engine.engine.canvas_llm import METHOD, CanvasLLM
+from dllm_engine.errors import UserError
+from dllm_engine.models.diffusion_gemma import FULL, SLIDING, DiffusionGemma, checkpoint_name, config_from_hf
+from dllm_engine.models.loader import named_tensors
+from dllm_engine.sampling_params import ParamError
+from dllm_engine.seeds import choice_seeds
+
+CANVAS, VOCAB, PAD, BOS = 6, 96, 0, 2
+EOS = 39  # a token the tiny random model writes often: some answers stop at it, early or late, others not
+LAYER_TYPES = [SLIDING, FULL, SLIDING, FULL]
+TEXT = dict(model_type="diffusion_gemma_text", vocab_size=VOCAB, hidden_size=32, intermediate_size=40,
+            num_hidden_layers=len(LAYER_TYPES), num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            global_head_dim=16, num_global_key_value_heads=1, sliding_window=4, layer_types=LAYER_TYPES,
+            num_experts=4, top_k_experts=2, moe_intermediate_size=12, max_position_embeddings=64,
+            pad_token_id=PAD, eos_token_id=EOS,
+            rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                             FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
+# low temperatures and no stability wait: rows stop canvases early, at different steps; three canvases
+GENERATION = {"max_new_tokens": 3 * CANVAS, "max_denoising_steps": 6, "t_min": 0.05, "t_max": 0.5,
+              "stability_threshold": 0, "confidence_threshold": 0.8, "eos_token_id": EOS, "pad_token_id": PAD,
+              "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 1.0}}
+WORDS = [{PAD: "<pad>", BOS: "<bos>", EOS: "<eos>"}.get(i, f"w{i}") for i in range(VOCAB)]
+SPECIAL = (PAD, BOS, EOS)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny random DiffusionGemma checkpoint in the released layout, with a word-level tokenizer."""
+    out = tmp_path_factory.mktemp("tiny-diffusion-gemma")
+    hf = {"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS, "eos_token_id": EOS,
+          "torch_dtype": "float32"}
+    net = DiffusionGemma(config_from_hf(hf))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in net.named_parameters():
+            p.copy_(0.5 + torch.rand(p.shape, generator=g) if p.dim() == 1 else 0.2 * torch.randn(p.shape, generator=g))
+        for name, b in net.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    save_file({checkpoint_name(n): t.contiguous() for n, t in named_tensors(net).items()}, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(hf))
+    (out / "generation_config.json").write_text(json.dumps(GENERATION))
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w3"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(WORDS[i], special=True) for i in SPECIAL])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "pad_token": "<pad>",
+        "bos_token": "<bos>", "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    return LLM(folder)
+
+
+def prompts(count: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 9))] for _ in range(count)]
+
+
+def batched(llm, rows: list[list[int]], seeds: list[int], max_new_tokens: int = 3 * CANVAS) -> list[list[int]]:
+    """The sampler's answers for ``rows`` run together (left-padded, one seed each), each cut at
+    its first EOS and at max_new_tokens."""
+    settings = load_generation_settings(llm.path, (EOS,), PAD)
+    settings = settings if max_new_tokens == settings.max_new_tokens else \
+        type(settings)(**{**settings.__dict__, "max_new_tokens": max_new_tokens})
+    width = max(map(len, rows))
+    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    out = generate(llm.model, ids, settings, SeededDraws(seeds), attention_mask=mask, batch_invariant=True)
+    return [row[:min(max_new_tokens, row.index(EOS) if EOS in row else len(row))] for row in out.token_ids.tolist()]
+
+
+def alone(llm, ids: list[int], seed: int, max_new_tokens: int = 3 * CANVAS) -> list[int]:
+    return batched(llm, [ids], [seed], max_new_tokens)[0]
+
+
+def test_llm_of_a_diffusion_gemma_folder_is_the_canvas_llm(llm):
+    assert isinstance(llm, CanvasLLM) and llm.family == "diffusion_gemma"
+    params = llm.resolve(SamplingParams(seed=5))
+    assert params.describe() == ("diffusion-gemma max_new_tokens=18 canvas_length=6 steps=6 entropy_bound=1.0 "
+                                 "t_max=0.5 t_min=0.05 stability_threshold=0 confidence_threshold=0.8 "
+                                 "stop_at_eos=True seed=5")
+    assert llm.resolve(SamplingParams(max_new_tokens=4, steps=3)).settings.max_denoising_steps == 3
+
+
+def test_each_answer_is_the_samplers_on_the_batches_it_forms(folder, llm):
+    rows = prompts(6)
+    seeds = [11, 12, 13, 14, 15, 16]
+    want = batched(llm, rows, seeds)
+    assert any(len(w) == 3 * CANVAS for w in want) and any(len(w) < 3 * CANVAS for w in want)  # some stop at EOS
+    out = llm.generate(rows, [SamplingParams(seed=s) for s in seeds])
+    assert [o.token_ids for o in out] == want
+    two_at_a_time = LLM(folder, max_num_seqs=2).generate(rows, [SamplingParams(seed=s) for s in seeds])
+    assert [o.token_ids for o in two_at_a_time] == [w for i in range(0, 6, 2)
+                                                    for w in batched(llm, rows[i:i + 2], seeds[i:i + 2])]
+    # settings apart (here max_new_tokens) run apart, each batch in prompt order
+    mixed = llm.generate(rows[:3], [SamplingParams(seed=11), SamplingParams(seed=12, max_new_tokens=5),
+                                    SamplingParams(seed=13)])
+    pair = batched(llm, [rows[0], rows[2]], [11, 13])
+    assert [o.token_ids for o in mixed] == [pair[0], alone(llm, rows[1], 12, 5), pair[1]]
+    for o, w in zip(out, want):
+        assert o.finish_reason == ("stop" if len(w) < 3 * CANVAS else "length")
+        assert o.text == " ".join(WORDS[t] for t in w if t not in SPECIAL)
+
+
+def test_counts_are_the_work_the_sampler_did(llm):
+    out = llm.generate(prompts(3), SamplingParams(seed=7))
+    for o in out:
+        steps = o.canvas_steps
+        assert 1 <= len(steps) <= 3 and all(1 <= s <= 6 for s in steps)
+        s = o.stats
+        assert s.nfe == sum(steps) + len(steps)  # decoder steps, the prompt's and later canvases' encoder passes
+        assert s.decoded_tokens == len(steps) * CANVAS and s.output_tokens == len(o.token_ids)
+        assert s.prefill_tokens == len(o.prompt_token_ids)
+        assert s.processed_tokens == len(o.prompt_token_ids) + sum(steps) * CANVAS + (len(steps) - 1) * CANVAS
+    assert out.stats.nfe == sum(o.stats.nfe for o in out) and out.method == METHOD
+
+
+def test_max_new_tokens_n_copies_and_the_seed_stream(llm):
+    ids = prompts(1)[0]
+    short = llm.generate([ids], SamplingParams(seed=3, max_new_tokens=4))[0]
+    assert short.token_ids == alone(llm, ids, 3, 4) and len(short.canvas_steps) == 1  # one canvas runs
+    copies = llm.generate([ids], SamplingParams(seed=3, n=2))[0]
+    assert [c.token_ids for c in copies] == batched(llm, [ids, ids], choice_seeds(3, 2))
+    assert copies[0].token_ids != copies[1].token_ids
+    a = LLM(llm.path, seed=9).generate([ids, ids])
+    b = LLM(llm.path, seed=9).generate([ids, ids])
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]  # the stream repeats
+    assert a[0].token_ids != a[1].token_ids  # and gives each request its own seed
+
+
+def test_text_and_chat_prompts(llm):
+    text = llm.generate("w5 w6 w7", SamplingParams(seed=1))[0]
+    assert text.prompt_token_ids == [5, 6, 7] and text.token_ids == alone(llm, [5, 6, 7], 1)
+    chat = llm.chat([{"role": "user", "content": "w5 w6 w7"}], SamplingParams(seed=1))[0]
+    assert chat.prompt_token_ids == [5, 6, 7] and chat.token_ids == text.token_ids
+
+
+@pytest.mark.parametrize("given, field, says", [
+    (SamplingParams(method="dual-cache"), "method", "own entropy-bound sampler"),
+    (SamplingParams(temperature=0.7), "temperature", "falls from t_max to t_min"),
+    (SamplingParams(threshold=0.9), "threshold", "masked-diffusion decoders"),
+    (SamplingParams(logprobs=2), "logprobs", "renoised canvas"),
+    (SamplingParams(record_steps=True), "record_steps", "not recorded yet"),
+    (SamplingParams(block_length=4), "block_length", "canvases of its canvas_length, 6"),
+    (SamplingParams(stop_token_ids=[VOCAB]), "stop_token_ids", "ids in [0, 96)"),
+    (SamplingParams(max_new_tokens=60), "max_new_tokens", "the model has 64"),
+])
+def test_what_does_not_apply_is_refused_naming_it(llm, given, field, says):
+    with pytest.raises(ParamError, match=re.escape(says)) as refused:
+        llm.generate(prompts(1)[0], given)
+    assert refused.value.param == field
+
+
+def test_engine_options_that_do_not_apply_are_refused(folder):
+    with pytest.raises(UserError, match="compile, quantization: not available for diffusion_gemma yet"):
+        LLM(folder, compile=True, quantization="int8")
+    with pytest.raises(UserError, match="prompt token 96 is not an id in"):
+        LLM(folder).generate([3, 96])
+
+
+def test_dllm_generate_runs_it(folder, capsys):
+    assert main(["generate", "--model", str(folder), "--prompt", "w5 w6 w7", "--seed", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "method: diffusion-gemma max_new_tokens=18 canvas_length=6" in out
+    assert "seed: 1 (--seed 1 samples the same answer again)" in out and "output: " in out
+    want = LLM(folder, seed=1).chat([{"role": "user", "content": "w5 w6 w7"}])[0].text  # the stream seeded 1
+    assert f"output: {want}\n" in out
+    assert main(["generate", "--model", str(folder), "--prompt", "w5", "--method", "block"]) == 2
+    assert "does not apply to diffusion_gemma" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["bench", "--methods", "block"], ["profile", "--methods", "block"],
+                                     ["serve", "--port", "8123"], ["playground"]])
+def test_commands_on_the_engines_step_loop_refuse_it_before_loading(folder, command, capsys, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the refusal")
+    monkeypatch.setattr("dllm_engine.engine.canvas_llm.load_diffusion_gemma", no_load)
+    argv = [command[0], "--model", str(folder), *command[1:]] if command[0] != "serve" else \
+        ["serve", str(folder), *command[1:]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: dllm {command[0]} does not run diffusion_gemma yet: its sampler runs from Python" in err, err
