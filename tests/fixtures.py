@@ -229,3 +229,16 @@ class ScriptedLLM:
                                       finish_reason="stop", steps=records))
         self.scripts = self.scripts[len(conversations):]
         return outs
+
+
+def randomize_diffusion_gemma(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every weight of a ``DiffusionGemma`` random: matrices N(0, 0.2), vectors (norm weights,
+    router scales) and the layer scalars around 1, so each term of its math is exercised."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(0.5 + torch.rand(p.shape, generator=g) if p.dim() == 1 else 0.2 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # the encoder's and the decoder's differ
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    return model.eval()

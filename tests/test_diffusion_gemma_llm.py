@@ -29,6 +29,7 @@ from dllm_engine.models.diffusion_gemma import FULL, SLIDING, DiffusionGemma, ch
 from dllm_engine.models.loader import named_tensors
 from dllm_engine.sampling_params import ParamError
 from dllm_engine.seeds import choice_seeds
+from fixtures import randomize_diffusion_gemma
 
 CANVAS, VOCAB, PAD, BOS = 6, 96, 0, 2
 EOS = 39  # a token the tiny random model writes often: some answers stop at it, early or late, others not
@@ -54,14 +55,7 @@ def folder(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-diffusion-gemma")
     hf = {"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS, "eos_token_id": EOS,
           "torch_dtype": "float32"}
-    net = DiffusionGemma(config_from_hf(hf))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in net.named_parameters():
-            p.copy_(0.5 + torch.rand(p.shape, generator=g) if p.dim() == 1 else 0.2 * torch.randn(p.shape, generator=g))
-        for name, b in net.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    net = randomize_diffusion_gemma(DiffusionGemma(config_from_hf(hf)))
     save_file({checkpoint_name(n): t.contiguous() for n, t in named_tensors(net).items()}, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(hf))
     (out / "generation_config.json").write_text(json.dumps(GENERATION))

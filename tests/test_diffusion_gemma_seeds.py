@@ -12,6 +12,7 @@ import torch
 from dllm_engine.decoding.diffusion_gemma import DrawKeys, GenerationSettings, SeededDraws, generate
 from dllm_engine.errors import UserError
 from dllm_engine.models.diffusion_gemma import FULL, SLIDING, DiffusionGemma, config_from_hf
+from fixtures import randomize_diffusion_gemma
 
 CANVAS, VOCAB, PAD = 6, 96, 0
 LAYER_TYPES = [SLIDING, SLIDING, FULL, SLIDING, FULL]
@@ -31,15 +32,7 @@ SETTINGS = GenerationSettings(max_new_tokens=3 * CANVAS, max_denoising_steps=6, 
 def model():
     """Sliding (window 4) and full layers, MoE; every weight random (matrices N(0, 0.2), vectors
     and layer scalars around 1), as test_diffusion_gemma randomizes its checkpoint."""
-    net = DiffusionGemma(config_from_hf(TEXT)).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in net.named_parameters():
-            p.copy_(0.5 + torch.rand(p.shape, generator=g) if p.dim() == 1 else 0.2 * torch.randn(p.shape, generator=g))
-        for name, b in net.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.copy_(0.5 + torch.rand(b.shape, generator=g))
-    return net
+    return randomize_diffusion_gemma(DiffusionGemma(config_from_hf(TEXT)))
 
 
 def prompt(length: int, seed: int) -> list[int]:

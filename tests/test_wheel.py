@@ -1,5 +1,5 @@
 """The two wheels are complete and apart: ``python -m build`` makes the engine's sdist and, from it,
-its wheel, and the lab's (``lab/``). The engine's wheel holds no trainer, task suite or probe.
+its wheel, and the lab's wheel (``lab/``). The engine's wheel holds no trainer, task suite or probe.
 Installed alone into a fresh venv, the engine generates from a given prompt and serves one
 request from a folder that is not the checkout, and says what to do for a default prompt; with
 the lab's wheel beside it, ``dllm generate`` (the default model and prompt) and ``dllm eval
@@ -35,39 +35,17 @@ def run(cmd: list, cwd: Path, env: dict, timeout: int = 600) -> str:
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> tuple[Path, Path]:
-    """(the engine's wheel, the lab's), built without isolation from the checkout."""
+    """(the engine's wheel, the lab's), built without isolation from the checkout: the engine's
+    from its sdist (what a release publishes), the lab's directly."""
     pytest.importorskip("build", reason="the test extra's `build` makes the wheels")
     tmp = tmp_path_factory.mktemp("wheels")
-    for source in (ROOT, ROOT / "lab"):
-        run([sys.executable, "-m", "build", "--no-isolation", "--outdir", tmp / "dist", source], tmp, dict(os.environ))
-    assert len(list((tmp / "dist").glob("*.tar.gz"))) == 2, "python -m build makes an sdist of each"
+    run([sys.executable, "-m", "build", "--no-isolation", "--outdir", tmp / "dist", ROOT], tmp, dict(os.environ))
+    run([sys.executable, "-m", "build", "--no-isolation", "--wheel", "--outdir", tmp / "dist", ROOT / "lab"], tmp,
+        dict(os.environ))
+    assert len(list((tmp / "dist").glob("*.tar.gz"))) == 1, "python -m build makes the engine's sdist"
     engine, = (tmp / "dist").glob("dllm_engine-*.whl")
     lab, = (tmp / "dist").glob("dllm_lab-*.whl")
     return engine, lab
-
-
-def fresh_venv(tmp: Path, wheels: list[Path]) -> tuple[Path, Path, dict]:
-    """(its bin folder, a working folder outside the checkout, the environment) of a venv that has
-    ``wheels`` installed and this interpreter's packages beneath them."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing from the checkout
-    env.update(OMP_NUM_THREADS="1", MPLBACKEND="Agg")
-    run([sys.executable, "-m", "venv", tmp / "venv"], tmp, env)
-    bin_dir = tmp / "venv" / "bin"
-    site = run([bin_dir / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-               tmp, env).strip()
-    Path(site, "dllm-test-deps.pth").write_text(f"{dependencies(tmp)}\n")
-    run([bin_dir / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index", *wheels], tmp, env)
-    work = tmp / "elsewhere"
-    work.mkdir()
-    probe = ("import importlib.util as u\n"
-             "for name in ('dllm_engine', 'dllm_lab'):\n"
-             "    spec = u.find_spec(name)\n"
-             "    print(name, spec.origin if spec else None)")
-    where = dict(line.split(" ", 1) for line in run([bin_dir / "python", "-c", probe], work, env).splitlines())
-    assert where["dllm_engine"].startswith(site), f"the wheel's engine is imported, not {where['dllm_engine']}"
-    lab = where["dllm_lab"]
-    assert (lab != "None") == (len(wheels) == 2) and (lab == "None" or lab.startswith(site)), where
-    return bin_dir, work, env
 
 
 def dependencies(tmp: Path) -> Path:
@@ -81,14 +59,45 @@ def dependencies(tmp: Path) -> Path:
     return folder
 
 
+def where_imported(bin_dir: Path, work: Path, env: dict) -> dict[str, str]:
+    """Where the venv's python finds each package ("None" when it does not)."""
+    probe = ("import importlib.util as u\n"
+             "for name in ('dllm_engine', 'dllm_lab'):\n"
+             "    spec = u.find_spec(name)\n"
+             "    print(name, spec.origin if spec else None)")
+    return dict(line.split(" ", 1) for line in run([bin_dir / "python", "-c", probe], work, env).splitlines())
+
+
 @pytest.fixture(scope="module")
 def engine_only(wheels, tmp_path_factory) -> tuple[Path, Path, dict]:
-    return fresh_venv(tmp_path_factory.mktemp("engine"), [wheels[0]])
+    """(its bin folder, a working folder outside the checkout, the environment) of a fresh venv
+    with the engine's wheel alone. The tests below that ask for ``installed`` add the lab's wheel
+    to this same venv (one venv, not two: the engine-only tests come first in this file)."""
+    tmp = tmp_path_factory.mktemp("venv")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing from the checkout
+    env.update(OMP_NUM_THREADS="1", MPLBACKEND="Agg")
+    run([sys.executable, "-m", "venv", tmp / "venv"], tmp, env)
+    bin_dir = tmp / "venv" / "bin"
+    site = run([bin_dir / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+               tmp, env).strip()
+    Path(site, "dllm-test-deps.pth").write_text(f"{dependencies(tmp)}\n")
+    run([bin_dir / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheels[0]], tmp, env)
+    work = tmp / "elsewhere"
+    work.mkdir()
+    where = where_imported(bin_dir, work, env)
+    assert where["dllm_engine"].startswith(site), f"the wheel's engine is imported, not {where['dllm_engine']}"
+    assert where["dllm_lab"] == "None", where
+    return bin_dir, work, env
 
 
 @pytest.fixture(scope="module")
-def installed(wheels, tmp_path_factory) -> tuple[Path, Path, dict]:
-    return fresh_venv(tmp_path_factory.mktemp("both"), list(wheels))
+def installed(engine_only, wheels) -> tuple[Path, Path, dict]:
+    """The same venv with the lab's wheel installed too."""
+    bin_dir, work, env = engine_only
+    run([bin_dir / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheels[1]], work, env)
+    where = where_imported(bin_dir, work, env)
+    assert "site-packages" in where["dllm_lab"] and str(ROOT) not in where["dllm_lab"], where
+    return engine_only
 
 
 def test_the_engine_wheel_holds_no_lab(wheels):
@@ -111,22 +120,6 @@ def test_the_engine_alone_generates_and_asks_for_a_prompt(engine_only):
                           text=True, timeout=300)
     assert proc.returncode == 2 and "give a prompt: --prompt TEXT (no dataset named 'tasks'" in proc.stderr, proc.stderr
     assert "pip install dllm-lab" in proc.stderr
-    help_text = run([bin_dir / "dllm", "--help"], work, env)
-    assert "generate" in help_text and "train" not in help_text.split("positional arguments")[1], help_text
-
-
-def test_generate_runs_the_packaged_default_model(installed):
-    bin_dir, work, env = installed
-    out = run([bin_dir / "dllm", "generate", "--threads", "1"], work, env)
-    model = next(line for line in out.splitlines() if line.startswith("model: "))
-    assert "site-packages" in model and str(ROOT) not in model, model
-    assert "(correct)" in out, out
-
-
-def test_eval_runs_on_the_packaged_splits(installed):
-    bin_dir, work, env = installed
-    out = run([bin_dir / "dllm", "eval", "--limit", "2", "--threads", "1"], work, env)
-    assert "mean " in out and "tok/s" in out, out
 
 
 def free_port() -> int:
@@ -163,3 +156,17 @@ def test_the_engine_alone_serves_one_request(engine_only):
         proc.terminate()
         proc.communicate(timeout=60)
     assert answer["choices"][0]["message"]["content"].strip() == "2 4 7 9", answer
+
+
+def test_generate_runs_the_packaged_default_model(installed):
+    bin_dir, work, env = installed
+    out = run([bin_dir / "dllm", "generate", "--threads", "1"], work, env)
+    model = next(line for line in out.splitlines() if line.startswith("model: "))
+    assert "site-packages" in model and str(ROOT) not in model, model
+    assert "(correct)" in out, out
+
+
+def test_eval_runs_on_the_packaged_splits(installed):
+    bin_dir, work, env = installed
+    out = run([bin_dir / "dllm", "eval", "--tasks", "sort,story", "--limit", "2", "--threads", "1"], work, env)
+    assert "mean " in out and "tok/s" in out, out

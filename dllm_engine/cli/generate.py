@@ -47,14 +47,14 @@ def use_chat(args: argparse.Namespace, llm) -> bool:
 def run_generate(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     given = sampling_params(args)  # bad options fail before the model loads
+    expected = None
+    if args.prompt is None:  # the default dataset's, or a clear error, before the model loads
+        example = default_prompt()
+        args.prompt, expected = example.prompt, example.answer
     llm = common.load_llm(args)
     params = llm.resolve(given.replace(record_steps=True) if args.show_steps else given)
     if params.temperature > 0 and args.seed is None:  # sampled: a fresh stream each run, said below
         llm.seeds = SeedStream(secrets.randbelow(MAX_SEED))
-    expected = None
-    if args.prompt is None:
-        example = default_prompt()
-        args.prompt, expected = example.prompt, example.answer
     if use_chat(args, llm):
         out = llm.chat([[{"role": "user", "content": args.prompt}]], params, use_tqdm=True)
     else:

@@ -33,7 +33,7 @@ from ..sampling_params import ParamError, SamplingParams
 from ..seeds import SeedStream
 from ..tokenizer import load_tokenizer
 from . import host_memory
-from .llm import PROGRESS_DELAY_S, GenerateResult, RequestOutput
+from .llm import PROGRESS_DELAY_S, GenerateResult, RequestOutput, prompt_list
 from .sequence import SequenceStats
 
 METHOD = "diffusion-gemma"  # what results and tables name this family's sampler
@@ -202,12 +202,7 @@ class CanvasLLM:
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, prompts, params=None, use_tqdm: bool = False) -> GenerateResult:
-        if not isinstance(prompts, (str, list, tuple)):
-            raise UserError("prompts are a string, a list of token ids, or a list of those; got "
-                            + type(prompts).__name__ + (" (pass .tolist())" if hasattr(prompts, "tolist") else ""))
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]
-        return self.run([self.encode(p) for p in prompts], params, use_tqdm)
+        return self.run([self.encode(p) for p in prompt_list(prompts)], params, use_tqdm)
 
     def chat(self, conversations, params=None, use_tqdm: bool = False) -> GenerateResult:
         if conversations and isinstance(conversations, (list, tuple)) and isinstance(conversations[0], dict):

@@ -59,6 +59,16 @@ class GenerateResult(list):
     diagnostics: dict
 
 
+def prompt_list(prompts) -> list:
+    """``generate``'s prompts as a list: one string or one list of token ids is one prompt."""
+    if not isinstance(prompts, (str, list, tuple)):
+        raise UserError("prompts are a string, a list of token ids, or a list of those; got "
+                        + type(prompts).__name__ + (" (pass .tolist())" if hasattr(prompts, "tolist") else ""))
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
+        return [prompts]
+    return list(prompts)
+
+
 def ids_list(value) -> list[int]:
     if value is None:
         return []
@@ -376,12 +386,7 @@ class LLM:
     # -- generation ------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False) -> GenerateResult:
-        if not isinstance(prompts, (str, list, tuple)):
-            raise UserError("prompts are a string, a list of token ids, or a list of those; got "
-                            + type(prompts).__name__ + (" (pass .tolist())" if hasattr(prompts, "tolist") else ""))
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]
-        return self.run([self.encode(p) for p in prompts], params, use_tqdm)
+        return self.run([self.encode(p) for p in prompt_list(prompts)], params, use_tqdm)
 
     def chat(self, conversations: list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False) -> GenerateResult:
