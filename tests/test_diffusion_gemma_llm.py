@@ -23,7 +23,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.cli import main
 from dllm_engine.decoding.diffusion_gemma import SeededDraws, generate, load_generation_settings
-from dllm_engine.engine.canvas_llm import METHOD, CanvasLLM
+from dllm_engine.engine.canvas_llm import METHOD, CanvasLLM, Request
 from dllm_engine.errors import UserError
 from dllm_engine.models.diffusion_gemma import FULL, SLIDING, DiffusionGemma, checkpoint_name, config_from_hf
 from dllm_engine.models.loader import named_tensors
@@ -172,6 +172,23 @@ def test_what_does_not_apply_is_refused_naming_it(llm, given, field, says):
     with pytest.raises(ParamError, match=re.escape(says)) as refused:
         llm.generate(prompts(1)[0], given)
     assert refused.value.param == field
+
+
+def test_a_memory_budget_sizes_the_batches_and_refuses_what_cannot_fit(folder, llm, monkeypatch):
+    rows, seeds = prompts(6), [11, 12, 13, 14, 15, 16]
+    requests = [Request(i, r, llm.resolve(SamplingParams(seed=s))) for i, (r, s) in enumerate(zip(rows, seeds))]
+    two = llm.batch_bytes(requests[:2])
+    assert llm.batch_bytes(requests[:1]) < two < llm.batch_bytes(requests[:3])
+    budgeted = LLM(folder, kv_cache_memory=two)
+    sizes = []
+    run_batch = CanvasLLM.run_batch
+    monkeypatch.setattr(CanvasLLM, "run_batch", lambda self, batch: sizes.append(len(batch)) or run_batch(self, batch))
+    out = budgeted.generate(rows, [SamplingParams(seed=s) for s in seeds])
+    assert sizes == [2, 2, 2]  # what fits the budget (max_num_seqs is 256)
+    assert [o.token_ids for o in out] == [w for i in range(0, 6, 2) for w in batched(llm, rows[i:i + 2], seeds[i:i + 2])]
+    with pytest.raises(UserError, match=r"needs [0-9.]+ MiB for its sampler .* more than the [0-9.]+ MiB budget"):
+        LLM(folder, kv_cache_memory=llm.batch_bytes(requests[:1]) - 1).generate(rows[:1], SamplingParams(seed=1))
+    assert sizes == [2, 2, 2]  # refused before anything ran
 
 
 def test_engine_options_that_do_not_apply_are_refused(folder):

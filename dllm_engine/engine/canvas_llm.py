@@ -10,7 +10,15 @@ request's seed), so a request gets the same tokens alone, in any batch and in an
 surface is ``LLM``'s (``generate``, ``chat``, ``resolve``, ``seeds``, ``tokenizer``,
 ``GenerateResult`` of ``RequestOutput`` with ``SequenceStats``); what does not apply to this
 family (another method, a temperature, logprobs, traces, tensor parallelism, compiling, fixed
-shapes, quantization, a KV budget) is refused up front, naming it.
+shapes, quantization) is refused up front, naming it.
+
+Memory: ``kv_cache_memory`` (or on CUDA by default ``gpu_memory_utilization`` of the device less
+the weights, as ``LLM``'s budget) caps each batch's bytes as ``batch_bytes`` counts them: per row
+the encoder's K/V over its prompt and canvases, the decoder's logits in fp32 and two copies of the
+self-conditioning (the step's and the next's, ``[canvas, vocab]`` each in the embedding dtype:
+512 MiB a row at the release's 256 × 262,144 in bf16 with the logits), one layer's activations;
+once per batch the sampler's two fp32 chunks (64 MiB each at most). A batch holds the rows that fit; a request that cannot
+fit alone is refused before anything runs.
 """
 from __future__ import annotations
 
@@ -24,7 +32,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..decoding.diffusion_gemma import GenerationSettings, SeededDraws, generate, load_generation_settings
+from ..decoding.diffusion_gemma import (SAMPLING_CHUNK_ELEMENTS, GenerationSettings, SeededDraws, generate,
+                                       load_generation_settings)
 from ..errors import UserError
 from ..hub import model_name, resolve_model
 from ..models.diffusion_gemma import MODEL_TYPE, DiffusionGemma, load_diffusion_gemma
@@ -33,7 +42,7 @@ from ..sampling_params import ParamError, SamplingParams
 from ..seeds import SeedStream
 from ..tokenizer import load_tokenizer
 from . import host_memory
-from .llm import PROGRESS_DELAY_S, GenerateResult, RequestOutput, prompt_list
+from .llm import PROGRESS_DELAY_S, GenerateResult, RequestOutput, memory_budget, parse_bytes, prompt_list
 from .sequence import SequenceStats
 
 METHOD = "diffusion-gemma"  # what results and tables name this family's sampler
@@ -100,11 +109,11 @@ class CanvasLLM:
                  quantization: str | None = None, prefix_cache: bool = True, path=None) -> None:
         refused = {"tensor_parallel_size": tensor_parallel_size != 1, "compile": compile,
                    "fixed_shapes": fixed_shapes, "compile_step": compile_step,
-                   "quantization": quantization is not None, "kv_cache_memory": kv_cache_memory is not None}
+                   "quantization": quantization is not None}
         named = [name for name, given in refused.items() if given]
         if named:
             raise UserError(f"{', '.join(named)}: not available for {MODEL_TYPE} yet (its sampler runs in one "
-                            f"process, eager, unquantized, unbudgeted; {DOCS})")
+                            f"process, eager, unquantized; {DOCS})")
         if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
             raise UserError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         self.device = parse_device(device)
@@ -115,6 +124,8 @@ class CanvasLLM:
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
         self.model: DiffusionGemma = load_diffusion_gemma(self.path, dtype=dtype, device=self.device)
+        # bytes a batch may take (None: no cap, a CPU's default): after the weights, as LLM's
+        self.budget = memory_budget(self.device, parse_bytes(kv_cache_memory), gpu_memory_utilization)
         cfg = self.model.config
         self.tokenizer = load_tokenizer(self.path)
         self.settings = load_generation_settings(self.path, cfg.eos_token_ids, cfg.pad_token_id)
@@ -226,6 +237,8 @@ class CanvasLLM:
             seeds = self.seeds.choice_seeds(p.seed, p.n)
             shape.append(len(seeds) if p.n > 1 else None)
             requests += [Request(len(requests) + j, ids, p.replace(seed=s)) for j, s in enumerate(seeds)]
+        for r in requests:
+            self.check_memory(r)
         start = time.perf_counter()
         outputs: list[RequestOutput | None] = [None] * len(requests)
         with tqdm(total=len(requests), desc="generate", unit="req", delay=PROGRESS_DELAY_S,
@@ -243,12 +256,49 @@ class CanvasLLM:
         return result
 
     def batches(self, requests: list[Request]) -> list[list[Request]]:
-        """Requests with the same settings (one sampler loop), ``max_num_seqs`` at a time."""
+        """Requests with the same settings (one sampler loop), in order, as many at a time as
+        ``max_num_seqs`` and the memory budget allow."""
         groups: dict[GenerationSettings, list[Request]] = {}
         for r in requests:
             groups.setdefault(r.params.settings, []).append(r)
-        return [group[i:i + self.max_num_seqs] for group in groups.values()
-                for i in range(0, len(group), self.max_num_seqs)]
+        out: list[list[Request]] = []
+        for group in groups.values():
+            batch: list[Request] = []
+            for r in group:
+                if batch and (len(batch) == self.max_num_seqs or not self.fits([*batch, r])):
+                    out.append(batch)
+                    batch = []
+                batch.append(r)
+            out.append(batch)
+        return out
+
+    def batch_bytes(self, batch: list[Request]) -> int:
+        """The bytes a sampler loop over ``batch`` holds at its peak (see the module docstring):
+        its rows left-padded to the longest prompt, each with every canvas it may run."""
+        cfg, params = self.model.config, batch[0].params
+        canvas = params.canvas_length
+        columns = max(len(r.prompt_ids) for r in batch) + (params.settings.num_canvases(canvas) - 1) * canvas
+        element = self.model.embed_tokens.weight.element_size()
+        cache = sum(2 * spec.num_kv_heads * spec.head_dim * element
+                    * (columns if spec.window is None else min(columns, spec.window - 1)) for spec in cfg.layers)
+        widest = max(cfg.intermediate_size, cfg.moe_intermediate_size * cfg.top_k_experts,
+                     max(cfg.num_heads * spec.head_dim for spec in cfg.layers))
+        activations = canvas * (4 * cfg.hidden_size + 3 * widest) * 4  # one layer's, fp32 at most
+        sampling = canvas * cfg.vocab_size * (4 + 2 * element)  # the logits, two self-conditionings
+        chunks = 2 * 4 * min(SAMPLING_CHUNK_ELEMENTS, len(batch) * canvas * cfg.vocab_size)  # two fp32 copies
+        return len(batch) * (cache + activations + sampling) + chunks
+
+    def fits(self, batch: list[Request]) -> bool:
+        return self.budget is None or self.batch_bytes(batch) <= self.budget
+
+    def check_memory(self, request: Request) -> None:
+        """A request that cannot fit the budget alone: refused before anything runs."""
+        if not self.fits([request]):
+            need, budget = self.batch_bytes([request]), self.budget
+            raise UserError(f"a prompt of {len(request.prompt_ids)} tokens with {request.params.max_new_tokens} new "
+                            f"tokens needs {need / 2**20:.1f} MiB for its sampler (K/V cache, [canvas, vocab] "
+                            f"logits and self-conditioning), more than the {budget / 2**20:.1f} MiB budget "
+                            f"(kv_cache_memory); raise it, or shorten the prompt or max_new_tokens")
 
     def run_batch(self, batch: list[Request]) -> list[RequestOutput]:
         """One sampler loop over ``batch`` (left-padded), each row drawing by its own seed."""
