@@ -151,6 +151,25 @@ def test_max_new_tokens_n_copies_and_the_seed_stream(llm):
     assert a[0].token_ids != a[1].token_ids  # and gives each request its own seed
 
 
+def test_record_steps_traces_every_denoising_step_and_changes_nothing(llm):
+    rows, seeds = prompts(3), [21, 22, 23]
+    plain = llm.generate(rows, [SamplingParams(seed=s) for s in seeds])
+    traced = llm.generate(rows, [SamplingParams(seed=s, record_steps=True) for s in seeds[:2]]
+                          + [SamplingParams(seed=seeds[2])])
+    assert [o.token_ids for o in traced] == [o.token_ids for o in plain] and traced[2].steps is None
+    for o in traced[:2]:
+        per_canvas = [[s for s in o.steps if s.canvas == c] for c in range(len(o.canvas_steps))]
+        assert [len(c) for c in per_canvas] == o.canvas_steps and len(o.steps) == sum(o.canvas_steps)
+        assert all([s.step for s in c] == list(range(len(c))) for c in per_canvas)
+        # a canvas ends when it stops (stable and confident) or runs out of steps
+        assert all(c[-1].finished or len(c) == 6 for c in per_canvas)
+        assert all(not s.finished for c in per_canvas for s in c[:-1])
+        kept = [t for c in per_canvas for t in c[-1].argmax_ids]  # each canvas keeps its last argmax
+        assert o.token_ids == kept[:len(o.token_ids)] and (len(o.token_ids) == len(kept) or kept[len(o.token_ids)] == EOS)
+        first = o.steps[0]
+        assert first.text == [WORDS[t] for t in first.argmax_ids] and len(first.accepted) == CANVAS
+
+
 def test_text_and_chat_prompts(llm):
     text = llm.generate("w5 w6 w7", SamplingParams(seed=1))[0]
     assert text.prompt_token_ids == [5, 6, 7] and text.token_ids == alone(llm, [5, 6, 7], 1)
@@ -163,7 +182,6 @@ def test_text_and_chat_prompts(llm):
     (SamplingParams(temperature=0.7), "temperature", "falls from t_max to t_min"),
     (SamplingParams(threshold=0.9), "threshold", "masked-diffusion decoders"),
     (SamplingParams(logprobs=2), "logprobs", "renoised canvas"),
-    (SamplingParams(record_steps=True), "record_steps", "not recorded yet"),
     (SamplingParams(block_length=4), "block_length", "canvases of its canvas_length, 6"),
     (SamplingParams(stop_token_ids=[VOCAB]), "stop_token_ids", "ids in [0, 96)"),
     (SamplingParams(max_new_tokens=60), "max_new_tokens", "the model has 64"),
@@ -205,6 +223,10 @@ def test_dllm_generate_runs_it(folder, capsys):
     assert "seed: 1 (--seed 1 samples the same answer again)" in out and "output: " in out
     want = LLM(folder, seed=1).chat([{"role": "user", "content": "w5 w6 w7"}])[0].text  # the stream seeded 1
     assert f"output: {want}\n" in out
+    assert main(["generate", "--model", str(folder), "--prompt", "w5 w6 w7", "--seed", "1", "--threads", "1",
+                 "--show-steps"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("canvas ")]
+    assert lines[0].startswith("canvas 0 step  0: ") and " accepted" in lines[0] and " | " in lines[0]
     assert main(["generate", "--model", str(folder), "--prompt", "w5", "--method", "block"]) == 2
     assert "does not apply to diffusion_gemma" in capsys.readouterr().err
 

@@ -73,8 +73,12 @@ def run_generate(args: argparse.Namespace) -> None:
           f"redundancy={s.redundancy:.2f} tokens_per_step={s.tokens_per_step:.2f} "
           f"seconds={s.seconds:.3f} throughput={s.output_tokens / max(s.seconds, 1e-9):.1f} tok/s")
     if args.show_steps:
-        from ..engine.trace import format_steps
-        print(format_steps(out[0].steps, len(out[0].prompt_token_ids)))
+        if out[0].canvas_steps is not None:  # a canvas family (DiffusionGemma): its denoising steps
+            from ..engine.canvas_llm import format_canvas_steps
+            print(format_canvas_steps(out[0].steps))
+        else:
+            from ..engine.trace import format_steps
+            print(format_steps(out[0].steps, len(out[0].prompt_token_ids)))
 
 
 def default_prompt():

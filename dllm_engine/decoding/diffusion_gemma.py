@@ -50,7 +50,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -466,11 +466,13 @@ def denoise_canvas(model: DiffusionGemma, cache: EncoderCache, settings: Generat
 
 def denoise_canvas_dropping(model: DiffusionGemma, cache: EncoderCache, settings: GenerationSettings,
                             draws: Draws, live: LiveRows, canvas: int,
-                            chunk_elements: int = SAMPLING_CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
+                            chunk_elements: int = SAMPLING_CHUNK_ELEMENTS,
+                            observe: Observer | None = None) -> tuple[Tensor, Tensor]:
     """``denoise_canvas`` where a row that stops leaves the batch: the decoder runs the rows
     still denoising only. Each time rows stop, the others' state and cache rows are gathered
     once (a copy of their self-conditioning, [b, C, V] in the embedding dtype, while the old
-    one is freed)."""
+    one is freed). ``observe(canvas, rows, state)``: after each step, with the generation's
+    indices of the rows that ran it and their state after it."""
     cfg = model.config
     positions = live.positions(cache.length, cfg.canvas_length)
     state = new_canvas(DrawKeys.at(live.index, canvas, 0), cfg.canvas_length, cfg.vocab_size, draws)
@@ -481,6 +483,8 @@ def denoise_canvas_dropping(model: DiffusionGemma, cache: EncoderCache, settings
                               positions=None if positions is None else positions[active])
         keys = DrawKeys.at(live.index[active], canvas, state.num_steps)
         state = denoise_step(state, logits, settings, draws, keys, model.embed_tokens.weight.dtype, chunk_elements)
+        if observe is not None:
+            observe(canvas, live.index[active], state)
         argmax_ids.index_copy_(0, active, state.argmax_ids)
         num_steps.index_copy_(0, active, state.num_steps)
         if not bool(state.finished.any()):  # the one host read of a step
@@ -537,10 +541,16 @@ def check_draws(draws: Draws, batch: int) -> None:
         raise UserError(f"SeededDraws has {len(draws)} seeds for {batch} prompts: give one seed per prompt")
 
 
+# what ``generate(..., observe=)`` is called with after each denoising step: (the canvas index, the
+# generation's row indices [n] of the rows that ran the step, their ``CanvasState`` after it)
+Observer = Callable[[int, Tensor, "CanvasState"], None]
+
+
 @torch.no_grad()
 def generate(model: DiffusionGemma, prompt_ids: Tensor, settings: GenerationSettings | None = None,
              draws: Draws | None = None, attention_mask: Tensor | None = None,
-             chunk_elements: int = SAMPLING_CHUNK_ELEMENTS, batch_invariant: bool = False) -> Generation:
+             chunk_elements: int = SAMPLING_CHUNK_ELEMENTS, batch_invariant: bool = False,
+             observe: Observer | None = None) -> Generation:
     """Sample continuations of ``prompt_ids`` [B, T] (left-padded, ``attention_mask`` 1 = token)
     with a ``DiffusionGemma``: canvas after canvas, each denoised then encoded into the cache.
 
@@ -550,8 +560,13 @@ def generate(model: DiffusionGemma, prompt_ids: Tensor, settings: GenerationSett
     With ``SeededDraws`` a row's positions, draws and stops then depend on its prompt and seed
     alone, and its tokens too up to the kernels' rounding, which self-conditioning amplifies
     (docs/models/diffusion-gemma.md#batch-invariance). Off (the default): transformers' layout
-    and work."""
+    and work.
+    ``observe``: called after every denoising step (``Observer``; batch-invariant runs only, where
+    each step's rows are exactly those that ran it): what ``record_steps`` traces are made from."""
     check_prompt(prompt_ids, attention_mask, batch_invariant)
+    if observe is not None and not batch_invariant:
+        raise UserError("observe needs batch_invariant=True: the reference's layout runs stopped rows and "
+                        "throws their steps away")
     settings = settings or GenerationSettings()
     draws = draws or TorchDraws()
     batch, canvas_length = prompt_ids.shape[0], model.config.canvas_length
@@ -559,13 +574,15 @@ def generate(model: DiffusionGemma, prompt_ids: Tensor, settings: GenerationSett
     live = live_rows(prompt_ids, attention_mask, batch_invariant)
     cache = model.new_cache()
     model.encode(prompt_ids, cache, attention_mask=attention_mask, positions=live.positions(0, prompt_ids.shape[1]))
-    denoise = denoise_canvas_dropping if batch_invariant else denoise_canvas
     finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     canvases, steps = [], []
     for i in range(settings.num_canvases(canvas_length)):
         if i:
             model.encode(canvases[-1][live.index], cache, positions=live.positions(cache.length, canvas_length))
-        ids, num_steps = denoise(model, cache, settings, draws, live, i, chunk_elements)
+        if batch_invariant:
+            ids, num_steps = denoise_canvas_dropping(model, cache, settings, draws, live, i, chunk_elements, observe)
+        else:
+            ids, num_steps = denoise_canvas(model, cache, settings, draws, live, i, chunk_elements)
         ids, finished = finish_canvas(spread(ids, live.index, batch), finished, settings)
         canvases.append(ids)
         steps.append(spread(num_steps, live.index, batch))

@@ -48,12 +48,11 @@ from .sequence import SequenceStats
 METHOD = "diffusion-gemma"  # what results and tables name this family's sampler
 DOCS = "docs/models/diffusion-gemma.md"
 # SamplingParams fields a canvas request reads; every other one must keep its default
-READ = {"max_new_tokens", "steps", "block_length", "seed", "n", "stop_token_ids", "stop_at_eos"}
+READ = {"max_new_tokens", "steps", "block_length", "seed", "n", "stop_token_ids", "stop_at_eos", "record_steps"}
 # why a field the masked-diffusion decoders read does not apply here, by field (else: generic)
 WHY = {"method": "it samples with its own entropy-bound sampler, not a masked-diffusion decoder",
        "temperature": "its temperature falls from t_max to t_min over a canvas's steps (generation_config.json)",
-       "logprobs": "its tokens are drawn from a renoised canvas, not committed one by one",
-       "record_steps": "its canvas traces are not recorded yet"}
+       "logprobs": "its tokens are drawn from a renoised canvas, not committed one by one"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +63,7 @@ class CanvasParams:
     canvas_length: int
     seed: int | None = None
     n: int = 1
+    record_steps: bool = False  # each output's ``steps``: one ``CanvasStep`` per denoising step
     method: str = METHOD
 
     @property
@@ -87,6 +87,23 @@ class CanvasParams:
                   "confidence_threshold": s.confidence_threshold, "stop_at_eos": bool(s.eos_token_ids),
                   "seed": self.seed, "n": self.n if self.n > 1 else None}
         return " ".join([self.method] + [f"{k}={v}" for k, v in values.items() if v is not None])
+
+
+@dataclass
+class CanvasStep:
+    """One denoising step of one request (``record_steps``; docs/traces.md): the canvas it left
+    and the argmax canvas (what the request would keep were the canvas to stop here)."""
+
+    canvas: int  # which canvas: 0 is the first after the prompt
+    step: int  # the step on that canvas, from 0
+    token_ids: list[int]  # the canvas the step leaves: its accepted draws, fresh noise elsewhere
+    accepted: list[bool]  # positions holding an accepted draw
+    argmax_ids: list[int]
+    finished: bool  # the canvas stopped after this step (stable and confident)
+    text: list[str] | None = None  # argmax_ids' token texts, where the model has a tokenizer
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -171,7 +188,8 @@ class CanvasLLM:
             changes["max_new_tokens"] = params.max_new_tokens
         if params.steps is not None:
             changes["max_denoising_steps"] = params.steps
-        return CanvasParams(dataclasses.replace(self.settings, **changes), canvas, params.seed, params.n)
+        return CanvasParams(dataclasses.replace(self.settings, **changes), canvas, params.seed, params.n,
+                            params.record_steps)
 
     def stop_ids(self, params: CanvasParams) -> frozenset[int]:
         """Where an answer ends: EOS and the request's stop ids (even when ``stop_at_eos`` is off:
@@ -308,14 +326,25 @@ class CanvasLLM:
         ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch], device=self.device)
         mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch],
                             device=self.device)
+        traces: list[list[CanvasStep] | None] = [[] if r.params.record_steps else None for r in batch]
+
+        def record(canvas: int, rows: torch.Tensor, state) -> None:  # one read a step, only when asked
+            values = zip(rows.tolist(), state.canvas_ids.tolist(), state.accepted.tolist(),
+                         state.argmax_ids.tolist(), state.num_steps.tolist(), state.finished.tolist())
+            for row, ids_, accepted, argmax, steps_run, finished in values:
+                if traces[row] is not None:
+                    traces[row].append(CanvasStep(canvas, steps_run - 1, ids_, accepted, argmax, finished))
+
         start = time.perf_counter()
-        out = generate(self.model, ids, settings, SeededDraws([r.params.seed for r in batch]),
-                       attention_mask=mask, batch_invariant=True)
+        out = generate(self.model, ids, settings, SeededDraws([r.params.seed for r in batch]), attention_mask=mask,
+                       batch_invariant=True, observe=record if any(t is not None for t in traces) else None)
         seconds = time.perf_counter() - start
         tokens, steps = out.token_ids.tolist(), out.num_steps.tolist()  # the batch's one read back
-        return [self.output(r, row, canvas_steps, seconds) for r, row, canvas_steps in zip(batch, tokens, steps)]
+        return [self.output(r, row, canvas_steps, seconds, trace)
+                for r, row, canvas_steps, trace in zip(batch, tokens, steps, traces)]
 
-    def output(self, request: Request, row: list[int], canvas_steps: list[int], seconds: float) -> RequestOutput:
+    def output(self, request: Request, row: list[int], canvas_steps: list[int], seconds: float,
+               trace: list[CanvasStep] | None = None) -> RequestOutput:
         """A row's answer (cut at its first stop id and at ``max_new_tokens``) and its counts."""
         p, canvas = request.params, request.params.canvas_length
         stops = self.stop_ids(p)
@@ -329,9 +358,12 @@ class CanvasLLM:
             processed_tokens=float(prompt_len + sum(ran) * canvas + (len(ran) - 1) * canvas),
             prefill_tokens=prompt_len, seconds=seconds)
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        if trace is not None and self.tokenizer is not None:
+            for step in trace:
+                step.text = [self.tokenizer.decode([t], skip_special_tokens=False) for t in step.argmax_ids]
         return RequestOutput(prompt_token_ids=list(request.prompt_ids), token_ids=ids, text=text, stats=stats,
                              finish_reason="stop" if end is not None and end < p.max_new_tokens else "length",
-                             canvas_steps=ran)
+                             steps=trace, canvas_steps=ran)
 
 
 def is_canvas_checkpoint(folder) -> bool:
@@ -352,3 +384,15 @@ def refuse_canvas(model, revision: str | None, what: str) -> None:
         raise UserError(f"{what} does not run {MODEL_TYPE} yet: its sampler runs from Python (LLM(...).generate, "
                         f".chat) and dllm generate; the engine's step loop (continuous batching, the server, "
                         f"benches, profiles, the playground, lm-eval) does not take it ({DOCS})")
+
+
+def format_canvas_steps(steps: list[CanvasStep]) -> str:
+    """``dllm generate --show-steps``'s view of a canvas family's trace: one line per denoising
+    step, the argmax canvas with the positions whose draw was not accepted marked ``~``."""
+    lines = []
+    for s in steps:
+        words = s.text if s.text is not None else [str(t) for t in s.argmax_ids]
+        shown = " ".join(w if ok else f"~{w}" for w, ok in zip(words, s.accepted))
+        lines.append(f"canvas {s.canvas} step {s.step:>2}: {sum(s.accepted)}/{len(s.accepted)} accepted"
+                     f"{' (stopped)' if s.finished else ''} | {shown}")
+    return "\n".join(lines)

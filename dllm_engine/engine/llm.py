@@ -40,7 +40,8 @@ class RequestOutput:
     finish_reason: str  # "stop" (a stop token) or "length"
     # params.logprobs set: per output token (its logprob, top ids, their logprobs)
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
-    # params.record_steps: one record per forward (engine/trace.py, docs/traces.md)
+    # params.record_steps: one record per forward (engine/trace.py, docs/traces.md); a canvas
+    # family: one canvas_llm.CanvasStep per denoising step
     steps: list[StepRecord] | None = None
     # a canvas family (DiffusionGemma): the denoising steps of each canvas the request ran
     canvas_steps: list[int] | None = None
