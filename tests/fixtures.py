@@ -1,6 +1,7 @@
 """Tiny random checkpoints in each family's real layout, written by tests."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -242,3 +243,31 @@ def randomize_diffusion_gemma(model: torch.nn.Module, seed: int = 0) -> torch.nn
             if name.endswith("layer_scalar"):  # the encoder's and the decoder's differ
                 b.copy_(0.5 + torch.rand(b.shape, generator=g))
     return model.eval()
+
+
+@contextmanager
+def serving(llm, model_name: str = "tiny", **kwargs):
+    """``server.create_app(llm)`` under uvicorn in a background thread on a free port; yields the
+    base URL and the app, and stops the server after."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from dllm_engine.server import create_app
+    app = create_app(llm, model_name=model_name, **kwargs)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -13,6 +13,7 @@ import json
 import random
 import re
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -29,7 +30,7 @@ from dllm_engine.models.diffusion_gemma import FULL, SLIDING, DiffusionGemma, ch
 from dllm_engine.models.loader import named_tensors
 from dllm_engine.sampling_params import ParamError
 from dllm_engine.seeds import choice_seeds
-from fixtures import randomize_diffusion_gemma
+from fixtures import randomize_diffusion_gemma, serving
 
 CANVAS, VOCAB, PAD, BOS = 6, 96, 0, 2
 EOS = 39  # a token the tiny random model writes often: some answers stop at it, early or late, others not
@@ -232,13 +233,59 @@ def test_dllm_generate_runs_it(folder, capsys):
 
 
 @pytest.mark.parametrize("command", [["bench", "--methods", "block"], ["profile", "--methods", "block"],
-                                     ["serve", "--port", "8123"], ["playground"]])
+                                     ["playground"]])
 def test_commands_on_the_engines_step_loop_refuse_it_before_loading(folder, command, capsys, monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("the weights were loaded before the refusal")
     monkeypatch.setattr("dllm_engine.engine.canvas_llm.load_diffusion_gemma", no_load)
-    argv = [command[0], "--model", str(folder), *command[1:]] if command[0] != "serve" else \
-        ["serve", str(folder), *command[1:]]
-    assert main(argv) == 2
+    assert main([command[0], "--model", str(folder), *command[1:]]) == 2
     err = capsys.readouterr().err
     assert f"error: dllm {command[0]} does not run diffusion_gemma yet: its sampler runs from Python" in err, err
+
+
+# -- dllm serve ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served(folder):
+    with serving(LLM(folder, max_num_seqs=4)) as (url, _):
+        yield url
+
+
+def test_the_server_answers_as_the_offline_api(served, llm):
+    ids = prompts(2)[1]
+    body = {"model": "tiny", "prompt": ids, "seed": 5}
+    answer = httpx.post(f"{served}/v1/completions", json=body, timeout=60).json()
+    want = llm.generate([ids], SamplingParams(seed=5))[0]  # a request alone is a batch of one
+    choice, = answer["choices"]
+    assert choice["text"] == want.text and choice["finish_reason"] == want.finish_reason
+    assert answer["usage"]["completion_tokens"] == len(want.token_ids)
+    two = httpx.post(f"{served}/v1/completions", json={**body, "n": 2}, timeout=60).json()
+    assert [c["text"] for c in two["choices"]] == [o.text for o in llm.generate([ids], SamplingParams(seed=5, n=2))[0]]
+    chat = httpx.post(f"{served}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "w5 w6 w7"}], "seed": 1}).json()
+    assert chat["choices"][0]["message"]["content"] == llm.chat([{"role": "user", "content": "w5 w6 w7"}],
+                                                                SamplingParams(seed=1))[0].text
+
+
+def test_the_server_streams_by_canvas(served, llm):
+    rows = prompts(8)
+    seeds = range(30, 38)
+    # a prompt whose answer runs more than one canvas: its text arrives in more than one chunk
+    ids, seed = next((r, s) for r, s in zip(rows, seeds)
+                     if len(llm.generate([r], SamplingParams(seed=s))[0].canvas_steps) > 1)
+    want = llm.generate([ids], SamplingParams(seed=seed))[0]
+    with httpx.stream("POST", f"{served}/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": ids, "seed": seed, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert "".join(texts) == want.text and len([t for t in texts if t]) > 1
+    assert chunks[-1]["choices"][0]["finish_reason"] == want.finish_reason
+
+
+def test_the_server_refuses_what_does_not_apply_and_names_the_family(served):
+    bad = httpx.post(f"{served}/v1/completions", json={"model": "tiny", "prompt": [5, 6], "temperature": 0.7},
+                     timeout=60)
+    assert bad.status_code == 400 and "does not apply to diffusion_gemma" in bad.json()["error"]["message"]
+    model, = httpx.get(f"{served}/v1/models", timeout=60).json()["data"]
+    assert model["model_type"] == "diffusion_gemma" and model["methods"] == ["diffusion-gemma"]
+    assert model["defaults"].startswith("diffusion-gemma max_new_tokens=18 canvas_length=6")
+    assert "dllm_requests_total" in httpx.get(f"{served}/metrics", timeout=60).text

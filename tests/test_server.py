@@ -14,12 +14,10 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.bench.serve import percentile
@@ -30,7 +28,7 @@ from dllm_engine.server import EngineLoop, create_app, shutdown_timeouts
 from dllm_engine.server.loop import Job, held_back
 from dllm_engine.server.protocol import ApiError
 from dllm_lab.tasks import load_split
-from fixtures import write_checkpoint
+from fixtures import serving, write_checkpoint
 
 pytestmark = pytest.mark.slow  # live servers
 
@@ -42,26 +40,6 @@ PROMPTS = [e.prompt for e in load_split(limit=6)][:32]  # held-out task prompts,
 LONG = {"model": NAME, "prompt": "sort : c b a", "max_tokens": 2048, "block_length": 2048,
         "method": "reference", "threshold": None}
 SHORT = {"model": NAME, "prompt": "sort : c b a", "max_tokens": 8}
-
-
-@contextmanager
-def serving(llm, **kwargs):
-    """uvicorn in a background thread on a free port; yields the base URL and the app."""
-    app = create_app(llm, model_name=NAME, **kwargs)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @pytest.fixture(scope="module")

@@ -130,6 +130,8 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
     from .. import LLM
     from ..models.quantize import check_quantization
     model = serve_model(args)
+    from ..engine.canvas_llm import refuse_canvas
+    refuse_canvas(model, args.revision, "dllm serve --replicas")
     scaling = Scaling(None if args.replicas == "auto" else args.replicas, args.min_replicas,
                       args.max_replicas, args.target_ongoing_requests)
     threads = args.threads_per_replica

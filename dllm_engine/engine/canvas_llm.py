@@ -27,6 +27,7 @@ import json
 import numbers
 import time
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -118,6 +119,8 @@ class CanvasLLM:
     ``LLM``'s, ``path`` the folder ``LLM`` resolved already."""
 
     family = MODEL_TYPE
+    model_type = MODEL_TYPE  # what /v1/models reports
+    methods = (METHOD,)
 
     def __init__(self, model, dtype: str = "auto", device: str = "cpu", max_num_seqs: int = 256,
                  keep_freed_memory: bool = False, tensor_parallel_size: int = 1, compile: bool = False,
@@ -190,6 +193,12 @@ class CanvasLLM:
             changes["max_denoising_steps"] = params.steps
         return CanvasParams(dataclasses.replace(self.settings, **changes), canvas, params.seed, params.n,
                             params.record_steps)
+
+    def resolve_for_prompt(self, params: SamplingParams, prompt_len: int) -> CanvasParams:
+        """``resolve``, then checked against a prompt of ``prompt_len`` tokens (as ``LLM``'s)."""
+        resolved = self.resolve(params)
+        self.check_fits(prompt_len, resolved)
+        return resolved
 
     def stop_ids(self, params: CanvasParams) -> frozenset[int]:
         """Where an answer ends: EOS and the request's stop ids (even when ``stop_at_eos`` is off:
@@ -318,8 +327,11 @@ class CanvasLLM:
                             f"logits and self-conditioning), more than the {budget / 2**20:.1f} MiB budget "
                             f"(kv_cache_memory); raise it, or shorten the prompt or max_new_tokens")
 
-    def run_batch(self, batch: list[Request]) -> list[RequestOutput]:
-        """One sampler loop over ``batch`` (left-padded), each row drawing by its own seed."""
+    def run_batch(self, batch: list[Request],
+                  on_canvas: Callable[[int, list[int]], None] | None = None) -> list[RequestOutput]:
+        """One sampler loop over ``batch`` (left-padded), each row drawing by its own seed.
+        ``on_canvas(row, argmax_ids)``: as each row's canvas ends (stopped, or out of steps), the
+        canvas it keeps (before EOS cuts it): what the server streams."""
         settings = batch[0].params.settings
         width = max(len(r.prompt_ids) for r in batch)
         pad = self.model.config.pad_token_id or 0
@@ -334,10 +346,13 @@ class CanvasLLM:
             for row, ids_, accepted, argmax, steps_run, finished in values:
                 if traces[row] is not None:
                     traces[row].append(CanvasStep(canvas, steps_run - 1, ids_, accepted, argmax, finished))
+                if on_canvas is not None and (finished or steps_run == settings.max_denoising_steps):
+                    on_canvas(row, argmax)
 
+        watch = on_canvas is not None or any(t is not None for t in traces)
         start = time.perf_counter()
         out = generate(self.model, ids, settings, SeededDraws([r.params.seed for r in batch]), attention_mask=mask,
-                       batch_invariant=True, observe=record if any(t is not None for t in traces) else None)
+                       batch_invariant=True, observe=record if watch else None)
         seconds = time.perf_counter() - start
         tokens, steps = out.token_ids.tolist(), out.num_steps.tolist()  # the batch's one read back
         return [self.output(r, row, canvas_steps, seconds, trace)

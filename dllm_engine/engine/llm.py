@@ -237,6 +237,16 @@ class LLM:
         self.counter = itertools.count()
 
     @property
+    def model_type(self) -> str:
+        """config.json's model_type (what /v1/models reports)."""
+        return self.model.config.model_type
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The base decoders this model's attention pattern runs."""
+        return tuple(self.model.family.methods)
+
+    @property
     def tensor_parallel_size(self) -> int:
         return 1 if self.parallel is None else self.parallel.size
 

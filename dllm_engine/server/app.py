@@ -201,9 +201,9 @@ class Server:
         cfg = self.llm.model.config
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "dllm-engine",
-            "root": str(self.llm.path), "model_type": cfg.model_type,
+            "root": str(self.llm.path), "model_type": self.llm.model_type,
             "max_model_len": cfg.max_position_embeddings,
-            "methods": list(self.llm.model.family.methods), "default_method": self.resolved.method,
+            "methods": list(self.llm.methods), "default_method": self.resolved.method,
             "defaults": self.resolved.describe(), "seed": self.llm.seeds.describe()}]}
 
 
@@ -218,6 +218,9 @@ def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str
     cancelled). ``api_key``: /v1/* requires ``Authorization: Bearer <api_key>``.
     ``max_request_bytes``: a larger body is refused with 413 before it is read whole (``limits``)."""
     metrics = Metrics()
+    if engine is None and getattr(llm, "family", None) == "diffusion_gemma":  # a canvas model's own loop
+        from .canvas_engine import CanvasEngine
+        engine = CanvasEngine(llm, max_queue, metrics)
     engine = engine or InProcessEngine(llm, max_queue, metrics)
     server = Server(llm, engine, defaults or SamplingParams(), model_name or llm.name, metrics,
                     shutdown_timeout)
