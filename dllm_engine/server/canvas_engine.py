@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from ..engine.canvas_llm import CanvasLLM, Request
 from ..engine.stop_strings import find_stop
 from ..errors import UserError
-from .engine_client import GenerateRequest
+from .engine_client import GenerateRequest, relay
 from .loop import Event, held_back
 from .metrics import Metrics, process_memory
-from .protocol import ApiError, ChoiceResult, value_error
+from .protocol import ApiError, ChoiceResult
 
 log = logging.getLogger("dllm_engine.server")
 
@@ -87,33 +87,28 @@ class CanvasEngine:
             self.lock.notify_all()
         self.thread.join()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        job = CanvasJob(request.stops, request.stream)
-        try:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        job: CanvasJob | None = None
+
+        def submit() -> tuple[asyncio.Queue, int]:
+            nonlocal job
+            job = CanvasJob(request.stops, request.stream)
             choices = [Choice(job, i, Request(i, ids, self.llm.resolve_for_prompt(params, len(ids))))
                        for i, (ids, params) in enumerate(request.choices())]
             for c in choices:
                 self.llm.check_memory(c.request)
             self.submit(choices)
-        except UserError as e:
-            yield Event(error=value_error(e))
-            return
-        except ApiError as e:
-            yield Event(error=e)
-            return
-        pending = len(choices)
-        try:
-            yield Event(accepted=True)
-            while pending:
-                event = await job.events.get()
-                pending = 0 if event.error is not None else pending - (event.result is not None)
-                yield event
-        finally:
-            if pending:
-                with self.lock:  # choices not yet in a batch leave the queue
-                    job.cancelled = True
-                    self.queue = [c for c in self.queue if c.job is not job]
-                    self.lock.notify_all()
+            return job.events, len(choices)
+
+        return relay(submit, lambda: self.cancel(job))
+
+    def cancel(self, job: CanvasJob) -> None:
+        """The job's choices not yet in a batch leave the queue; a running batch runs on, and
+        sends this job nothing more."""
+        with self.lock:
+            job.cancelled = True
+            self.queue = [c for c in self.queue if c.job is not job]
+            self.lock.notify_all()
 
     def submit(self, choices: list[Choice]) -> None:
         capacity = self.llm.max_num_seqs + self.max_queue

@@ -8,8 +8,9 @@ clients exist: ``InProcessEngine`` (the engine loop in this process: ``dllm serv
 cancellation — is the same code for both."""
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,6 +64,31 @@ class EngineClient(Protocol):
         """Prometheus text: the app's own ``front`` metrics with the engine's."""
 
 
+async def relay(submit: Callable[[], tuple[asyncio.Queue, int]], cancel: Callable[[], None]) -> AsyncIterator[Event]:
+    """One request's events, as ``EngineClient.generate`` gives them: ``submit()`` queues it and
+    returns its event queue and its number of choices (a ``UserError`` or ``ApiError`` it raises
+    is the request's one event); then ``accepted``, and its events up to the last choice's result
+    or an error (which ends it: the engine has dropped the request already); ``cancel()`` when
+    the stream is closed before that."""
+    try:
+        events, pending = submit()
+    except UserError as e:
+        yield Event(error=value_error(e))
+        return
+    except ApiError as e:
+        yield Event(error=e)
+        return
+    try:
+        yield Event(accepted=True)
+        while pending:
+            event = await events.get()
+            pending = 0 if event.error is not None else pending - (event.result is not None)
+            yield event
+    finally:
+        if pending:
+            cancel()
+
+
 class InProcessEngine:
     """The engine loop of ``llm``, driven by a thread of this process."""
 
@@ -77,28 +103,17 @@ class InProcessEngine:
     def shutdown(self, timeout: float) -> None:
         self.loop.shutdown(timeout)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        try:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        job: Job | None = None
+
+        def submit() -> tuple[asyncio.Queue, int]:
+            nonlocal job
             job = Job([self.llm.make_sequence(ids, params) for ids, params in request.choices()],
                       request.stops, request.stream)
             self.loop.submit(job)
-        except UserError as e:
-            yield Event(error=value_error(e))
-            return
-        except ApiError as e:
-            yield Event(error=e)
-            return
-        pending = len(job.seqs)
-        try:
-            yield Event(accepted=True)
-            while pending:
-                event = await job.events.get()
-                # an error ends the job: the loop has dropped it already
-                pending = 0 if event.error is not None else pending - (event.result is not None)
-                yield event
-        finally:
-            if pending:
-                self.loop.cancel(job)
+            return job.events, len(job.seqs)
+
+        return relay(submit, lambda: self.loop.cancel(job))
 
     async def is_healthy(self) -> bool:
         return self.loop.thread.is_alive() and self.loop.accepting
