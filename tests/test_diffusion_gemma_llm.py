@@ -210,6 +210,33 @@ def test_a_memory_budget_sizes_the_batches_and_refuses_what_cannot_fit(folder, l
     assert sizes == [2, 2, 2]  # refused before anything ran
 
 
+def test_out_of_memory_halves_the_batch_and_lowers_the_budget(folder, llm, monkeypatch):
+    rows, seeds = prompts(4), [41, 42, 43, 44]
+    fresh = LLM(folder)
+    sample, sizes = CanvasLLM.sample, []
+
+    def tight(self, batch, on_canvas=None):  # a device that holds two rows at a time
+        sizes.append(len(batch))
+        if len(batch) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return sample(self, batch, on_canvas)
+    monkeypatch.setattr(CanvasLLM, "sample", tight)
+    out = fresh.generate(rows, [SamplingParams(seed=s) for s in seeds])
+    assert sizes == [4, 2, 2]
+    assert [o.token_ids for o in out] == batched(llm, rows[:2], seeds[:2]) + batched(llm, rows[2:], seeds[2:])
+    four = [Request(i, r, fresh.resolve(SamplingParams(seed=s))) for i, (r, s) in enumerate(zip(rows, seeds))]
+    assert fresh.budget == fresh.batch_bytes(four) - 1  # later batches stay below what failed
+    fresh.generate(rows, [SamplingParams(seed=s) for s in seeds])
+    assert sizes[3:] == [3, 1, 2, 1]  # three rows fit under it, fail, and lower it again ...
+    again = fresh.generate(rows, [SamplingParams(seed=s) for s in seeds])
+    assert sizes[7:] == [2, 2]  # ... to what the device holds: nothing fails from then on
+    assert [o.token_ids for o in again] == [o.token_ids for o in out]
+    with pytest.raises(torch.OutOfMemoryError):  # one row that cannot fit: the error, as it is
+        monkeypatch.setattr(CanvasLLM, "sample", lambda self, batch, on_canvas=None: (_ for _ in ()).throw(
+            torch.OutOfMemoryError("CUDA out of memory (simulated)")))
+        fresh.generate(rows[:1], SamplingParams(seed=1))
+
+
 def test_engine_options_that_do_not_apply_are_refused(folder):
     with pytest.raises(UserError, match="compile, quantization: not available for diffusion_gemma yet"):
         LLM(folder, compile=True, quantization="int8")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import numbers
 import time
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from . import host_memory
 from .llm import PROGRESS_DELAY_S, GenerateResult, RequestOutput, memory_budget, parse_bytes, prompt_list
 from .sequence import SequenceStats
 
+log = logging.getLogger(__name__)
 METHOD = "diffusion-gemma"  # what results and tables name this family's sampler
 DOCS = "docs/models/diffusion-gemma.md"
 # SamplingParams fields a canvas request reads; every other one must keep its default
@@ -329,6 +331,26 @@ class CanvasLLM:
 
     def run_batch(self, batch: list[Request],
                   on_canvas: Callable[[int, list[int]], None] | None = None) -> list[RequestOutput]:
+        """``sample`` ``batch``; out of device memory, every later batch is held below the bytes
+        this one needed, and with more than one row and nothing to stream (no ``on_canvas``: text
+        already sent could not be taken back) it runs again in halves. Nothing is lost: each row still gets its
+        answer (as its smaller batch samples it: docs/models/diffusion-gemma.md#batch-invariance)."""
+        try:
+            return self.sample(batch, on_canvas)
+        except torch.OutOfMemoryError:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            limit = self.batch_bytes(batch) - 1  # what failed never runs again
+            self.budget = limit if self.budget is None else min(self.budget, limit)
+            if len(batch) == 1 or on_canvas is not None:
+                raise
+            log.warning("out of device memory sampling %d rows: in halves, and batches below %.1f MiB from now on",
+                        len(batch), limit / 2**20)
+            half = len(batch) // 2
+            return self.run_batch(batch[:half]) + self.run_batch(batch[half:])
+
+    def sample(self, batch: list[Request],
+               on_canvas: Callable[[int, list[int]], None] | None = None) -> list[RequestOutput]:
         """One sampler loop over ``batch`` (left-padded), each row drawing by its own seed.
         ``on_canvas(row, argmax_ids)``: as each row's canvas ends (stopped, or out of steps), the
         canvas it keeps (before EOS cuts it): what the server streams."""
