@@ -171,6 +171,17 @@ def test_record_steps_traces_every_denoising_step_and_changes_nothing(llm):
         assert first.text == [WORDS[t] for t in first.argmax_ids] and len(first.accepted) == CANVAS
 
 
+def test_stop_token_ids_end_the_answer_with_or_without_stop_at_eos(llm):
+    ids = prompts(1)[0]
+    full = llm.generate([ids], SamplingParams(seed=3, stop_at_eos=False))[0]
+    stop = next(t for t in full.token_ids[1:] if t != EOS)  # a token the answer writes after its first
+    for params in (SamplingParams(seed=3, stop_token_ids=[stop]), SamplingParams(seed=3, stop_token_ids=[stop],
+                                                                                stop_at_eos=False)):
+        out = llm.generate([ids], params)[0]
+        assert stop not in out.token_ids and out.finish_reason == "stop"
+        assert out.token_ids == full.token_ids[:len(out.token_ids)]
+
+
 def test_text_and_chat_prompts(llm):
     text = llm.generate("w5 w6 w7", SamplingParams(seed=1))[0]
     assert text.prompt_token_ids == [5, 6, 7] and text.token_ids == alone(llm, [5, 6, 7], 1)

@@ -4,21 +4,24 @@ DiffusionGemma checkpoint (``model_type`` ``diffusion_gemma``; docs/models/diffu
 The masked-diffusion families run through the engine's step loop (``engine.Engine``); this
 family's sampler is its own (``decoding.diffusion_gemma``: random canvases, entropy-bound
 acceptance, renoising, self-conditioning), so a call runs it directly: the requests are grouped
-by their settings, each group in batches of ``max_num_seqs`` rows, batch-invariantly (each row's
-positions count from its first token, a stopped row leaves the forwards, every draw is keyed by the
-request's seed), so a request gets the same tokens alone, in any batch and in any order. Its
-surface is ``LLM``'s (``generate``, ``chat``, ``resolve``, ``seeds``, ``tokenizer``,
-``GenerateResult`` of ``RequestOutput`` with ``SequenceStats``); what does not apply to this
-family (another method, a temperature, logprobs, traces, tensor parallelism, compiling, fixed
-shapes, quantization) is refused up front, naming it.
+by their settings, each group in batches of at most ``max_num_seqs`` rows that fit the memory
+budget, batch-invariantly (each row's positions count from its first token, a stopped row leaves
+the forwards, every draw is keyed by the request's seed). A request's tokens then repeat for the
+same batch; across batches they differ by what the kernels' rounding, amplified by
+self-conditioning, makes of them (docs/models/diffusion-gemma.md#batch-invariance). Its surface is
+``LLM``'s (``generate``, ``chat``, ``resolve``, ``seeds``, ``tokenizer``, ``GenerateResult`` of
+``RequestOutput`` with ``SequenceStats``, ``record_steps`` traces as ``CanvasStep``s); what does
+not apply to this family (another method, a temperature, logprobs, tensor parallelism,
+compiling, fixed shapes, quantization) is refused up front, naming it.
 
 Memory: ``kv_cache_memory`` (or on CUDA by default ``gpu_memory_utilization`` of the device less
 the weights, as ``LLM``'s budget) caps each batch's bytes as ``batch_bytes`` counts them: per row
 the encoder's K/V over its prompt and canvases, the decoder's logits in fp32 and two copies of the
 self-conditioning (the step's and the next's, ``[canvas, vocab]`` each in the embedding dtype:
 512 MiB a row at the release's 256 × 262,144 in bf16 with the logits), one layer's activations;
-once per batch the sampler's two fp32 chunks (64 MiB each at most). A batch holds the rows that fit; a request that cannot
-fit alone is refused before anything runs.
+once per batch the sampler's two fp32 chunks (64 MiB each at most). A batch holds the rows that
+fit; a request that cannot fit alone is refused before anything runs; a real out-of-memory lowers
+the budget and, with nothing streamed, runs the batch again in halves (``run_batch``).
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ import logging
 import numbers
 import time
 from dataclasses import dataclass
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -67,6 +70,7 @@ class CanvasParams:
     seed: int | None = None
     n: int = 1
     record_steps: bool = False  # each output's ``steps``: one ``CanvasStep`` per denoising step
+    stop_token_ids: tuple[int, ...] = ()  # the request's own, beside EOS
     method: str = METHOD
 
     @property
@@ -194,7 +198,7 @@ class CanvasLLM:
         if params.steps is not None:
             changes["max_denoising_steps"] = params.steps
         return CanvasParams(dataclasses.replace(self.settings, **changes), canvas, params.seed, params.n,
-                            params.record_steps)
+                            params.record_steps, tuple(params.stop_token_ids))
 
     def resolve_for_prompt(self, params: SamplingParams, prompt_len: int) -> CanvasParams:
         """``resolve``, then checked against a prompt of ``prompt_len`` tokens (as ``LLM``'s)."""
@@ -205,11 +209,14 @@ class CanvasLLM:
     def stop_ids(self, params: CanvasParams) -> frozenset[int]:
         """Where an answer ends: EOS and the request's stop ids (even when ``stop_at_eos`` is off:
         the text is cut there either way, as the other families cut it)."""
-        return frozenset((*self.settings.eos_token_ids, *params.settings.eos_token_ids))
+        return frozenset((*self.settings.eos_token_ids, *params.stop_token_ids))
 
     # -- prompts --------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids: its text through the tokenizer, or its ids checked."""
+        if not isinstance(prompt, (str, list, tuple)):
+            raise UserError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+                            + (" (pass .tolist())" if hasattr(prompt, "tolist") else ""))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise UserError(f"{self.path} has no tokenizer: give prompts as token ids")
