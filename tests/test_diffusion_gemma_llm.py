@@ -327,3 +327,24 @@ def test_the_server_refuses_what_does_not_apply_and_names_the_family(served):
     assert model["model_type"] == "diffusion_gemma" and model["methods"] == ["diffusion-gemma"]
     assert model["defaults"].startswith("diffusion-gemma max_new_tokens=18 canvas_length=6")
     assert "dllm_requests_total" in httpx.get(f"{served}/metrics", timeout=60).text
+
+
+# -- lm-eval ---------------------------------------------------------------------------------------
+def test_the_lm_eval_model_generates_through_the_canvas_sampler(folder, llm):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from dllm_engine.integrations.lm_eval import CanvasLM, DllmLM
+    lm = DllmLM(pretrained=str(folder), seed=7, batch_size=4)
+    assert isinstance(lm, CanvasLM)
+    requests = [Instance("generate_until", {}, ("w5 w6 w7", {"until": ["w9"], "max_gen_toks": 12}), 0),
+                Instance("generate_until", {}, ("w8 w9", {"until": [], "max_gen_toks": 18}), 1)]
+    texts = lm.generate_until(requests)
+    want = llm.run([[5, 6, 7], [8, 9]], [SamplingParams(max_new_tokens=12, seed=7),
+                                        SamplingParams(max_new_tokens=18, seed=8)], use_tqdm=False)
+    assert texts == [want[0].text.split("w9")[0], want[1].text]  # each cut at its own until string
+    assert lm.stats.generate_requests == 2 and lm.stats.generate.nfe == want.stats.nfe
+    with pytest.raises(NotImplementedError, match="no log-likelihood"):
+        lm.loglikelihood([Instance("loglikelihood", {}, ("w5", " w6"), 0)])
+    with pytest.raises(UserError, match="leave method out"):
+        DllmLM(pretrained=str(folder), method="dual-cache")

@@ -22,8 +22,7 @@ from dllm_engine.eval import evaluate  # noqa: E402
 from dllm_engine.integrations.lm_eval import DllmLM  # noqa: E402
 from dllm_lab.lm_eval_tasks import GROUP, write_tasks  # noqa: E402
 from dllm_lab.tasks import load_split  # noqa: E402
-from fixtures import write_checkpoint  # noqa: E402
-from test_server import serving  # noqa: E402
+from fixtures import serving, write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow  # lm-evaluation-harness runs and live servers
 

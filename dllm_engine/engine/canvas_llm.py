@@ -422,12 +422,12 @@ def is_canvas_checkpoint(folder) -> bool:
 
 def refuse_canvas(model, revision: str | None, what: str) -> None:
     """A ``UserError`` when ``model`` (a folder or Hub id, resolved as ``LLM`` resolves it) is a
-    canvas checkpoint and ``what`` (a command, the server) needs the engine's step loop, which
-    does not run this family yet: said before any weight loads."""
+    canvas checkpoint and ``what`` (a command) needs the engine's step loop, which does not run
+    this family yet: said before any weight loads."""
     if is_canvas_checkpoint(resolve_model(model, revision)):
         raise UserError(f"{what} does not run {MODEL_TYPE} yet: its sampler runs from Python (LLM(...).generate, "
-                        f".chat) and dllm generate; the engine's step loop (continuous batching, the server, "
-                        f"benches, profiles, the playground, lm-eval) does not take it ({DOCS})")
+                        f".chat), dllm generate, dllm serve and lm-eval's generate_until; the engine's step loop "
+                        f"(benches, profiles, the playground, replicas) does not take it ({DOCS})")
 
 
 def format_canvas_steps(steps: list[CanvasStep]) -> str:

@@ -12,6 +12,8 @@ imported: ``dllm lm-eval ...`` imports it and runs lm-eval's command line, and P
   seed + its index in the call (lm-eval's ``repeats`` send one request several times).
 - ``loglikelihood``: the masked-diffusion Monte-Carlo bound (``eval/likelihood.py``), the context
   cut on the left so context + continuation fit the model's context (as lm-eval's HF model).
+- A DiffusionGemma checkpoint gets ``CanvasLM``: ``generate_until`` through its own sampler
+  (``engine.canvas_llm``), no log-likelihoods.
 - ``loglikelihood_rolling``: the same bound over the whole text, conditioned on the prefix token
   (BOS, else EOS: lm-eval's ``prefix_token_id``).
 """
@@ -32,7 +34,8 @@ from lm_eval.models.utils import normalize_gen_kwargs
 from tqdm import tqdm
 
 from ..errors import UserError
-from ..engine.canvas_llm import refuse_canvas
+from ..hub import resolve_model
+from ..engine.canvas_llm import is_canvas_checkpoint
 from ..engine.llm import LLM, quiet_transformers
 from ..engine.sequence import Sequence, SequenceStats
 from ..engine.stop_strings import committed_end, committed_ids, find_stop, tokens_through_stop
@@ -116,6 +119,14 @@ def available_device(device: str) -> str:
 
 @register_model("dllm")
 class DllmLM(LM):
+    def __new__(cls, pretrained: str | None = None, *args, **kwargs):
+        """A DiffusionGemma checkpoint gets ``CanvasLM`` (generation only), every other this class."""
+        if cls is DllmLM and pretrained is not None:
+            revision = kwargs.get("revision")
+            if is_canvas_checkpoint(resolve_model(str(pretrained), None if revision is None else str(revision))):
+                return super().__new__(CanvasLM)
+        return super().__new__(cls)
+
     def __init__(self, pretrained: str, method: str | None = None, dtype: str = "auto",
                  device: str = "cpu", batch_size: int | str | None = 1, max_batch_size: int | None = None,
                  mc_num: int = 128, mc_batch: int = 32, mc_cfg_scale: float = 0.0, check_greedy: bool = False,
@@ -123,7 +134,6 @@ class DllmLM(LM):
         super().__init__()
         fields = sampling_fields(sampling)
         revision = None if revision is None else str(revision)  # lm-eval parses "2024" as a number
-        refuse_canvas(str(pretrained), revision, "the lm-eval model dllm")
         self.llm = LLM(str(pretrained), revision=revision, dtype=dtype, device=available_device(device),
                        max_num_seqs=engine_batch(batch_size, max_batch_size))
         if self.llm.tokenizer is None:
@@ -428,3 +438,82 @@ class DllmLM(LM):
         if self.stats_path is not None:
             self.stats_path.parent.mkdir(parents=True, exist_ok=True)
             self.stats_path.write_text(json.dumps({"method": self.params.method, **stats}, indent=2) + "\n")
+
+
+class CanvasLM(DllmLM):
+    """The lm-eval model ``dllm`` of a DiffusionGemma checkpoint (``engine.canvas_llm``):
+    ``generate_until`` through ``CanvasLLM`` (its requests batched as ``LLM.generate`` batches
+    them, ``batch_size`` rows at a time; each request samples with the base seed + its index, its
+    answer cut at its first ``until`` string and at its ``max_gen_toks``); the log-likelihoods
+    are not defined for uniform-noise diffusion here (no bound implemented), so those tasks stop
+    with that error. ``model_args``: ``pretrained``, ``revision``, ``dtype``, ``device``,
+    ``batch_size``, ``stats_path`` and the SamplingParams fields the family reads (``steps``,
+    ``max_new_tokens``, ``seed``, ...)."""
+
+    def __init__(self, pretrained: str, method: str | None = None, dtype: str = "auto", device: str = "cpu",
+                 batch_size: int | str | None = 1, max_batch_size: int | None = None, stats_path: str | None = None,
+                 revision: str | None = None, **sampling) -> None:
+        LM.__init__(self)
+        if method is not None:
+            raise UserError(f"method {method!r}: diffusion_gemma samples with its own sampler; leave method out")
+        self.llm = LLM(str(pretrained), revision=None if revision is None else str(revision), dtype=dtype,
+                       device=available_device(device), max_num_seqs=engine_batch(batch_size, max_batch_size))
+        if self.llm.tokenizer is None:
+            raise UserError(f"{pretrained} has no tokenizer; lm-eval sends text")
+        self.params = SamplingParams(**sampling_fields(sampling))
+        self.defaults = self.llm.resolve(self.params)  # refuses what does not apply, before any request
+        self.base_seed = 0 if self.params.seed is None else self.params.seed
+        self.stats_path = Path(stats_path) if stats_path else None
+        self.stats = RunStats()
+        self._device = self.llm.device
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        contexts, params, stops = [], [], []
+        for index, req in enumerate(requests):
+            context, gen_kwargs = req.args
+            kwargs = dict(normalize_gen_kwargs(dict(gen_kwargs or {}), self.defaults.max_new_tokens))
+            stops.append([s for s in kwargs.pop("until") if isinstance(s, str) and s])
+            max_tokens = self.params.max_new_tokens or int(kwargs.pop("max_gen_toks"))
+            p = self.params.replace(max_new_tokens=max_tokens, seed=(self.base_seed + index) % MAX_SEED)
+            resolved = self.llm.resolve(p)
+            canvases = resolved.settings.num_canvases(resolved.canvas_length) * resolved.canvas_length
+            room = self.llm.model.config.max_position_embeddings - canvases
+            if room < 1:
+                raise UserError(f"max_gen_toks {max_tokens} ({canvases} canvas positions) leaves no room for a "
+                                f"prompt in the model's {self.llm.model.config.max_position_embeddings} positions")
+            ids = self.tokens(context) or [self.prefix_token_id]
+            if len(ids) > room:  # as lm-eval's HF model: the context keeps its last tokens
+                log.warning("context of %d tokens cut to its last %d to fit beside the canvases", len(ids), room)
+            contexts.append(ids[-room:])
+            params.append(p)
+        start = time.perf_counter()
+        outs = self.llm.run(contexts, params, use_tqdm=not disable_tqdm)
+        texts = []
+        for out, until in zip(outs, stops):
+            cut = find_stop(out.text, until)
+            texts.append(out.text if cut is None else out.text[:cut])
+        self.stats.generate.add(outs.stats)
+        self.stats.generate.seconds += time.perf_counter() - start
+        self.stats.generate_requests += len(requests)
+        self.report()
+        return texts
+
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        raise NotImplementedError("diffusion_gemma has no log-likelihood here (a uniform-noise model: the "
+                                  "masked-diffusion bound does not apply); run generate_until tasks")
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        return self.loglikelihood(requests, disable_tqdm)
+
+    @property
+    def prefix_token_id(self) -> int:
+        tok = self.llm.tokenizer
+        return next(t for t in (tok.bos_token_id, tok.eos_token_id, *self.llm.settings.eos_token_ids)
+                    if t is not None)
+
+    def report(self) -> None:
+        stats = self.stats.as_dict()
+        log.info("dllm engine stats (diffusion-gemma): %s", json.dumps(stats))
+        if self.stats_path is not None:
+            self.stats_path.parent.mkdir(parents=True, exist_ok=True)
+            self.stats_path.write_text(json.dumps({"method": "diffusion-gemma", **stats}, indent=2) + "\n")
