@@ -238,14 +238,27 @@ class CanvasLLM:
             raise UserError(f"prompt token {bad!r} is not an id in [0, {vocab}), the model's vocabulary")
         return [int(i) for i in ids]
 
+    def prompt_room(self, params: CanvasParams) -> int:
+        """The model's positions left for a prompt beside every canvas ``params`` may run."""
+        return self.model.config.max_position_embeddings - params.settings.num_canvases(params.canvas_length) \
+            * params.canvas_length
+
     def check_fits(self, prompt_len: int, params: CanvasParams) -> None:
         """A prompt and its canvases within the model's positions."""
-        canvases = params.settings.num_canvases(params.canvas_length)
-        need = prompt_len + canvases * params.canvas_length
-        limit = self.model.config.max_position_embeddings
-        if need > limit:
+        if prompt_len > self.prompt_room(params):
+            canvases = params.settings.num_canvases(params.canvas_length)
+            limit = self.model.config.max_position_embeddings
             raise ParamError("max_new_tokens", f"a prompt of {prompt_len} tokens and {canvases} canvas(es) of "
-                                               f"{params.canvas_length} need {need} positions; the model has {limit}")
+                                               f"{params.canvas_length} need {prompt_len + canvases * params.canvas_length} "
+                                               f"positions; the model has {limit}")
+
+    def answer(self, ids: list[int], params: CanvasParams) -> tuple[list[int], bool]:
+        """(the answer in the canvases ``ids``: cut at its first stop id and at ``max_new_tokens``,
+        whether a stop id ended it within them)."""
+        stops = self.stop_ids(params)
+        end = next((i for i, t in enumerate(ids) if t in stops), None)
+        stopped = end is not None and end < params.max_new_tokens
+        return ids[:min(params.max_new_tokens, len(ids) if end is None else end)], stopped
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, prompts, params=None, use_tqdm: bool = False) -> GenerateResult:
@@ -390,10 +403,8 @@ class CanvasLLM:
     def output(self, request: Request, row: list[int], canvas_steps: list[int], seconds: float,
                trace: list[CanvasStep] | None = None) -> RequestOutput:
         """A row's answer (cut at its first stop id and at ``max_new_tokens``) and its counts."""
-        p, canvas = request.params, request.params.canvas_length
-        stops = self.stop_ids(p)
-        end = next((i for i, t in enumerate(row) if t in stops), None)
-        ids = row[:min(p.max_new_tokens, len(row) if end is None else end)]
+        canvas = request.params.canvas_length
+        ids, stopped = self.answer(row, request.params)
         ran = [s for s in canvas_steps if s > 0]  # a canvas a row ran has at least one step
         prompt_len = len(request.prompt_ids)
         stats = SequenceStats(
@@ -406,7 +417,7 @@ class CanvasLLM:
             for step in trace:
                 step.text = [self.tokenizer.decode([t], skip_special_tokens=False) for t in step.argmax_ids]
         return RequestOutput(prompt_token_ids=list(request.prompt_ids), token_ids=ids, text=text, stats=stats,
-                             finish_reason="stop" if end is not None and end < p.max_new_tokens else "length",
+                             finish_reason="stop" if stopped else "length",
                              steps=trace, canvas_steps=ran)
 
 

@@ -475,12 +475,10 @@ class CanvasLM(DllmLM):
             stops.append([s for s in kwargs.pop("until") if isinstance(s, str) and s])
             max_tokens = self.params.max_new_tokens or int(kwargs.pop("max_gen_toks"))
             p = self.params.replace(max_new_tokens=max_tokens, seed=(self.base_seed + index) % MAX_SEED)
-            resolved = self.llm.resolve(p)
-            canvases = resolved.settings.num_canvases(resolved.canvas_length) * resolved.canvas_length
-            room = self.llm.model.config.max_position_embeddings - canvases
+            room = self.llm.prompt_room(self.llm.resolve(p))
             if room < 1:
-                raise UserError(f"max_gen_toks {max_tokens} ({canvases} canvas positions) leaves no room for a "
-                                f"prompt in the model's {self.llm.model.config.max_position_embeddings} positions")
+                raise UserError(f"max_gen_toks {max_tokens} leaves no room for a prompt beside its canvases in the "
+                                f"model's {self.llm.model.config.max_position_embeddings} positions")
             ids = self.tokens(context) or [self.prefix_token_id]
             if len(ids) > room:  # as lm-eval's HF model: the context keeps its last tokens
                 log.warning("context of %d tokens cut to its last %d to fit beside the canvases", len(ids), room)

@@ -195,14 +195,12 @@ class CanvasEngine:
         string could still begin."""
         if choice.done or choice.job.cancelled:
             return
-        stops = self.llm.stop_ids(choice.request.params)
         choice.ids += argmax_ids
-        end = next((i for i, t in enumerate(choice.ids) if t in stops), None)
-        ids = choice.ids[:min(choice.request.params.max_new_tokens, len(choice.ids) if end is None else end)]
+        ids, stopped = self.llm.answer(choice.ids, choice.request.params)
         with self.tokenizer_lock:
             text = self.llm.tokenizer.decode(ids, skip_special_tokens=True) if self.llm.tokenizer else ""
         cut = find_stop(text, choice.job.stops)
-        choice.done = end is not None or cut is not None
+        choice.done = stopped or cut is not None
         self.send(choice, text[:cut] if cut is not None else text if choice.done else held_back(text, choice.job.stops))
 
     def send(self, choice: Choice, text: str) -> None:
