@@ -30,7 +30,7 @@ demo: venv
 	$(VENV)/bin/dllm generate --threads 1
 
 test: venv browser
-	@echo "running the test suite: under 10 minutes on 2 CPU cores"
+	@echo "running the test suite: 10 to 13 minutes on 2 CPU cores"
 	$(PY) -m pytest -q
 
 # the one prepared device check (scripts/gpu_check.py; docs/performance.md): on a GPU machine, with
