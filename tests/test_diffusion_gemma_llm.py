@@ -270,8 +270,36 @@ def test_dllm_generate_runs_it(folder, capsys):
     assert "does not apply to diffusion_gemma" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [["bench", "--methods", "block"], ["profile", "--methods", "block"],
-                                     ["playground"]])
+def test_dllm_bench_measures_its_sampler_at_each_batch_size(folder, llm, tmp_path, capsys):
+    file = tmp_path / "prompts.jsonl"
+    texts = [" ".join(f"w{t}" for t in ids) for ids in prompts(4)]
+    file.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    specs = [f"{METHOD}:seed=3", f"{METHOD}:seed=3,steps=3"]
+    out = tmp_path / "bench"
+    assert main(["bench", "--model", str(folder), "--methods", *specs, "--batch-sizes", "1,4", "--prompts",
+                 str(file), "--out", str(out), "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert f"method: {specs[1]} = {METHOD} max_new_tokens=18 canvas_length=6 steps=3" in printed
+    rows = json.loads((out / "results.json").read_text())
+    assert [(r["method"], r["batch_size"]) for r in rows] == [(s, b) for b in (1, 4) for s in specs]
+    assert (out / "throughput.png").stat().st_size > 0 and "| `diffusion-gemma:seed=3` | 4 |" in (out / "table.md").read_text()
+    for row in rows:  # the counts are the offline API's for the same prompts and seed, batched alike
+        params = SamplingParams(seed=3, steps=3 if "steps=3" in row["method"] else None)
+        chats = [[{"role": "user", "content": t}] for t in texts]
+        outs = [o for i in range(0, 4, row["batch_size"]) for o in llm.chat(chats[i:i + row["batch_size"]], params)]
+        assert row["accuracy"] is None and row["output_tokens"] == sum(len(o.token_ids) for o in outs)
+        assert row["nfe"] == sum(o.stats.nfe for o in outs) and row["decoded_tokens"] == sum(
+            o.stats.decoded_tokens for o in outs)
+        assert row["throughput"] > 0 and row["seconds"] > 0
+    with_flags = ["bench", "--model", str(folder), "--methods", METHOD, "--prompts", str(file), "--out", str(out / "x")]
+    assert main([*with_flags, "--compile"]) == 2
+    assert "--compile: not available for diffusion_gemma" in capsys.readouterr().err
+    assert main(["bench", "--model", str(folder), "--methods", "block", "--prompts", str(file),
+                 "--out", str(out / "y")]) == 2
+    assert "spec 'block': 'block': a diffusion_gemma model runs its own sampler" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["profile", "--methods", "block"]])
 def test_commands_on_the_engines_step_loop_refuse_it_before_loading(folder, command, capsys, monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("the weights were loaded before the refusal")
@@ -279,6 +307,63 @@ def test_commands_on_the_engines_step_loop_refuse_it_before_loading(folder, comm
     assert main([command[0], "--model", str(folder), *command[1:]]) == 2
     err = capsys.readouterr().err
     assert f"error: dllm {command[0]} does not run diffusion_gemma yet: its sampler runs from Python" in err, err
+
+
+# -- dllm playground ------------------------------------------------------------------------------
+CANVAS_SLOT = re.compile(r'<span class="slot tok (kept|acc|noise)[^"]*" data-canvas="(\d+)" data-pos="(\d+)" '
+                         r'data-tok="(\d+)"')
+
+
+def parse_canvases(page: str) -> tuple[int, list[tuple[str, list[int]]]]:
+    """(the step a canvas pane shows; each canvas shown: its slots' states and tokens)."""
+    step = int(re.search(r'data-step="(-?\d+)"', page).group(1))
+    canvases: dict[int, list] = {}
+    for state, canvas, pos, tok in CANVAS_SLOT.findall(page):
+        canvases.setdefault(int(canvas), []).append((state, int(tok)))
+        assert int(pos) == len(canvases[int(canvas)]) - 1
+    return step, [([s for s, _ in c], [t for _, t in c]) for c in canvases.values()]
+
+
+def test_playground_replays_each_denoising_step_and_answers_as_chat(llm):
+    pytest.importorskip("gradio", reason="the ui extra: pip install 'dllm-engine[ui]'")
+    from dllm_engine.playground.app import Playground
+    pg = Playground(llm)
+    assert pg.methods == (METHOD, f"{METHOD}:steps=3")  # the checkpoint's 6 steps a canvas, and half
+    message, specs = "w5 w6 w7", (f"{METHOD}:seed=4", f"{METHOD}:seed=4,steps=3")
+    frames = list(pg.send(message, *specs, replay_seconds=0))
+    *replay, final = frames
+    for k, spec in enumerate(specs):
+        want = llm.chat([{"role": "user", "content": message}],
+                        SamplingParams(seed=4, steps=None if k == 0 else 3, record_steps=True))[0]
+        assert final[2 + k] == want.text  # the pane's answer is the offline API's, same seed
+        trace = final[5 + k]
+        assert trace["spec"] == spec and len(trace["steps"]) == len(want.steps)
+        shown = [parse_canvases(f[k]) for f in replay] + [parse_canvases(final[k])]
+        steps = [step for step, _ in shown]
+        assert steps == sorted(steps) and steps[0] == -1 and steps[-1] == len(want.steps) - 1
+        for at, canvases in shown[1:]:
+            record = want.steps[at]
+            assert len(canvases) == record.canvas + 1  # the kept canvases, then the current one
+            for c, (states, ids) in enumerate(canvases[:-1]):
+                last = [s for s in want.steps if s.canvas == c][-1]
+                assert states == ["kept"] * CANVAS and ids == last.argmax_ids
+            states, ids = canvases[-1]
+            if record is [s for s in want.steps if s.canvas == record.canvas][-1]:  # it stops: its argmax kept
+                assert states == ["kept"] * CANVAS and ids == record.argmax_ids
+            else:  # the redrawn canvas: accepted draws, renoised positions
+                assert ids == record.token_ids
+                assert states == ["acc" if a else "noise" for a in record.accepted]
+        kept = [t for _, ids in shown[-1][1] for t in ids]
+        assert kept[:len(want.token_ids)] == want.token_ids
+    assert "ran at" in final[4] and "nfe" in final[4]
+
+
+def test_playground_shows_a_masked_diffusion_spec_refused_in_its_pane(llm):
+    pytest.importorskip("gradio", reason="the ui extra: pip install 'dllm-engine[ui]'")
+    from dllm_engine.playground.app import Playground, build_app
+    page = list(Playground(llm).send("w5", METHOD, "block+focus", replay_seconds=0))
+    assert len(page) == 1 and "runs its own sampler; give diffusion-gemma" in page[0][1] and "Pane B" in page[0][4]
+    assert build_app(llm) is not None  # the page builds for the family: its header, legend and panes
 
 
 # -- dllm serve ------------------------------------------------------------------------------------

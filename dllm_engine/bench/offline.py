@@ -124,8 +124,9 @@ def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Prompt
     size after ``place`` (the pass's place in the run, e.g. "[3/12]")."""
     warm = (examples, batch_size) if warm_all else (examples[:1], 1)
     evaluate(llm, params, examples=warm[0], batch_size=warm[1], use_tqdm=False)  # warm-up
-    if llm.engine.prefix_store is not None:  # every row starts cold: no spec reuses another's blocks
-        llm.engine.prefix_store.clear()
+    store = llm.engine.prefix_store if hasattr(llm, "engine") else None  # a canvas model (CanvasLLM) keeps none
+    if store is not None:  # every row starts cold: no spec reuses another's blocks
+        store.clear()
     if llm.parallel is not None:
         llm.parallel.reset_peak()
     with PeakMemory(llm.device) as mem:
@@ -218,7 +219,7 @@ def run_bench(llm: LLM, specs: list[str], batch_sizes: list[int], examples: list
     if unknown:
         raise UserError(f"unknown bench variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     out = prepare_out_dir(out_dir)
-    params = resolve_specs(specs, llm.resolve, defaults)  # validate all first
+    params = resolve_specs(specs, llm.resolve, defaults, llm.parse_spec)  # validate all first
     meta = meta or collect_meta(device=llm.device)
     check_prompts(llm, params, examples)
     results, records, running = out / "results.json", [], ""
@@ -308,13 +309,14 @@ def describe(example: Prompt) -> str:
     return where if where is not None else f"task {example.task}"
 
 
-def resolve_specs(specs: list[str], resolve, defaults: dict | None = None) -> dict[str, SamplingParams]:
-    """Each spec parsed (``defaults`` for the fields it leaves out) and passed to ``resolve``;
-    a spec that fails names itself."""
+def resolve_specs(specs: list[str], resolve, defaults: dict | None = None,
+                  parse=parse_spec) -> dict[str, SamplingParams]:
+    """Each spec parsed by ``parse`` (the model's: ``LLM.parse_spec``; ``defaults`` for the
+    fields it leaves out) and passed to ``resolve``; a spec that fails names itself."""
     resolved = {}
     for spec in specs:
         try:
-            resolved[spec] = resolve(parse_spec(spec, **(defaults or {})))
+            resolved[spec] = resolve(parse(spec, **(defaults or {})))
         except UserError as e:
             raise UserError(f"spec {spec!r}: {e}") from None
     return resolved

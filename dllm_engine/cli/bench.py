@@ -52,7 +52,7 @@ def default_out() -> str:
 def run_bench(args: argparse.Namespace) -> None:
     from ..bench.offline import HEADER, check_prompts, check_specs, run_bench as bench, table
     from ..hub import resolve_model
-    from ..engine.canvas_llm import refuse_canvas
+    from ..engine.canvas_llm import is_canvas_checkpoint
     from ..models.compiled import check_compile
     if args.repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {args.repeats}")
@@ -63,8 +63,10 @@ def run_bench(args: argparse.Namespace) -> None:
                                   ("block_length", args.block_length)) if v is not None}
     check_compile(args.compile, args.tensor_parallel_size, args.compile_step)  # bench compiles after loading
     folder = str(resolve_model(args.model, args.revision))  # an id: fetched once, here
-    refuse_canvas(folder, None, "dllm bench")
-    resolved = check_specs(folder, args.methods, defaults)  # before the weights load
+    if is_canvas_checkpoint(folder):
+        resolved = check_canvas_bench(args, defaults)
+    else:
+        resolved = check_specs(folder, args.methods, defaults)  # before the weights load
     args.out = args.out or default_out()
     prepare_out(args.out, "results.json")
     print(f"writing to {args.out}")
@@ -73,7 +75,8 @@ def run_bench(args: argparse.Namespace) -> None:
     variants = [name for name, on in (("fixed shapes", args.fixed_shapes), ("compiled step", args.compile_step),
                                       ("per-sequence step", args.per_sequence_step)) if on]
     variants += args.compare_quantization
-    check_prompts(llm, {spec: llm.resolve(p) for spec, p in resolved.items()}, examples)  # before the header
+    resolved = {spec: llm.resolve(p) for spec, p in resolved.items()}
+    check_prompts(llm, resolved, examples)  # before the header
     for spec, params in resolved.items():
         print(f"method: {spec} = {params.describe()}")
     from ..engine.host_memory import is_kept
@@ -85,3 +88,25 @@ def run_bench(args: argparse.Namespace) -> None:
     print()
     print(table(records))
     print(f"\nwrote {args.out}/results.json and {args.out}/throughput.png")
+
+
+def check_canvas_bench(args: argparse.Namespace, defaults: dict) -> dict:
+    """A DiffusionGemma checkpoint's specs (``diffusion-gemma[:field=value,...]``) parsed before
+    any weight loads (``CanvasLLM.resolve`` checks their values against the checkpoint once it
+    has); the engine variants, which its sampler does not run, refused naming them."""
+    from ..engine.canvas_llm import DOCS, MODEL_TYPE, parse_canvas_spec
+    variants = {"--compile": args.compile, "--fixed-shapes": args.fixed_shapes, "--compile-step": args.compile_step,
+                "--per-sequence-step": args.per_sequence_step, "--compare-quantization": args.compare_quantization,
+                "--tensor-parallel-size": getattr(args, "tensor_parallel_size", 1) != 1,
+                "--quantization": getattr(args, "quantization", None) is not None}
+    named = [flag for flag, on in variants.items() if on]
+    if named:
+        raise UserError(f"{', '.join(named)}: not available for {MODEL_TYPE} (its sampler runs in one process, "
+                        f"eager, unquantized; {DOCS})")
+    resolved = {}
+    for spec in args.methods:
+        try:
+            resolved[spec] = parse_canvas_spec(spec, **defaults)
+        except UserError as e:
+            raise UserError(f"spec {spec!r}: {e}") from None
+    return resolved

@@ -16,7 +16,8 @@ def add_playground(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("playground", help="watch two methods decode a message side by side (Gradio)")
     p.add_argument("--methods", nargs=2, default=None, metavar=("A", "B"),
                    help="the two panes' method specs (default: the family's baseline and its "
-                        "accelerated composition, e.g. dual-cache and dual-cache+adaptive-length+jump-share)")
+                        "accelerated composition, e.g. dual-cache and dual-cache+adaptive-length+jump-share; "
+                        "DiffusionGemma: diffusion-gemma and diffusion-gemma:steps=HALF)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", choices=("yes", "no"), default="no",
@@ -40,9 +41,10 @@ def run_playground(args: argparse.Namespace) -> None:
     import_gradio()  # before the model loads
     set_threads(args.threads)
     if args.methods:
+        from ..engine.canvas_llm import METHOD, parse_canvas_spec
         from ..spec import parse_spec
         for spec in args.methods:  # a typo fails here, not in the page
-            parse_spec(spec)
+            (parse_canvas_spec if spec.partition(":")[0] == METHOD else parse_spec)(spec)
     from ..playground.app import build_app, example_prompts, launch
     examples = example_prompts(args.prompts) if args.prompts else None  # a bad file fails before the model loads
     llm = common.load_llm(args)

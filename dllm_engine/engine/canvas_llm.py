@@ -45,6 +45,7 @@ from ..models.diffusion_gemma import MODEL_TYPE, DiffusionGemma, load_diffusion_
 from ..models.loader import parse_device
 from ..sampling_params import ParamError, SamplingParams
 from ..seeds import SeedStream
+from ..spec import parse_spec
 from ..tokenizer import load_tokenizer
 from . import host_memory
 from .llm import PROGRESS_DELAY_S, GenerateResult, RequestOutput, memory_budget, parse_bytes, prompt_list
@@ -83,7 +84,16 @@ class CanvasParams:
         samples, as ``dllm generate`` does to pick a fresh seed, is told yes)."""
         return self.settings.t_max
 
+    @property
+    def block_length(self) -> int:
+        """A canvas is this family's block."""
+        return self.canvas_length
+
     def replace(self, **changes) -> CanvasParams:
+        """A copy with ``changes``; ``max_new_tokens`` goes to the settings."""
+        if "max_new_tokens" in changes:
+            changes["settings"] = dataclasses.replace(changes.get("settings", self.settings),
+                                                      max_new_tokens=changes.pop("max_new_tokens"))
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
@@ -107,6 +117,7 @@ class CanvasStep:
     accepted: list[bool]  # positions holding an accepted draw
     argmax_ids: list[int]
     finished: bool  # the canvas stopped after this step (stable and confident)
+    seconds: float = 0.0  # from the start of the request's batch to the end of this step
     text: list[str] | None = None  # argmax_ids' token texts, where the model has a tokenizer
 
     def as_dict(self) -> dict:
@@ -127,6 +138,7 @@ class CanvasLLM:
     family = MODEL_TYPE
     model_type = MODEL_TYPE  # what /v1/models reports
     methods = (METHOD,)
+    parallel = None  # one process (LLM's tensor-parallel handle)
 
     def __init__(self, model, dtype: str = "auto", device: str = "cpu", max_num_seqs: int = 256,
                  keep_freed_memory: bool = False, tensor_parallel_size: int = 1, compile: bool = False,
@@ -199,6 +211,11 @@ class CanvasLLM:
             changes["max_denoising_steps"] = params.steps
         return CanvasParams(dataclasses.replace(self.settings, **changes), canvas, params.seed, params.n,
                             params.record_steps, tuple(params.stop_token_ids))
+
+    @staticmethod
+    def parse_spec(spec: str, **defaults) -> SamplingParams:
+        """A bench spec as this family reads it (``parse_canvas_spec``)."""
+        return parse_canvas_spec(spec, **defaults)
 
     def resolve_for_prompt(self, params: SamplingParams, prompt_len: int) -> CanvasParams:
         """``resolve``, then checked against a prompt of ``prompt_len`` tokens (as ``LLM``'s)."""
@@ -387,7 +404,8 @@ class CanvasLLM:
                          state.argmax_ids.tolist(), state.num_steps.tolist(), state.finished.tolist())
             for row, ids_, accepted, argmax, steps_run, finished in values:
                 if traces[row] is not None:
-                    traces[row].append(CanvasStep(canvas, steps_run - 1, ids_, accepted, argmax, finished))
+                    traces[row].append(CanvasStep(canvas, steps_run - 1, ids_, accepted, argmax, finished,
+                                                  time.perf_counter() - start))
                 if on_canvas is not None and (finished or steps_run == settings.max_denoising_steps):
                     on_canvas(row, argmax)
 
@@ -421,6 +439,17 @@ class CanvasLLM:
                              steps=trace, canvas_steps=ran)
 
 
+def parse_canvas_spec(spec: str, **defaults) -> SamplingParams:
+    """``diffusion-gemma[:field=value,...]`` (the fields ``CanvasLLM.resolve`` reads, e.g.
+    ``steps``, ``seed``) as ``SamplingParams`` with no method: what a bench, the playground or
+    ``--methods`` give this family. Another method is a ``UserError`` naming the one to give."""
+    method, colon, fields = (spec or "").strip().partition(":")
+    if method != METHOD:
+        raise UserError(f"{method or 'an empty spec'!r}: a {MODEL_TYPE} model runs its own sampler; give "
+                        f"{METHOD}[:field=value,...], e.g. {METHOD}:steps=8")
+    return parse_spec(colon + fields, **defaults)
+
+
 def is_canvas_checkpoint(folder) -> bool:
     """Whether ``folder``'s config.json names the canvas family (read without loading anything)."""
     file = Path(folder) / "config.json"
@@ -437,8 +466,8 @@ def refuse_canvas(model, revision: str | None, what: str) -> None:
     this family yet: said before any weight loads."""
     if is_canvas_checkpoint(resolve_model(model, revision)):
         raise UserError(f"{what} does not run {MODEL_TYPE} yet: its sampler runs from Python (LLM(...).generate, "
-                        f".chat), dllm generate, dllm serve and lm-eval's generate_until; the engine's step loop "
-                        f"(benches, profiles, the playground, replicas) does not take it ({DOCS})")
+                        f".chat), dllm generate, serve, playground, bench and lm-eval's generate_until; the "
+                        f"engine's step loop (profiles, replicas) does not take it ({DOCS})")
 
 
 def format_canvas_steps(steps: list[CanvasStep]) -> str:

@@ -23,6 +23,7 @@ from ..models.quantize import check_quantization
 from ..resolve import check_prompt, resolve_params, trained_block_size
 from ..sampling_params import ParamError, SamplingParams
 from ..seeds import SeedStream
+from ..spec import parse_spec
 from ..tokenizer import load_tokenizer
 from ..strategies.base import merge_diagnostics
 from .engine import Engine
@@ -365,6 +366,11 @@ class LLM:
         with quiet_transformers():
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                            tokenize=True, return_dict=False))
+
+    @staticmethod
+    def parse_spec(spec: str, **defaults) -> SamplingParams:
+        """A bench spec, ``method[:field=value,...]``, as this model reads it (``spec.parse_spec``)."""
+        return parse_spec(spec, **defaults)
 
     def resolve(self, params: SamplingParams | None = None) -> SamplingParams:
         """``params`` with every field filled for this model (``resolve_params``)."""

@@ -4,7 +4,9 @@ On Send, each pane's method generates the message once with ``record_steps`` (A,
 engine), then the page replays both recorded traces on one clock: the canvases animate as they
 were decoded (the step times are the real ones, slowed down so the slower run lasts the replay
 length), then the final speed-up. The animation is a replay of the trace after the generation,
-as LLaDA's and Fast-dLLM's demos effectively show theirs. Every error (a bad spec, a method the
+as LLaDA's and Fast-dLLM's demos effectively show theirs. A uniform-noise canvas model
+(DiffusionGemma) gets its own panes (``playground/diffusion_gemma.py``: each step's redrawn canvas,
+its accepted draws, the canvases kept), on the same clock. Every error (a bad spec, a method the
 model cannot run, a prompt it refuses) is shown in the page; nothing is raised to Gradio."""
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from collections.abc import Iterator
 
 import gradio as gr
 
+from ..engine.canvas_llm import CanvasLLM
 from ..engine.llm import LLM
+from . import diffusion_gemma as noise
 from .canvas import (CSS, LEGEND, PaneRun, default_methods, empty_html, error_html, pane_html, pane_params,
                      run_pane, speedup_text, timeline)
 
@@ -38,9 +42,14 @@ def example_prompts(path: str | Path | None = None) -> list[str]:
 class Playground:
     """The page's state: one model, its default specs; ``send`` is the Send button's handler."""
 
-    def __init__(self, llm: LLM, methods: tuple[str, str] | None = None) -> None:
+    def __init__(self, llm: LLM | CanvasLLM, methods: tuple[str, str] | None = None) -> None:
         self.llm = llm
-        self.methods = tuple(methods) if methods else default_methods(llm)
+        self.uniform_noise = isinstance(llm, CanvasLLM)
+        defaults = noise.default_canvas_methods if self.uniform_noise else default_methods
+        self.pane_params = noise.canvas_pane_params if self.uniform_noise else pane_params
+        self.run_pane = noise.run_canvas_pane if self.uniform_noise else run_pane
+        self.pane_html = noise.canvas_pane_html if self.uniform_noise else pane_html
+        self.methods = tuple(methods) if methods else defaults(llm)
         self.has_chat = bool(llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None))
 
     def warm_up(self) -> None:
@@ -48,8 +57,8 @@ class Playground:
         engine's first-call costs; a failure here shows again, in the page, on Send."""
         for spec in self.methods:
             try:
-                params = pane_params(self.llm, spec)
-                run_pane(self.llm, spec, params.replace(max_new_tokens=params.block_length), "warm up", self.has_chat)
+                params = self.pane_params(self.llm, spec)
+                self.run_pane(self.llm, spec, params.replace(max_new_tokens=params.block_length), "warm up", self.has_chat)
             except Exception:
                 pass
 
@@ -75,13 +84,13 @@ class Playground:
         params = []
         for label, spec in zip(LABELS, specs):
             try:
-                params.append(pane_params(self.llm, spec, max_new_tokens))
+                params.append(self.pane_params(self.llm, spec, max_new_tokens))
             except Exception as e:
                 raise PaneError(label, str(e)) from e
         runs = []
         for label, spec, p in zip(LABELS, specs, params):
             try:
-                runs.append(run_pane(self.llm, spec.strip(), p, message, chat and self.has_chat))
+                runs.append(self.run_pane(self.llm, spec.strip(), p, message, chat and self.has_chat))
             except Exception as e:
                 raise PaneError(label, str(e)) from e
         return runs
@@ -92,9 +101,9 @@ class Playground:
                 if replay_seconds else "Replaying the recorded traces step by step.")
         for at, wait in frames[:-1]:
             time.sleep(wait)
-            yield (*[pane_html(r, k, label) for r, k, label in zip(runs, at, LABELS)], "", "", note, None, None)
+            yield (*[self.pane_html(r, k, label) for r, k, label in zip(runs, at, LABELS)], "", "", note, None, None)
         time.sleep(frames[-1][1])
-        final = [pane_html(r, len(r.steps) - 1, label) for r, label in zip(runs, LABELS)]
+        final = [self.pane_html(r, len(r.steps) - 1, label) for r, label in zip(runs, LABELS)]
         traces = [{"spec": r.spec, "method": r.params.describe(), "prompt_len": r.prompt_len,
                    "steps": [s.as_dict() for s in r.steps]} for r in runs]
         yield (*final, runs[0].output.text, runs[1].output.text, speedup_text(runs), *traces)
@@ -115,7 +124,7 @@ class PaneError(Exception):
         self.pane = pane
 
 
-def build_app(llm: LLM, methods: tuple[str, str] | None = None, warm_up: bool = False,
+def build_app(llm: LLM | CanvasLLM, methods: tuple[str, str] | None = None, warm_up: bool = False,
               examples: list[str] | None = None) -> gr.Blocks:
     """The page for ``llm``, its panes running ``methods`` (default: ``default_methods``), with
     ``examples`` as its example messages (default: ``example_prompts()``)."""
@@ -123,10 +132,10 @@ def build_app(llm: LLM, methods: tuple[str, str] | None = None, warm_up: bool = 
     if warm_up:
         pg.warm_up()
     with gr.Blocks(title="dllm-engine playground") as demo:
-        gr.Markdown(f"## dllm-engine playground\nModel `{llm.name}` ({llm.model.config.model_type}). "
+        gr.Markdown(f"## dllm-engine playground\nModel `{llm.name}` ({llm.model_type}). "
                     "Each pane decodes your message with its method; the canvases then replay the "
                     "recorded traces (docs/playground.md, docs/traces.md).")
-        gr.HTML(f'<div class="dllm-pane">{LEGEND}</div>')
+        gr.HTML(f'<div class="dllm-pane">{noise.LEGEND if pg.uniform_noise else LEGEND}</div>')
         with gr.Row():
             message = gr.Textbox(label="Message", placeholder="type a message and press Send", scale=5,
                                  elem_id="message")
@@ -163,7 +172,7 @@ def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int = 7860, share: bo
     """Serve ``demo``; returns its local URL (``block``: serve until interrupted)."""
     demo.queue(default_concurrency_limit=1)  # one engine: one generation at a time
     _, url, _ = demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=True,
-                            quiet=True, css=CSS, ssr_mode=False, footer_links=[])
+                            quiet=True, css=CSS + noise.CSS, ssr_mode=False, footer_links=[])
     if block:
         demo.block_thread()
     return url
