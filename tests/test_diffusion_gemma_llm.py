@@ -1,7 +1,6 @@
-"""DiffusionGemma through the offline API and ``dllm generate``: ``LLM(folder)`` of a
-``diffusion_gemma`` checkpoint (saved here in the released layout: config.json with
-``text_config``, safetensors under the checkpoint's names, generation_config.json, a tokenizer
-with a chat template) gives a ``CanvasLLM``. Its answers are the sampler's (``generate`` with the
+"""DiffusionGemma through the offline API, ``dllm generate``, ``serve``, ``playground`` and
+``bench``: ``LLM(folder)`` of a ``diffusion_gemma`` checkpoint (``tiny_diffusion_gemma``: the
+released layout) gives a ``CanvasLLM``. Its answers are the sampler's (``generate`` with the
 request's seed, alone), cut at EOS and at ``max_new_tokens``, in any batch, batch size and order;
 its counts are the work the sampler did; what does not apply to the family is refused, naming it.
 
@@ -16,58 +15,21 @@ import re
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from dllm_engine import LLM, SamplingParams
 from dllm_engine.cli import main
 from dllm_engine.decoding.diffusion_gemma import SeededDraws, generate, load_generation_settings
 from dllm_engine.engine.canvas_llm import METHOD, CanvasLLM, Request
 from dllm_engine.errors import UserError
-from dllm_engine.models.diffusion_gemma import FULL, SLIDING, DiffusionGemma, checkpoint_name, config_from_hf
-from dllm_engine.models.loader import named_tensors
 from dllm_engine.sampling_params import ParamError
 from dllm_engine.seeds import choice_seeds
-from fixtures import randomize_diffusion_gemma, serving
-
-CANVAS, VOCAB, PAD, BOS = 6, 96, 0, 2
-EOS = 39  # a token the tiny random model writes often: some answers stop at it, early or late, others not
-LAYER_TYPES = [SLIDING, FULL, SLIDING, FULL]
-TEXT = dict(model_type="diffusion_gemma_text", vocab_size=VOCAB, hidden_size=32, intermediate_size=40,
-            num_hidden_layers=len(LAYER_TYPES), num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-            global_head_dim=16, num_global_key_value_heads=1, sliding_window=4, layer_types=LAYER_TYPES,
-            num_experts=4, top_k_experts=2, moe_intermediate_size=12, max_position_embeddings=64,
-            pad_token_id=PAD, eos_token_id=EOS,
-            rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-                             FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
-# low temperatures and no stability wait: rows stop canvases early, at different steps; three canvases
-GENERATION = {"max_new_tokens": 3 * CANVAS, "max_denoising_steps": 6, "t_min": 0.05, "t_max": 0.5,
-              "stability_threshold": 0, "confidence_threshold": 0.8, "eos_token_id": EOS, "pad_token_id": PAD,
-              "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 1.0}}
-WORDS = [{PAD: "<pad>", BOS: "<bos>", EOS: "<eos>"}.get(i, f"w{i}") for i in range(VOCAB)]
-SPECIAL = (PAD, BOS, EOS)
+from fixtures import serving
+from tiny_diffusion_gemma import CANVAS, EOS, PAD, SPECIAL, VOCAB, WORDS, write_checkpoint
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """A tiny random DiffusionGemma checkpoint in the released layout, with a word-level tokenizer."""
-    out = tmp_path_factory.mktemp("tiny-diffusion-gemma")
-    hf = {"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS, "eos_token_id": EOS,
-          "torch_dtype": "float32"}
-    net = randomize_diffusion_gemma(DiffusionGemma(config_from_hf(hf)))
-    save_file({checkpoint_name(n): t.contiguous() for n, t in named_tensors(net).items()}, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(hf))
-    (out / "generation_config.json").write_text(json.dumps(GENERATION))
-    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w3"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(WORDS[i], special=True) for i in SPECIAL])
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "pad_token": "<pad>",
-        "bos_token": "<bos>", "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}))
-    return out
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-diffusion-gemma"))
 
 
 @pytest.fixture(scope="module")

@@ -316,3 +316,40 @@ def test_replicas_must_be_a_number_or_auto(capsys):
 def test_bad_replica_options_exit_2_naming_the_option(args, message, capsys):
     assert main(["serve", str(MODEL), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_diffusion_gemma_replicas_refuse_what_its_sampler_does_not_run_before_starting(tmp_path, capsys):
+    from tiny_diffusion_gemma import write_checkpoint
+    folder = write_checkpoint(tmp_path)
+    assert main(["serve", "--model", str(folder), "--replicas", "1", "--compile"]) == 2
+    assert "compile: not available for diffusion_gemma" in capsys.readouterr().err
+
+def test_a_diffusion_gemma_checkpoint_serves_from_its_own_loop_on_a_replica(cluster, tmp_path_factory):
+    """The last test on the cluster: tiny-llada's application gives way to a DiffusionGemma one
+    (one replica running ``CanvasEngine``), whose answers, streamed canvas by canvas or whole,
+    are the offline API's for a request alone."""
+    from dllm_engine.server.replicated import APP_NAME
+    from tiny_diffusion_gemma import write_checkpoint
+    url, _ = cluster
+    folder = write_checkpoint(tmp_path_factory.mktemp("tiny-diffusion-gemma"))
+    serve.delete(APP_NAME)
+    deploy(ReplicaOptions(str(folder), max_num_seqs=4, max_queue=8, threads=1, shutdown_timeout=5),
+           Scaling(replicas=1), SamplingParams(), port=int(url.rsplit(":", 1)[1]))
+    offline = LLM(folder)
+    body = {"prompt": "w5 w6 w7", "seed": 5}
+    want = offline.generate([body["prompt"]], SamplingParams(seed=5))[0]
+    answer = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT).json()
+    assert answer["choices"][0]["text"] == want.text and answer["usage"]["completion_tokens"] == len(want.token_ids)
+    chunks = []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks += [c["text"] for c in httpx.Response(200, content=line[6:]).json()["choices"]]
+    assert "".join(chunks) == want.text
+    models = httpx.get(url + "/v1/models", timeout=TIMEOUT).json()["data"][0]
+    assert models["model_type"] == "diffusion_gemma" and models["methods"] == ["diffusion-gemma"]
+    bad = httpx.post(url + "/v1/completions", json={**body, "threshold": 0.9}, timeout=TIMEOUT)
+    assert bad.status_code == 400 and "does not apply to diffusion_gemma" in bad.text  # refused at the front
+    wait_until(lambda: sum(replica_values(url, "replica_output_tokens_total").values()) >= 2 * len(want.token_ids),
+               "the replica to report its tokens")

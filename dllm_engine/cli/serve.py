@@ -128,10 +128,10 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
         raise UserError(f"--replicas needs Ray Serve ({e}): pip install -e '.[distributed]'") from None
     import torch
     from .. import LLM
+    from ..engine.canvas_llm import is_canvas_checkpoint
+    from ..hub import resolve_model
     from ..models.quantize import check_quantization
     model = serve_model(args)
-    from ..engine.canvas_llm import refuse_canvas
-    refuse_canvas(model, args.revision, "dllm serve --replicas")
     scaling = Scaling(None if args.replicas == "auto" else args.replicas, args.min_replicas,
                       args.max_replicas, args.target_ongoing_requests)
     threads = args.threads_per_replica
@@ -143,8 +143,12 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
                              quantization=args.quantization, max_request_bytes=args.max_request_bytes,
                              prefix_cache=args.prefix_cache)
     defaults = sampling_params(args)
-    # reads no weights (an id is fetched here once); refuses a bad default
-    front = LLM(model, dtype=args.dtype, device="meta", revision=args.revision, seed=args.seed)
+    # reads no weights (an id is fetched here once); refuses a bad default, and what a canvas
+    # model (DiffusionGemma) does not run (compiling, fixed shapes, quantization) before any replica starts
+    canvas = {"compile": args.compile, "fixed_shapes": args.fixed_shapes, "compile_step": args.compile_step,
+              "quantization": args.quantization}
+    front = LLM(model, dtype=args.dtype, device="meta", revision=args.revision, seed=args.seed,
+                **(canvas if is_canvas_checkpoint(resolve_model(model, args.revision)) else {}))
     front.resolve(defaults)
     # a quantization the replicas' device cannot run fails here (the front may have no GPU)
     check_quantization(args.quantization, torch.device(args.device), front.model.embed_tokens.weight.dtype)

@@ -18,11 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.canvas_llm import CanvasLLM
 from ..engine.llm import LLM
 from ..errors import UserError
 from ..sampling_params import SamplingParams
-from .engine_client import EngineClient, GenerateRequest, InProcessEngine
+from .engine_client import EngineClient, GenerateRequest, local_engine
 from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from .loop import Event
 from .metrics import Metrics
@@ -219,10 +218,7 @@ def create_app(llm: LLM, defaults: SamplingParams | None = None, model_name: str
     cancelled). ``api_key``: /v1/* requires ``Authorization: Bearer <api_key>``.
     ``max_request_bytes``: a larger body is refused with 413 before it is read whole (``limits``)."""
     metrics = Metrics()
-    if engine is None and isinstance(llm, CanvasLLM):  # a canvas model's own loop
-        from .canvas_engine import CanvasEngine
-        engine = CanvasEngine(llm, max_queue, metrics)
-    engine = engine or InProcessEngine(llm, max_queue, metrics)
+    engine = engine or local_engine(llm, max_queue, metrics)  # a canvas model gets its own loop
     server = Server(llm, engine, defaults or SamplingParams(), model_name or llm.name, metrics,
                     shutdown_timeout)
 

@@ -126,14 +126,24 @@ class CanvasEngine:
             self.queue += choices
             self.lock.notify_all()
 
+    def alive(self) -> bool:
+        """Whether the loop thread runs (a replica's health check)."""
+        return self.thread.is_alive()
+
+    def queue_depth(self) -> int:
+        """Choices waiting for a batch."""
+        with self.lock:
+            return len(self.queue)
+
+    def num_running(self) -> int:
+        return self.running
+
     async def is_healthy(self) -> bool:
-        return self.thread.is_alive() and self.accepting
+        return self.alive() and self.accepting
 
     async def render_metrics(self, front: Metrics) -> str:
         metrics = front if front is self.metrics else front.merged([self.metrics])
-        with self.lock:
-            queued, running = len(self.queue), self.running
-        return metrics.render(queued, running, (self.llm.budget, 0, 0), None, process_memory(self.llm.device))
+        return metrics.render(self.queue_depth(), self.num_running(), (self.llm.budget, 0, 0), None, process_memory(self.llm.device))
 
     # -- the loop thread ------------------------------------------------------------------------
     def run(self) -> None:

@@ -115,8 +115,18 @@ class InProcessEngine:
 
         return relay(submit, lambda: self.loop.cancel(job))
 
+    def alive(self) -> bool:
+        """Whether the loop thread runs (a replica's health check)."""
+        return self.loop.thread.is_alive()
+
+    def queue_depth(self) -> int:
+        return self.loop.queue_depth()
+
+    def num_running(self) -> int:
+        return self.loop.num_running()
+
     async def is_healthy(self) -> bool:
-        return self.loop.thread.is_alive() and self.loop.accepting
+        return self.alive() and self.loop.accepting
 
     async def render_metrics(self, front: Metrics) -> str:
         # the loop records into ``front`` itself when the app made it share one Metrics
@@ -126,3 +136,13 @@ class InProcessEngine:
                               (engine.memory_budget, engine.cache_bytes, engine.waiting_for_memory),
                               None if (store := engine.prefix_store) is None else (store.nbytes, store.hit_rate),
                               process_memory(self.llm.device))
+
+
+def local_engine(llm, max_queue: int = 256, metrics: Metrics | None = None):
+    """The engine that runs ``llm`` in this process: its step loop (``InProcessEngine``), or a
+    canvas model's own loop (``canvas_engine.CanvasEngine``, DiffusionGemma)."""
+    from ..engine.canvas_llm import CanvasLLM
+    if isinstance(llm, CanvasLLM):
+        from .canvas_engine import CanvasEngine
+        return CanvasEngine(llm, max_queue, metrics)
+    return InProcessEngine(llm, max_queue, metrics)

@@ -3,7 +3,8 @@
 Two deployments make one Ray Serve application:
 
 - ``engine``: N replicas (a fixed number, or Ray Serve autoscaling between a min and a max),
-  each a process holding one ``LLM`` and its continuous-batching loop (``InProcessEngine``).
+  each a process holding one ``LLM`` and its continuous-batching loop (``InProcessEngine``; a
+  DiffusionGemma checkpoint's replica runs its own batch loop, ``canvas_engine.CanvasEngine``).
   Ray Serve routes requests to them (power of two choices on their ongoing requests), caps
   each at ``--max-num-seqs`` ongoing requests, queues the rest at the caller up to
   ``--max-queue`` (beyond that: 429), health-checks them and restarts a dead one.
@@ -38,7 +39,7 @@ from ..engine.llm import LLM
 from ..sampling_params import SamplingParams
 from .app import create_app
 from .limits import DEFAULT_MAX_REQUEST_BYTES
-from .engine_client import GenerateRequest, InProcessEngine
+from .engine_client import GenerateRequest, local_engine
 from .loop import Event
 from .metrics import Metrics
 from .protocol import ApiError
@@ -160,7 +161,7 @@ class EngineReplica:
                        compile_step=options.compile_step, revision=options.revision,
                        quantization=options.quantization, prefix_cache=options.prefix_cache)
         self.metrics = Metrics()
-        self.engine = InProcessEngine(self.llm, options.max_queue, self.metrics)
+        self.engine = local_engine(self.llm, options.max_queue, self.metrics)  # a canvas model: its own loop
         self.engine.start()
         self.replica = serve.get_replica_context().replica_tag
         self.ongoing = 0
@@ -177,13 +178,12 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine thread died is restarted."""
-        if not self.engine.loop.thread.is_alive():
+        if not self.engine.alive():
             raise RuntimeError(f"replica {self.replica}: the engine loop thread has died")
 
     def report(self) -> ReplicaReport:
-        loop = self.engine.loop
-        return ReplicaReport(self.replica, os.getpid(), self.metrics.merged([]), loop.queue_depth(),
-                             loop.num_running(), self.ongoing)
+        return ReplicaReport(self.replica, os.getpid(), self.metrics.merged([]), self.engine.queue_depth(),
+                             self.engine.num_running(), self.ongoing)
 
     async def report_forever(self) -> None:
         while True:
