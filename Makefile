@@ -30,8 +30,8 @@ demo: venv
 	$(VENV)/bin/dllm generate --threads 1
 
 test: venv browser
-	@echo "running the test suite: 10 to 13 minutes on 2 CPU cores"
-	$(PY) -m pytest -q
+	@echo "running the test suite: about 9 minutes on 2 CPU cores"
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # the one prepared device check (scripts/gpu_check.py; docs/performance.md): on a GPU machine, with
 # the torch installed there (no venv: the CPU wheel is the venv's); writes gpu-check-out/
@@ -42,7 +42,8 @@ gpu-check:
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
-# the two tiers `make test` runs together: the engine's tests, and the lab's (dllm_lab)
+# the two tiers `make test` runs together (one process each here; `make test` runs two, a module per
+# worker: pytest-xdist, tests/conftest.py gives each its share of the cores as torch threads): the engine's tests, and the lab's (dllm_lab)
 test-engine: venv
 	$(PY) -m pytest -q -m "not lab"
 

@@ -11,6 +11,7 @@ amplifies it step after step (docs/models/diffusion-gemma.md#batch-invariance)."
 import json
 import random
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -230,6 +231,14 @@ def test_dllm_generate_runs_it(folder, capsys):
     assert lines[0].startswith("canvas 0 step  0: ") and " accepted" in lines[0] and " | " in lines[0]
     assert main(["generate", "--model", str(folder), "--prompt", "w5", "--method", "block"]) == 2
     assert "does not apply to diffusion_gemma" in capsys.readouterr().err
+    # --method may name its sampler, with the fields it reads; a masked-diffusion checkpoint refuses it
+    assert main(["generate", "--model", str(folder), "--prompt", "w5 w6 w7", "--seed", "1", "--threads", "1",
+                 "--method", f"{METHOD}:steps=3"]) == 0
+    want = LLM(folder, seed=1).chat([{"role": "user", "content": "w5 w6 w7"}], SamplingParams(steps=3))[0].text
+    assert f"output: {want}\n" in capsys.readouterr().out
+    tiny_llada = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-llada"
+    assert main(["generate", "--model", str(tiny_llada), "--prompt", "sort : b a", "--method", METHOD]) == 2
+    assert "--method diffusion-gemma is DiffusionGemma's sampler; " in capsys.readouterr().err
 
 
 def test_dllm_bench_measures_its_sampler_at_each_batch_size(folder, llm, tmp_path, capsys):

@@ -108,7 +108,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default=None, help="reference | prefix-cache | dual-cache | block, "
                    "+strategies, optionally :field=value,... as in bench specs, e.g. "
                    "block+focus:focus_alpha=3 (default: the checkpoint's generation_config.json, "
-                   "else dual-cache for full attention, block for block diffusion)")
+                   "else dual-cache for full attention, block for block diffusion; DiffusionGemma: "
+                        "diffusion-gemma[:steps=N,...], its own sampler)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--block-length", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="denoising steps per block")
@@ -171,8 +172,25 @@ def sampling_params(args: argparse.Namespace) -> "SamplingParams":
                   threshold=args.threshold, factor=args.factor, temperature=args.temperature,
                   remasking=args.remasking, cfg_scale=args.cfg_scale,
                   stop_at_eos=args.stop_at_eos)
+    from ..engine.canvas_llm import parse_canvas_spec
     from ..spec import parse_spec
-    return parse_spec(args.method or "", **fields)  # a spec's own fields (method:field=value) win
+    parse = parse_canvas_spec if canvas_method(args) else parse_spec  # DiffusionGemma's sampler: its fields
+    return parse(args.method or "", **fields)  # a spec's own fields (method:field=value) win
+
+
+def canvas_method(args: argparse.Namespace) -> bool:
+    """Whether ``--method`` names DiffusionGemma's sampler (``diffusion-gemma[:field=value]``)."""
+    from ..engine.canvas_llm import METHOD
+    return (args.method or "").partition(":")[0] == METHOD
+
+
+def check_method_family(args: argparse.Namespace, llm) -> None:
+    """``--method diffusion-gemma`` on a masked-diffusion checkpoint (or a masked-diffusion
+    method on DiffusionGemma's, which ``CanvasLLM.resolve`` refuses): a ``UserError`` naming both."""
+    from ..engine.canvas_llm import METHOD, CanvasLLM
+    if canvas_method(args) and not isinstance(llm, CanvasLLM):
+        raise UserError(f"--method {METHOD} is DiffusionGemma's sampler; {args.model} is a {llm.model_type} "
+                        f"checkpoint: its methods are {', '.join(llm.methods)}")
 
 
 def split_ints(text: str) -> list[int]:

@@ -52,6 +52,7 @@ def run_generate(args: argparse.Namespace) -> None:
         example = default_prompt()
         args.prompt, expected = example.prompt, example.answer
     llm = common.load_llm(args)
+    common.check_method_family(args, llm)
     params = llm.resolve(given.replace(record_steps=True) if args.show_steps else given)
     if params.temperature > 0 and args.seed is None:  # sampled: a fresh stream each run, said below
         llm.seeds = SeedStream(secrets.randbelow(MAX_SEED))

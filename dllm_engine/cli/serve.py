@@ -99,6 +99,7 @@ def run_serve(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     defaults = sampling_params(args)
     llm = common.load_llm(args, model, max_num_seqs=args.max_num_seqs, seed=args.seed)
+    common.check_method_family(args, llm)
     resolved = llm.resolve(defaults)  # a default the model cannot run: refuse to start
     print(f"serving {model} at http://{args.host}:{args.port}/v1")
     print(f"default method: {resolved.describe()}")
@@ -149,6 +150,7 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
               "quantization": args.quantization}
     front = LLM(model, dtype=args.dtype, device="meta", revision=args.revision, seed=args.seed,
                 **(canvas if is_canvas_checkpoint(resolve_model(model, args.revision)) else {}))
+    common.check_method_family(args, front)
     front.resolve(defaults)
     # a quantization the replicas' device cannot run fails here (the front may have no GPU)
     check_quantization(args.quantization, torch.device(args.device), front.model.embed_tokens.weight.dtype)
