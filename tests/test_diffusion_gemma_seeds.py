@@ -6,10 +6,12 @@ counts exactly the decoder forwards each row was in. On this fixture a prompt ge
 tokens alone, in a left-padded batch and in any order, which checks all of that at once; that
 is not so on every model and prompt (kernels round a row differently in another batch, and
 self-conditioning amplifies it: docs/models/diffusion-gemma.md#batch-invariance)."""
+import dataclasses
+
 import pytest
 import torch
 
-from dllm_engine.decoding.diffusion_gemma import DrawKeys, GenerationSettings, SeededDraws, generate
+from dllm_engine.decoding.diffusion_gemma import CanvasBatch, DrawKeys, GenerationSettings, SeededDraws, generate
 from dllm_engine.errors import UserError
 from dllm_engine.models.diffusion_gemma import FULL, SLIDING, DiffusionGemma, config_from_hf
 from fixtures import randomize_diffusion_gemma
@@ -207,3 +209,29 @@ def test_seeds_and_padding_are_checked(model):
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 0, 1, 1]])
     with pytest.raises(UserError, match="attention_mask row 1 has padding after its first token"):
         generate(model, ids, SETTINGS, SeededDraws([1, 2]), attention_mask=mask, batch_invariant=True)
+
+
+def test_rows_joining_and_leaving_between_canvases_get_their_tokens_alone(model):
+    """Continuous batching by canvas (``CanvasBatch``, the server's loop): rows join a running
+    batch at a canvas boundary (their cache rows merged right-aligned beside rows one or two
+    canvases further on: a shorter prompt padded on the left, and a longer one, whose width
+    pads the running rows), each with its own seed and max_new_tokens, and leave when done."""
+    rows, seeds = [prompt(5, 1), prompt(9, 2), prompt(3, 3), prompt(20, 4)], [11, 12, 13, 14]
+    limits = [3 * CANVAS, 2 * CANVAS, 3 * CANVAS, CANVAS]
+    steps = []  # the canvas index of each row in each decoder step
+    run = CanvasBatch(model, SETTINGS, SeededDraws(seeds[:1]), observe=lambda canvas, _, __: steps.append(canvas.tolist()))
+    assert run.add(rows[:1], limits[:1]) == [0]
+    assert run.run_canvas() == [] and len(run) == 1
+    assert run.add(rows[1:3], limits[1:3], seeds=seeds[1:3]) == [1, 2]  # a longer prompt and a shorter one
+    left = run.run_canvas()
+    assert run.add(rows[3:], limits[3:], seeds=seeds[3:]) == [3]
+    while len(run):
+        left += run.run_canvas()
+    assert sorted(left) == [0, 1, 2, 3]
+    assert any(len(set(canvases)) > 1 for canvases in steps)  # decoder steps held rows of two canvases
+    for i, (row, seed, limit) in enumerate(zip(rows, seeds, limits)):
+        want = alone(model, row, seed, dataclasses.replace(SETTINGS, max_new_tokens=limit))
+        got = run.rows[i]
+        assert got.num_steps == want.num_steps[0].tolist()[:len(got.num_steps)]
+        assert [t for c in got.token_ids for t in c] == want.token_ids[0].tolist()[:CANVAS * len(got.token_ids)]
+        assert len(got.token_ids) == got.canvases or got.finished

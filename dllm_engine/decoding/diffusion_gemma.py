@@ -46,9 +46,10 @@ with a pad id, the encoder's too) instead of running and being thrown away; with
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
@@ -174,9 +175,10 @@ class DrawKeys:
     step: Tensor  # [B] int64
 
     @classmethod
-    def at(cls, rows: Tensor, canvas: int, step: Tensor | int) -> DrawKeys:
+    def at(cls, rows: Tensor, canvas: Tensor | int, step: Tensor | int) -> DrawKeys:
         step = step if isinstance(step, Tensor) else torch.full_like(rows, step)
-        return cls(rows, torch.full_like(rows, canvas), step.to(rows.device, torch.int64))
+        canvas = canvas if isinstance(canvas, Tensor) else torch.full_like(rows, canvas)
+        return cls(rows, canvas.to(rows.device, torch.int64), step.to(rows.device, torch.int64))
 
     def __len__(self) -> int:
         return self.rows.shape[0]
@@ -465,14 +467,15 @@ def denoise_canvas(model: DiffusionGemma, cache: EncoderCache, settings: Generat
 
 
 def denoise_canvas_dropping(model: DiffusionGemma, cache: EncoderCache, settings: GenerationSettings,
-                            draws: Draws, live: LiveRows, canvas: int,
+                            draws: Draws, live: LiveRows, canvas: Tensor,
                             chunk_elements: int = SAMPLING_CHUNK_ELEMENTS,
                             observe: Observer | None = None) -> tuple[Tensor, Tensor]:
     """``denoise_canvas`` where a row that stops leaves the batch: the decoder runs the rows
-    still denoising only. Each time rows stop, the others' state and cache rows are gathered
+    still denoising only. ``canvas`` [n]: each live row's canvas index (rows that joined later
+    are at earlier canvases). Each time rows stop, the others' state and cache rows are gathered
     once (a copy of their self-conditioning, [b, C, V] in the embedding dtype, while the old
-    one is freed). ``observe(canvas, rows, state)``: after each step, with the generation's
-    indices of the rows that ran it and their state after it."""
+    one is freed). ``observe(canvas, rows, state)``: after each step, with the canvas index and
+    the generation's index of each row that ran it, and their state after it."""
     cfg = model.config
     positions = live.positions(cache.length, cfg.canvas_length)
     state = new_canvas(DrawKeys.at(live.index, canvas, 0), cfg.canvas_length, cfg.vocab_size, draws)
@@ -481,10 +484,10 @@ def denoise_canvas_dropping(model: DiffusionGemma, cache: EncoderCache, settings
     for _ in range(settings.max_denoising_steps):
         logits = model.decode(state.canvas_ids, active_cache, state.self_conditioning,
                               positions=None if positions is None else positions[active])
-        keys = DrawKeys.at(live.index[active], canvas, state.num_steps)
+        keys = DrawKeys.at(live.index[active], canvas[active], state.num_steps)
         state = denoise_step(state, logits, settings, draws, keys, model.embed_tokens.weight.dtype, chunk_elements)
         if observe is not None:
-            observe(canvas, live.index[active], state)
+            observe(canvas[active], live.index[active], state)
         argmax_ids.index_copy_(0, active, state.argmax_ids)
         num_steps.index_copy_(0, active, state.num_steps)
         if not bool(state.finished.any()):  # the one host read of a step
@@ -495,21 +498,6 @@ def denoise_canvas_dropping(model: DiffusionGemma, cache: EncoderCache, settings
         active, state = active[going], state.rows(going)
         active_cache = cache.rows(active)
     return argmax_ids, num_steps
-
-
-def spread(values: Tensor, index: Tensor, batch: int) -> Tensor:
-    """``values`` [n, ...] of the rows ``index`` (in order) as [batch, ...], 0 elsewhere."""
-    if index.shape[0] == batch:
-        return values
-    return values.new_zeros(batch, *values.shape[1:]).index_copy_(0, index, values)
-
-
-def drop_finished(live: LiveRows, cache: EncoderCache, finished: Tensor) -> tuple[LiveRows, EncoderCache]:
-    """The live rows and their cache without the rows that have finished."""
-    going = (~finished[live.index]).nonzero()[:, 0]
-    if going.numel() == len(live.index):
-        return live, cache
-    return live.select(going), cache.rows(going)
 
 
 def live_rows(prompt_ids: Tensor, attention_mask: Tensor | None, batch_invariant: bool) -> LiveRows:
@@ -541,9 +529,170 @@ def check_draws(draws: Draws, batch: int) -> None:
         raise UserError(f"SeededDraws has {len(draws)} seeds for {batch} prompts: give one seed per prompt")
 
 
-# what ``generate(..., observe=)`` is called with after each denoising step: (the canvas index, the
-# generation's row indices [n] of the rows that ran the step, their ``CanvasState`` after it)
-Observer = Callable[[int, Tensor, "CanvasState"], None]
+# what ``generate(..., observe=)`` is called with after each denoising step: (the canvas index of
+# each row that ran the step [n], their row indices in the generation [n], their ``CanvasState`` after it)
+Observer = Callable[[Tensor, Tensor, "CanvasState"], None]
+
+
+def merge_caches(old: EncoderCache, new: EncoderCache) -> tuple[EncoderCache, int, int]:
+    """One cache of ``old``'s rows then ``new``'s, right-aligned (every row's last token in the
+    last column; the shorter side's missing columns padding, masked): (the cache, the columns
+    added on the left of ``old``'s rows, of ``new``'s)."""
+    length = max(old.length, new.length)
+
+    def left_pad(t: Tensor, width: int) -> Tensor:
+        return t if t.shape[2] == width else torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
+
+    keys, values = [], []
+    for ka, va, kb, vb in zip(old.keys, old.values, new.keys, new.values):
+        width = max(ka.shape[2], kb.shape[2])
+        keys.append(torch.cat([left_pad(ka, width), left_pad(kb, width)]))
+        values.append(torch.cat([left_pad(va, width), left_pad(vb, width)]))
+
+    def valid(cache: EncoderCache, batch: int, device) -> Tensor:
+        v = cache.key_valid if cache.key_valid is not None else torch.ones(batch, cache.length, dtype=torch.bool,
+                                                                          device=device)
+        return torch.nn.functional.pad(v, (length - cache.length, 0), value=False)
+
+    a, b = old.keys[0], new.keys[0]
+    key_valid = torch.cat([valid(old, a.shape[0], a.device), valid(new, b.shape[0], b.device)])
+    return EncoderCache(keys, values, length, key_valid), length - old.length, length - new.length
+
+
+@dataclass
+class CanvasRow:
+    """One row of a ``CanvasBatch``, on the host: the canvases it may run, what it kept of each
+    (after ``finish_canvas``) and the denoising steps each took."""
+    canvases: int
+    token_ids: list[list[int]] = field(default_factory=list)
+    num_steps: list[int] = field(default_factory=list)
+    finished: bool = False  # an EOS ended it
+
+    @property
+    def done(self) -> bool:
+        return self.finished or len(self.token_ids) == self.canvases
+
+
+class CanvasBatch:
+    """A batch-invariant sampler run whose rows join and leave between canvases: continuous
+    batching by canvas, what the server runs (``generate(..., batch_invariant=True)`` is one
+    whose rows all join at the start). ``add`` queues prompts; each ``run_canvas`` then encodes
+    every continuing row's last canvas, encodes the queued prompts in one forward and merges their
+    cache rows in (right-aligned: each row's left padding masked, its positions counted from its
+    first token), denoises the next canvas of every live row (each at its own canvas index; a
+    row that stops leaves the forwards) and returns the rows that left: at EOS (with a pad id;
+    else a finished row runs on while another row has not finished, as the batch loop has it), or
+    after its own number of canvases (``max_new_tokens``). The rows share ``settings`` but for
+    ``max_new_tokens``; each draws by its own key, the generation index ``add`` gives it."""
+
+    def __init__(self, model: DiffusionGemma, settings: GenerationSettings, draws: Draws,
+                 chunk_elements: int = SAMPLING_CHUNK_ELEMENTS, observe: Observer | None = None) -> None:
+        self.model, self.settings, self.draws = model, settings, draws
+        self.chunk_elements, self.observe = chunk_elements, observe
+        self.rows: list[CanvasRow] = []  # every row added, by generation index
+        self.pending: list[tuple[int, list[int]]] = []  # (generation index, prompt ids) waiting for the next canvas
+        self.live: LiveRows | None = None
+        self.cache: EncoderCache | None = None
+        self.last: Tensor | None = None  # [n] the live rows' last kept canvas: encoded before the next
+        self.finished: Tensor | None = None  # [n] bool: the live rows that have written EOS
+        self.canvas: Tensor | None = None  # [n] int64: the live rows' next canvas index
+
+    def __len__(self) -> int:
+        """Rows live or queued."""
+        return (0 if self.live is None else len(self.live.index)) + len(self.pending)
+
+    def add(self, prompts: list[list[int]], max_new_tokens: list[int] | None = None,
+            seeds: list[int] | None = None) -> list[int]:
+        """Queue ``prompts`` (token ids) to join at the next canvas, each with its own
+        ``max_new_tokens`` (default: the settings') and, with ``SeededDraws``, its seed (appended
+        to the draws' seeds, which must hold one for each earlier row; without ``seeds`` the draws
+        must already hold one for each new row too). Returns their generation indices."""
+        canvas = self.model.config.canvas_length
+        limits = max_new_tokens or [self.settings.max_new_tokens] * len(prompts)
+        first = len(self.rows)
+        if seeds is not None:
+            if not isinstance(self.draws, SeededDraws):
+                raise UserError("seeds need SeededDraws")
+            if len(self.draws) != first:
+                raise UserError(f"the draws hold {len(self.draws)} seeds for {first} rows: give seeds with every add, "
+                                f"or none and the draws' own")
+            extra = torch.tensor(seeds, dtype=torch.int64, device=self.draws.seeds.device)
+            self.draws.seeds = torch.cat([self.draws.seeds, extra])
+        for ids, limit in zip(prompts, limits):
+            self.rows.append(CanvasRow(dataclasses.replace(self.settings, max_new_tokens=limit).num_canvases(canvas)))
+            self.pending.append((len(self.rows) - 1, list(ids)))
+        return list(range(first, len(self.rows)))
+
+    def admit(self) -> None:
+        """The queued prompts into the cache, beside the live rows (see the class docstring)."""
+        model, device = self.model, self.model.embed_tokens.weight.device
+        index = torch.tensor([i for i, _ in self.pending], dtype=torch.int64, device=device)
+        width = max(len(ids) for _, ids in self.pending)
+        pad = model.config.pad_token_id or 0
+        ids = torch.tensor([[pad] * (width - len(p)) + p for _, p in self.pending], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p in self.pending], device=device)
+        self.pending = []
+        joining = LiveRows(index, live_rows(ids, mask, batch_invariant=True).padding)
+        cache = model.new_cache()
+        model.encode(ids, cache, attention_mask=mask, positions=joining.positions(0, width))
+        finished = torch.zeros(len(index), dtype=torch.bool, device=device)
+        canvas = torch.zeros(len(index), dtype=torch.int64, device=device)
+        if self.live is None:
+            self.live, self.cache, self.finished, self.canvas = joining, cache, finished, canvas
+            return
+        self.cache, old_shift, new_shift = merge_caches(self.cache, cache)
+        self.live = LiveRows(torch.cat([self.live.index, index]),
+                             torch.cat([self.live.padding + old_shift, joining.padding + new_shift]))
+        self.finished = torch.cat([self.finished, finished])
+        self.canvas = torch.cat([self.canvas, canvas])
+        self.last = None if self.last is None else torch.cat(
+            [self.last, self.last.new_zeros(len(index), self.last.shape[1])])
+
+    def run_canvas(self) -> list[int]:
+        """The next canvas of every live row (joining the queued ones first); returns the
+        generation indices of the rows that left after it (``rows[i]`` holds their canvases)."""
+        model, canvas_length = self.model, self.model.config.canvas_length
+        if self.live is not None:  # the continuing rows' last canvas, before any row joins (one forward)
+            model.encode(self.last, self.cache, positions=self.live.positions(self.cache.length, canvas_length))
+        if self.pending:
+            self.admit()
+        if self.live is None:
+            return []
+        ids, num_steps = denoise_canvas_dropping(model, self.cache, self.settings, self.draws, self.live,
+                                                 self.canvas, self.chunk_elements, self.observe)
+        ids, self.finished = finish_canvas(ids, self.finished, self.settings)
+        rows, kept, steps = self.live.index.tolist(), ids.tolist(), num_steps.tolist()  # the canvas's one read back
+        finished = self.finished.tolist()
+        for i, row_ids, row_steps, f in zip(rows, kept, steps, finished):
+            row = self.rows[i]
+            row.token_ids.append(row_ids)
+            row.num_steps.append(row_steps)
+            row.finished = f
+        everyone = all(finished)
+        leaving = [k for k, i in enumerate(rows) if len(self.rows[i].token_ids) == self.rows[i].canvases
+                   or (finished[k] and (self.settings.pad_token_id is not None or everyone))]
+        self.last, self.canvas = ids, self.canvas + 1
+        if leaving:
+            self.drop(leaving)
+        return [rows[k] for k in leaving]
+
+    def drop(self, positions: list[int]) -> None:
+        """The live rows at ``positions`` (in the live order) leave the batch."""
+        out = set(positions)
+        going = torch.tensor([k for k in range(len(self.live.index)) if k not in out], dtype=torch.int64,
+                             device=self.live.index.device)
+        if going.numel() == 0:
+            self.live = self.cache = self.last = self.finished = self.canvas = None
+            return
+        self.live, self.cache = self.live.select(going), self.cache.rows(going)
+        self.last, self.finished, self.canvas = self.last[going], self.finished[going], self.canvas[going]
+
+    def leave(self, indices: list[int]) -> None:
+        """Rows whose requests went away leave before the next canvas (by generation index)."""
+        gone = set(indices)
+        self.pending = [(i, ids) for i, ids in self.pending if i not in gone]
+        if self.live is not None:
+            self.drop([k for k, i in enumerate(self.live.index.tolist()) if i in gone])
 
 
 @torch.no_grad()
@@ -571,6 +720,8 @@ def generate(model: DiffusionGemma, prompt_ids: Tensor, settings: GenerationSett
     draws = draws or TorchDraws()
     batch, canvas_length = prompt_ids.shape[0], model.config.canvas_length
     check_draws(draws, batch)
+    if batch_invariant:
+        return generate_batch_invariant(model, prompt_ids, settings, draws, attention_mask, chunk_elements, observe)
     live = live_rows(prompt_ids, attention_mask, batch_invariant)
     cache = model.new_cache()
     model.encode(prompt_ids, cache, attention_mask=attention_mask, positions=live.positions(0, prompt_ids.shape[1]))
@@ -578,16 +729,30 @@ def generate(model: DiffusionGemma, prompt_ids: Tensor, settings: GenerationSett
     canvases, steps = [], []
     for i in range(settings.num_canvases(canvas_length)):
         if i:
-            model.encode(canvases[-1][live.index], cache, positions=live.positions(cache.length, canvas_length))
-        if batch_invariant:
-            ids, num_steps = denoise_canvas_dropping(model, cache, settings, draws, live, i, chunk_elements, observe)
-        else:
-            ids, num_steps = denoise_canvas(model, cache, settings, draws, live, i, chunk_elements)
-        ids, finished = finish_canvas(spread(ids, live.index, batch), finished, settings)
+            model.encode(canvases[-1], cache, positions=live.positions(cache.length, canvas_length))
+        ids, num_steps = denoise_canvas(model, cache, settings, draws, live, i, chunk_elements)
+        ids, finished = finish_canvas(ids, finished, settings)
         canvases.append(ids)
-        steps.append(spread(num_steps, live.index, batch))
+        steps.append(num_steps)
         if bool(finished.all()):
             break
-        if batch_invariant and settings.pad_token_id is not None:  # a finished row's later canvases are pad
-            live, cache = drop_finished(live, cache, finished)
     return Generation(torch.cat(canvases, dim=1), torch.stack(steps, dim=1))
+
+
+def generate_batch_invariant(model: DiffusionGemma, prompt_ids: Tensor, settings: GenerationSettings, draws: Draws,
+                             attention_mask: Tensor | None, chunk_elements: int,
+                             observe: Observer | None) -> Generation:
+    """``generate(..., batch_invariant=True)``: a ``CanvasBatch`` whose rows all join at the start."""
+    run = CanvasBatch(model, settings, draws, chunk_elements, observe)
+    mask = attention_mask if attention_mask is not None else torch.ones_like(prompt_ids)
+    run.add([row[m.bool()].tolist() for row, m in zip(prompt_ids, mask)])
+    while len(run):
+        run.run_canvas()
+    canvas = model.config.canvas_length
+    count = max(len(r.token_ids) for r in run.rows)
+    pad = settings.pad_token_id or 0  # a row leaves early only at EOS with a pad id: its later canvases are pad
+    ids = [[t for c in r.token_ids for t in c] + [pad] * (canvas * (count - len(r.token_ids))) for r in run.rows]
+    steps = [r.num_steps + [0] * (count - len(r.num_steps)) for r in run.rows]
+    device = prompt_ids.device
+    return Generation(torch.tensor(ids, dtype=torch.long, device=device),
+                      torch.tensor(steps, dtype=torch.long, device=device))

@@ -399,10 +399,10 @@ class CanvasLLM:
                             device=self.device)
         traces: list[list[CanvasStep] | None] = [[] if r.params.record_steps else None for r in batch]
 
-        def record(canvas: int, rows: torch.Tensor, state) -> None:  # one read a step, only when asked
-            values = zip(rows.tolist(), state.canvas_ids.tolist(), state.accepted.tolist(),
+        def record(canvases: torch.Tensor, rows: torch.Tensor, state) -> None:  # one read a step, only when asked
+            values = zip(canvases.tolist(), rows.tolist(), state.canvas_ids.tolist(), state.accepted.tolist(),
                          state.argmax_ids.tolist(), state.num_steps.tolist(), state.finished.tolist())
-            for row, ids_, accepted, argmax, steps_run, finished in values:
+            for canvas, row, ids_, accepted, argmax, steps_run, finished in values:
                 if traces[row] is not None:
                     traces[row].append(CanvasStep(canvas, steps_run - 1, ids_, accepted, argmax, finished,
                                                   time.perf_counter() - start))
