@@ -385,6 +385,105 @@ def test_the_server_refuses_what_does_not_apply_and_names_the_family(served):
     assert "dllm_requests_total" in httpx.get(f"{served}/metrics", timeout=60).text
 
 
+def test_the_server_batches_by_canvas_a_late_request_joins_and_leaves_first(folder, monkeypatch):
+    """Continuous batching by canvas: a gate holds the loop before each canvas, so the schedule is
+    the test's. A four-canvas request runs alone; a one-canvas request sent during its second
+    canvas joins before its third (the loop takes queued requests between two canvases), runs
+    its one canvas in the same forwards, and is answered while the first waits for its fourth.
+    Both answers are whole; the late one's tokens are its sampler's in that batch
+    (docs/models/diffusion-gemma.md#batch-invariance)."""
+    import threading
+
+    from dllm_engine.decoding.diffusion_gemma import CanvasBatch
+    gate, entered = threading.Semaphore(0), []
+    real = CanvasBatch.run_canvas
+
+    def gated(run):
+        entered.append(len(run))  # the rows live or joining at this canvas
+        assert gate.acquire(timeout=60)
+        return real(run)
+    monkeypatch.setattr(CanvasBatch, "run_canvas", gated)
+
+    def wait_for(check, what):
+        for _ in range(1200):
+            if check():
+                return
+            threading.Event().wait(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    answers = {}
+
+    def ask(name, **fields):
+        body = {"model": "tiny", "stop_at_eos": False, **fields}
+        answers[name] = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+
+    with serving(LLM(folder, max_num_seqs=4)) as (url, app):
+        engine = app.state.server.engine
+        first = threading.Thread(target=ask, args=("long",), kwargs=dict(prompt="w5 w6 w7", max_tokens=24, seed=1))
+        first.start()
+        wait_for(lambda: len(entered) == 1, "the first canvas")
+        gate.release()  # canvas 0 of the long request, alone
+        wait_for(lambda: len(entered) == 2, "the second canvas")
+        late = threading.Thread(target=ask, args=("short",), kwargs=dict(prompt="w8 w9", max_tokens=6, seed=2))
+        late.start()
+        wait_for(lambda: engine.queue_depth() == 1, "the late request to queue")
+        gate.release()  # canvas 1 of the long one; the late one waits in the queue
+        wait_for(lambda: len(entered) == 3, "the third canvas")
+        assert entered == [1, 1, 2] and engine.num_running() == 2 and engine.queue_depth() == 0  # it joined
+        gate.release()  # canvas 2 of the long request and canvas 0 of the short one, in one batch
+        late.join(timeout=60)
+        wait_for(lambda: len(entered) == 4, "the fourth canvas")
+        assert not late.is_alive() and first.is_alive() and entered[3] == 1  # it left, answered
+        gate.release()
+        first.join(timeout=60)
+    assert not first.is_alive()
+    for name, most in (("long", 24), ("short", 6)):  # answers cut at their first EOS, as every answer is
+        choice, = answers[name]["choices"]
+        assert 0 <= answers[name]["usage"]["completion_tokens"] <= most and choice["finish_reason"] in ("stop", "length")
+
+
+def test_an_out_of_memory_in_a_server_group_requeues_its_requests_under_a_lower_budget(folder, monkeypatch):
+    """An injected ``torch.OutOfMemoryError`` in a canvas of three rows: the budget falls below
+    their bytes, the three (nothing sent yet) queue again and run in smaller groups; every
+    request is answered."""
+    import threading
+
+    from dllm_engine.decoding.diffusion_gemma import CanvasBatch
+    real, calls = CanvasBatch.run_canvas, []
+
+    def failing(run):
+        calls.append(len(run))
+        if len(calls) == 1:  # hold the first canvas until the other two requests queue
+            for _ in range(1200):
+                if engine.queue_depth() == 2:
+                    break
+                threading.Event().wait(0.05)
+        if len(run) == 3 and 3 not in calls[:-1]:
+            raise torch.OutOfMemoryError("injected")
+        return real(run)
+    monkeypatch.setattr(CanvasBatch, "run_canvas", failing)
+    answers = []
+
+    def ask(prompt):
+        answers.append(httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "seed": 4,
+                                                                  "max_tokens": 12, "stop_at_eos": False}, timeout=120))
+
+    llm = LLM(folder, max_num_seqs=4)
+    with serving(llm) as (url, app):
+        engine = app.state.server.engine
+        threads = [threading.Thread(target=ask, args=(p,)) for p in ("w5 w6 w7", "w8 w9", "w10 w11 w12 w13")]
+        for t in threads:
+            t.start()
+            threading.Event().wait(0.2)
+        for t in threads:
+            t.join(timeout=120)
+    assert [r.status_code for r in answers] == [200] * 3 and all(r.json()["choices"] for r in answers)
+    assert 3 in calls and max(calls[calls.index(3) + 1:]) < 3  # after the failure, smaller groups
+    three = [Request(0, ids, llm.resolve(SamplingParams(max_new_tokens=12, stop_at_eos=False)))
+             for ids in ([5, 6, 7], [8, 9], [10, 11, 12, 13])]
+    assert llm.budget < llm.batch_bytes(three)
+
+
 # -- lm-eval ---------------------------------------------------------------------------------------
 def test_the_lm_eval_model_generates_through_the_canvas_sampler(folder, llm):
     pytest.importorskip("lm_eval")

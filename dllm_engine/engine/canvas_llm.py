@@ -37,8 +37,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from ..decoding.diffusion_gemma import (SAMPLING_CHUNK_ELEMENTS, GenerationSettings, SeededDraws, generate,
-                                       load_generation_settings)
+from ..decoding.diffusion_gemma import (SAMPLING_CHUNK_ELEMENTS, CanvasBatch, GenerationSettings, SeededDraws,
+                                       generate, load_generation_settings)
 from ..errors import UserError
 from ..hub import model_name, resolve_model
 from ..models.diffusion_gemma import MODEL_TYPE, DiffusionGemma, load_diffusion_gemma
@@ -340,10 +340,10 @@ class CanvasLLM:
 
     def batch_bytes(self, batch: list[Request]) -> int:
         """The bytes a sampler loop over ``batch`` holds at its peak (see the module docstring):
-        its rows left-padded to the longest prompt, each with every canvas it may run."""
-        cfg, params = self.model.config, batch[0].params
-        canvas = params.canvas_length
-        columns = max(len(r.prompt_ids) for r in batch) + (params.settings.num_canvases(canvas) - 1) * canvas
+        every row as wide as the widest, a prompt with every canvas it may run."""
+        cfg = self.model.config
+        canvas = batch[0].params.canvas_length
+        columns = max(len(r.prompt_ids) + (r.params.settings.num_canvases(canvas) - 1) * canvas for r in batch)
         element = self.model.embed_tokens.weight.element_size()
         cache = sum(2 * spec.num_kv_heads * spec.head_dim * element
                     * (columns if spec.window is None else min(columns, spec.window - 1)) for spec in cfg.layers)
@@ -397,24 +397,15 @@ class CanvasLLM:
         ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch], device=self.device)
         mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch],
                             device=self.device)
-        traces: list[list[CanvasStep] | None] = [[] if r.params.record_steps else None for r in batch]
-
-        def record(canvases: torch.Tensor, rows: torch.Tensor, state) -> None:  # one read a step, only when asked
-            values = zip(canvases.tolist(), rows.tolist(), state.canvas_ids.tolist(), state.accepted.tolist(),
-                         state.argmax_ids.tolist(), state.num_steps.tolist(), state.finished.tolist())
-            for canvas, row, ids_, accepted, argmax, steps_run, finished in values:
-                if traces[row] is not None:
-                    traces[row].append(CanvasStep(canvas, steps_run - 1, ids_, accepted, argmax, finished,
-                                                  time.perf_counter() - start))
-                if on_canvas is not None and (finished or steps_run == settings.max_denoising_steps):
-                    on_canvas(row, argmax)
-
-        watch = on_canvas is not None or any(t is not None for t in traces)
+        watcher = StepWatcher(settings.max_denoising_steps, on_canvas)
+        for i, r in enumerate(batch):
+            watcher.watch(i, r.params.record_steps, stream=True)
         start = time.perf_counter()
         out = generate(self.model, ids, settings, SeededDraws([r.params.seed for r in batch]), attention_mask=mask,
-                       batch_invariant=True, observe=record if watch else None)
+                       batch_invariant=True, observe=watcher if watcher.needed else None)
         seconds = time.perf_counter() - start
         tokens, steps = out.token_ids.tolist(), out.num_steps.tolist()  # the batch's one read back
+        traces = [watcher.traces.get(i) for i in range(len(batch))]
         return [self.output(r, row, canvas_steps, seconds, trace)
                 for r, row, canvas_steps, trace in zip(batch, tokens, steps, traces)]
 
@@ -448,6 +439,111 @@ def parse_canvas_spec(spec: str, **defaults) -> SamplingParams:
         raise UserError(f"{method or 'an empty spec'!r}: a {MODEL_TYPE} model runs its own sampler; give "
                         f"{METHOD}[:field=value,...], e.g. {METHOD}:steps=8")
     return parse_spec(colon + fields, **defaults)
+
+
+class StepWatcher:
+    """What a sampler run reports after each denoising step (``generate``'s ``observe``): each
+    watched row's ``CanvasStep`` (``record_steps``), and each row's canvas as it ends, stopped or
+    out of steps (``on_canvas(row, argmax_ids)``: what the server streams). One read of the
+    step's state, and only in runs that watch something."""
+
+    def __init__(self, max_steps: int, on_canvas: Callable[[int, list[int]], None] | None = None) -> None:
+        self.max_steps, self.on_canvas = max_steps, on_canvas
+        self.traces: dict[int, list[CanvasStep]] = {}  # generation row -> its steps so far
+        self.streams: set[int] = set()  # the rows whose ended canvases go to ``on_canvas``
+        self.start = time.perf_counter()
+
+    def watch(self, row: int, record_steps: bool, stream: bool = False) -> None:
+        if record_steps:
+            self.traces[row] = []
+        if stream and self.on_canvas is not None:
+            self.streams.add(row)
+
+    def forget(self, row: int) -> list[CanvasStep] | None:
+        """Stop watching ``row``; its trace."""
+        self.streams.discard(row)
+        return self.traces.pop(row, None)
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.streams) or bool(self.traces)
+
+    def __call__(self, canvases: torch.Tensor, rows: torch.Tensor, state) -> None:
+        values = zip(canvases.tolist(), rows.tolist(), state.canvas_ids.tolist(), state.accepted.tolist(),
+                     state.argmax_ids.tolist(), state.num_steps.tolist(), state.finished.tolist())
+        for canvas, row, ids, accepted, argmax, steps_run, finished in values:
+            if row in self.traces:
+                self.traces[row].append(CanvasStep(canvas, steps_run - 1, ids, accepted, argmax, finished,
+                                                   time.perf_counter() - self.start))
+            if row in self.streams and (finished or steps_run == self.max_steps):
+                self.on_canvas(row, argmax)
+
+
+def group_key(params: CanvasParams) -> GenerationSettings:
+    """What requests sampled in one ``CanvasGroup`` share: their settings but ``max_new_tokens``
+    (each row's own; 1 here)."""
+    return dataclasses.replace(params.settings, max_new_tokens=1)
+
+
+class CanvasGroup:
+    """Requests of one ``group_key`` sampled together, joining and leaving between canvases
+    (``decoding.diffusion_gemma.CanvasBatch``): the server's continuous batching for this
+    family. ``add`` queues a request for the next canvas; ``run_canvas`` runs one canvas of every
+    row and returns the requests that finished with their outputs; ``leave`` drops requests
+    whose clients went away. ``on_canvas(request, argmax_ids)``: the canvases of the requests
+    added with ``stream``, each as it ends."""
+
+    def __init__(self, llm: CanvasLLM, key: GenerationSettings,
+                 on_canvas: Callable[[Request, list[int]], None] | None = None) -> None:
+        self.llm, self.key = llm, key
+        self.requests: dict[int, Request] = {}  # generation row -> its request, while it runs
+        self.started: dict[int, float] = {}
+        self.watcher = StepWatcher(key.max_denoising_steps,
+                                   (lambda row, ids: on_canvas(self.requests[row], ids)) if on_canvas else None)
+        draws = SeededDraws([0])
+        draws.seeds = draws.seeds[:0]  # every row's seed comes with it (``add``)
+        settings = dataclasses.replace(key, max_new_tokens=llm.settings.max_new_tokens)
+        self.run = CanvasBatch(llm.model, settings, draws, observe=self.observe)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def observe(self, canvases: torch.Tensor, rows: torch.Tensor, state) -> None:
+        if self.watcher.needed:  # else no read at all
+            self.watcher(canvases, rows, state)
+
+    def fits(self, request: Request) -> bool:
+        """Whether ``request`` may join: its settings, within ``max_num_seqs`` and the memory
+        budget with the rows running (``batch_bytes``: the widest row's columns for every row)."""
+        return (group_key(request.params) == self.key and len(self) < self.llm.max_num_seqs
+                and self.llm.fits([*self.requests.values(), request]))
+
+    def add(self, request: Request, stream: bool = False) -> None:
+        row, = self.run.add([request.prompt_ids], [request.params.max_new_tokens], seeds=[request.params.seed])
+        self.requests[row] = request
+        self.started[row] = time.perf_counter()
+        self.watcher.watch(row, request.params.record_steps, stream)
+
+    def leave(self, requests: list[Request]) -> None:
+        """``requests`` leave before the next canvas (their clients went away)."""
+        gone = [row for row, r in self.requests.items() if any(r is q for q in requests)]
+        self.run.leave(gone)
+        for row in gone:
+            self.watcher.forget(row)
+            del self.requests[row], self.started[row]
+
+    def run_canvas(self) -> list[tuple[Request, RequestOutput]]:
+        """One canvas of every row (the queued ones joining first); the requests that finished."""
+        done = []
+        for row in self.run.run_canvas():
+            trace = self.watcher.forget(row)
+            request, started = self.requests.pop(row), self.started.pop(row)
+            canvases = self.run.rows[row]
+            ids = [t for c in canvases.token_ids for t in c]
+            done.append((request, self.llm.output(request, ids, canvases.num_steps, time.perf_counter() - started,
+                                                  trace)))
+            canvases.token_ids = []  # in the output now: a long-running group keeps no finished row's tokens
+        return done
 
 
 def is_canvas_checkpoint(folder) -> bool:

@@ -1,14 +1,13 @@
 """The server's engine for a canvas model (DiffusionGemma; ``engine.canvas_llm``): an
-``EngineClient`` whose one thread runs the queued choices through ``CanvasLLM`` in batches.
-
-Not continuous batching: a batch runs its canvases to the end, and a request that arrives
-meanwhile waits for the next batch (the engine's step loop, where requests join and leave between
-steps, does not take this family yet: docs/models/diffusion-gemma.md). Within that, it serves as
-the other families' loop does: a request's choices are admitted whole or refused (429 when the
-queue is full, 503 while shutting down), each choice samples with its own seed, a streamed
-choice gets its text canvas by canvas (when each of its canvases ends; a stop string or EOS ends
-it), and a client that goes away has its choices dropped if they have not started (a running
-batch runs to its end)."""
+``EngineClient`` whose one thread runs the queued choices through a ``CanvasGroup``, continuous
+batching by canvas: between two canvases of the running rows, queued choices join (in arrival
+order, while they share its settings, fit ``max_num_seqs`` and the memory budget; an older choice
+of other settings stops the joining, so the group drains and that choice's group runs next),
+finished ones leave with their answers, and the choices of clients that went away leave too.
+Otherwise it serves as the other families' loop does: a request's choices are admitted whole or
+refused (429 when the queue is full, 503 while shutting down), each choice samples with its own
+seed, and a streamed choice gets its text canvas by canvas (as each of its canvases ends; a stop
+string or EOS ends it)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +18,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ..engine.canvas_llm import CanvasLLM, Request
+import torch
+
+from ..engine.canvas_llm import CanvasGroup, CanvasLLM, Request, group_key
 from ..engine.stop_strings import find_stop
 from ..errors import UserError
 from .engine_client import GenerateRequest, relay
@@ -67,8 +68,10 @@ class CanvasEngine:
         self.llm, self.max_queue = llm, max_queue
         self.metrics = metrics or Metrics()
         self.lock = threading.Condition()
-        self.queue: list[Choice] = []  # waiting for a batch (guarded by lock)
-        self.running = 0  # choices in the batch now running
+        self.queue: list[Choice] = []  # waiting to join (guarded by lock)
+        self.group: CanvasGroup | None = None  # the running rows (the loop thread's)
+        self.members: dict[int, Choice] = {}  # id(request) -> its choice, for the group's rows
+        self.running = 0  # choices in the group (guarded by lock)
         self.accepting, self.stopping = True, False
         self.tokenizer_lock = threading.Lock()  # the HTTP side encodes while this thread decodes
         self.thread = threading.Thread(target=self.run, name="dllm-canvas-loop", daemon=True)
@@ -79,7 +82,7 @@ class CanvasEngine:
 
     def shutdown(self, timeout: float) -> None:
         """Refuse new requests, let queued and running ones finish for up to ``timeout`` s, then
-        drop what is still queued (a running batch ends first)."""
+        end what is left with 503 (after the running canvas)."""
         with self.lock:
             self.accepting = False
             self.lock.wait_for(lambda: not self.queue and not self.running, timeout=timeout)
@@ -103,8 +106,8 @@ class CanvasEngine:
         return relay(submit, lambda: self.cancel(job))
 
     def cancel(self, job: CanvasJob) -> None:
-        """The job's choices not yet in a batch leave the queue; a running batch runs on, and
-        sends this job nothing more."""
+        """The job's queued choices leave the queue, its running ones the group before its next
+        canvas; it is sent nothing more."""
         with self.lock:
             job.cancelled = True
             self.queue = [c for c in self.queue if c.job is not job]
@@ -143,62 +146,108 @@ class CanvasEngine:
 
     async def render_metrics(self, front: Metrics) -> str:
         metrics = front if front is self.metrics else front.merged([self.metrics])
-        return metrics.render(self.queue_depth(), self.num_running(), (self.llm.budget, 0, 0), None, process_memory(self.llm.device))
+        return metrics.render(self.queue_depth(), self.num_running(), (self.llm.budget, 0, 0), None,
+                              process_memory(self.llm.device))
 
     # -- the loop thread ------------------------------------------------------------------------
     def run(self) -> None:
         while True:
             with self.lock:
-                self.lock.wait_for(lambda: self.queue or self.stopping)
+                self.lock.wait_for(lambda: self.queue or self.group is not None or self.stopping)
                 if self.stopping:
-                    for c in self.queue:
-                        c.job.emit(Event(error=ApiError(503, "server shut down before the request finished",
-                                                        kind="server_error")))
-                    self.queue = []
+                    error = Event(error=ApiError(503, "server shut down before the request finished",
+                                                 kind="server_error"))
+                    for c in [*self.queue, *self.members.values()]:
+                        c.job.emit(error)
+                    self.queue, self.members, self.group = [], {}, None
                     return
-                batch = self.next_batch()
-                self.running = len(batch)
+                self.join()
+                self.running = len(self.group)
+            start = time.perf_counter()
             try:
-                self.run_batch(batch)
-            except Exception as e:  # a bug or an out-of-memory: this batch's requests fail, the loop goes on
-                log.exception("canvas batch failed")
-                error = ApiError(500, f"request failed: {type(e).__name__}: {e}", kind="server_error")
-                for job in {id(c.job): c.job for c in batch}.values():
-                    job.emit(Event(error=error))
-            finally:
-                with self.lock:
-                    self.running = 0
-                    self.lock.notify_all()
-
-    def next_batch(self) -> list[Choice]:
-        """The first queued choice's batch (``CanvasLLM.batches``: same settings, within
-        ``max_num_seqs`` and the memory budget), taken off the queue (lock held)."""
-        first = self.llm.batches([c.request for c in self.queue])[0]
-        taken = {id(r) for r in first}
-        batch = [c for c in self.queue if id(c.request) in taken]
-        self.queue = [c for c in self.queue if id(c.request) not in taken]
-        return batch
-
-    def run_batch(self, batch: list[Choice]) -> None:
-        start = time.perf_counter()
-        streaming = any(c.job.stream or c.job.stops for c in batch)
-        outputs = self.llm.run_batch([c.request for c in batch],
-                                     on_canvas=(lambda row, ids: self.canvas_ended(batch[row], ids)) if streaming else None)
-        self.metrics.observe_step(time.perf_counter() - start)
-        for choice, out in zip(batch, outputs):
-            if choice.job.cancelled:
+                finished = self.group.run_canvas()
+            except Exception as e:  # a bug or an out-of-memory: the group's requests fail, the loop goes on
+                self.group_failed(e)
                 continue
-            text, reason = out.text, out.finish_reason
-            cut = find_stop(text, choice.job.stops)
-            if cut is not None:
-                text, reason = text[:cut], "stop"
-            self.send(choice, text)
-            stats = dataclasses.replace(out.stats, output_tokens=len(out.token_ids))
-            steps = None if out.steps is None else [s.as_dict() for s in out.steps]
-            result = ChoiceResult(choice.index, text, reason, len(out.prompt_token_ids), len(out.token_ids), stats,
-                                  None, steps)
-            self.metrics.observe_sequence(stats, len(out.prompt_token_ids))
-            choice.job.emit(Event(choice.index, result=result))
+            self.metrics.observe_step(time.perf_counter() - start)
+            for request, out in finished:
+                self.finish(self.members.pop(id(request)), out)
+            with self.lock:
+                if not len(self.group):
+                    self.group = None
+                self.running = 0 if self.group is None else len(self.group)
+                self.lock.notify_all()
+
+    def join(self) -> None:
+        """Between two canvases (lock held): the choices of clients that went away leave the
+        group; queued choices join it in arrival order (see the module docstring)."""
+        gone = [c for c in self.members.values() if c.job.cancelled]
+        if gone:
+            self.group.leave([c.request for c in gone])
+            for c in gone:
+                del self.members[id(c.request)]
+        if self.group is None or not len(self.group):
+            self.group = CanvasGroup(self.llm, group_key(self.queue[0].request.params), self.canvas_ended_request) \
+                if self.queue else self.group
+        taken = 0
+        for c in self.queue:
+            if not self.group.fits(c.request):  # other settings, no room, or not in the budget: wait
+                break
+            self.group.add(c.request, stream=c.job.stream or bool(c.job.stops))
+            self.members[id(c.request)] = c
+            taken += 1
+        self.queue = self.queue[taken:]
+        if self.queue and not len(self.group):  # it cannot run alone: the budget fell below it (an out-of-memory)
+            c = self.queue.pop(0)
+            c.job.emit(Event(error=ApiError(500, f"request failed: out of device memory; it needs "
+                                                 f"{self.llm.batch_bytes([c.request]) / 2**20:.1f} MiB, the budget is now "
+                                                 f"{self.llm.budget / 2**20:.1f} MiB", kind="server_error")))
+
+    def group_failed(self, error: Exception) -> None:
+        """The running group ends. Out of device memory, later groups are held below the bytes
+        this one needed, and with more than one row its choices that have sent nothing yet queue
+        again at the front (they start over in smaller groups: nothing is lost); every other
+        choice gets the error."""
+        members = list(self.members.values())
+        oom = isinstance(error, torch.OutOfMemoryError)
+        if oom:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            limit = self.llm.batch_bytes([c.request for c in members]) - 1
+            self.llm.budget = limit if self.llm.budget is None else min(self.llm.budget, limit)
+            log.warning("out of device memory in a group of %d rows: groups below %.1f MiB from now on",
+                        len(members), limit / 2**20)
+        else:
+            log.exception("canvas group failed")
+        again = [c for c in members if oom and len(members) > 1 and not c.sent and not c.ids]
+        event = Event(error=ApiError(500, f"request failed: {type(error).__name__}: {error}", kind="server_error"))
+        for job in {id(c.job): c.job for c in members if not any(c is a for a in again)}.values():
+            job.emit(event)
+        with self.lock:
+            self.queue = [*again, *self.queue]
+            self.members, self.group, self.running = {}, None, 0
+            self.lock.notify_all()
+
+    def finish(self, choice: Choice, out) -> None:
+        """A finished choice's answer: the rest of its text (streamed) and its result."""
+        if choice.job.cancelled:
+            return
+        text, reason = out.text, out.finish_reason
+        cut = find_stop(text, choice.job.stops)
+        if cut is not None:
+            text, reason = text[:cut], "stop"
+        self.send(choice, text)
+        stats = dataclasses.replace(out.stats, output_tokens=len(out.token_ids))
+        steps = None if out.steps is None else [s.as_dict() for s in out.steps]
+        result = ChoiceResult(choice.index, text, reason, len(out.prompt_token_ids), len(out.token_ids), stats,
+                              None, steps)
+        self.metrics.observe_sequence(stats, len(out.prompt_token_ids))
+        choice.job.emit(Event(choice.index, result=result))
+
+    def canvas_ended_request(self, request: Request, argmax_ids: list[int]) -> None:
+        choice = self.members.get(id(request))
+        if choice is not None:
+            self.canvas_ended(choice, argmax_ids)
 
     def canvas_ended(self, choice: Choice, argmax_ids: list[int]) -> None:
         """Stream what a choice's ended canvas adds: its text up to EOS, held back where a stop
