@@ -270,14 +270,33 @@ def test_dllm_bench_measures_its_sampler_at_each_batch_size(folder, llm, tmp_pat
     assert "spec 'block': 'block': a diffusion_gemma model runs its own sampler" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [["profile", "--methods", "block"]])
-def test_commands_on_the_engines_step_loop_refuse_it_before_loading(folder, command, capsys, monkeypatch):
+def test_dllm_profile_counts_a_denoising_steps_ops_and_host_reads_outside_and_inside_the_forwards(folder, capsys):
+    assert main(["profile", "--model", str(folder), "--methods", f"{METHOD}:seed=3", "--batch-sizes", "1,4",
+                 "--prompts", str(prompts_file(folder.parent)), "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(f"| `{METHOD}:seed=3`")]
+    assert [int(r[3]) for r in rows] == [1, 4]
+    for r in rows:
+        steps, ops_out, ops_in, reads_out = int(r[5]), float(r[13]), float(r[15]), float(r[17])
+        assert steps > 0 and 0 < ops_out < ops_in and reads_out > 0
+    assert int(rows[1][5]) <= int(rows[0][5])  # four prompts in one batch: no more steps than one at a time
+    assert main(["profile", "--model", str(folder), "--methods", METHOD, "--breakdown"]) == 2
+    assert "--breakdown: not available for diffusion_gemma's profile" in capsys.readouterr().err
+
+
+def prompts_file(where):
+    file = where / "canvas-prompts.jsonl"
+    file.write_text("".join(json.dumps({"prompt": " ".join(f"w{t}" for t in ids)}) + "\n" for ids in prompts(4)))
+    return file
+
+
+def test_commands_that_do_not_run_it_refuse_it_before_loading(folder, capsys, monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("the weights were loaded before the refusal")
     monkeypatch.setattr("dllm_engine.engine.canvas_llm.load_diffusion_gemma", no_load)
-    assert main([command[0], "--model", str(folder), *command[1:]]) == 2
+    assert main(["eval", "--model", str(folder)]) == 2
     err = capsys.readouterr().err
-    assert f"error: dllm {command[0]} does not run diffusion_gemma yet: its sampler runs from Python" in err, err
+    assert "error: dllm eval does not run diffusion_gemma yet: its sampler runs from Python" in err, err
 
 
 # -- dllm playground ------------------------------------------------------------------------------
@@ -441,6 +460,42 @@ def test_the_server_batches_by_canvas_a_late_request_joins_and_leaves_first(fold
         choice, = answers[name]["choices"]
         assert 0 <= answers[name]["usage"]["completion_tokens"] <= most and choice["finish_reason"] in ("stop", "length")
 
+
+def test_a_client_that_leaves_frees_its_row_before_the_next_canvas(folder, monkeypatch):
+    import threading
+
+    from dllm_engine.decoding.diffusion_gemma import CanvasBatch
+    gate, entered = threading.Semaphore(0), []
+    real = CanvasBatch.run_canvas
+
+    def gated(run):
+        entered.append(len(run))
+        assert gate.acquire(timeout=60)
+        return real(run)
+    monkeypatch.setattr(CanvasBatch, "run_canvas", gated)
+    gone = []
+
+    def ask():  # gives up after 2 s, while its first canvas is held
+        try:
+            httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "w5 w6", "max_tokens": 24,
+                                                       "stop_at_eos": False}, timeout=2)
+        except httpx.TimeoutException:
+            gone.append(True)
+
+    with serving(LLM(folder, max_num_seqs=4)) as (url, app):
+        engine = app.state.server.engine
+        client = threading.Thread(target=ask)
+        client.start()
+        client.join(timeout=60)
+        assert gone and entered == [1] and engine.num_running() == 1
+        threading.Event().wait(1.0)  # the server polls for a departed client (POLL_S)
+        gate.release()  # its first canvas runs; before the second it leaves the group
+        for _ in range(600):
+            if len(entered) == 2:
+                break
+            threading.Event().wait(0.05)
+        assert entered == [1, 0] and engine.num_running() == 0  # its row left: a four-canvas request ran one
+        gate.release()
 
 def test_an_out_of_memory_in_a_server_group_requeues_its_requests_under_a_lower_budget(folder, monkeypatch):
     """An injected ``torch.OutOfMemoryError`` in a canvas of three rows: the budget falls below

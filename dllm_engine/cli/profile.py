@@ -42,6 +42,10 @@ def run_profile(args: argparse.Namespace) -> None:
     limit = args.limit if args.limit is not None or args.prompts else 2
     examples = load_examples(args, limit)  # a typo or a bad file fails before the model loads
     set_threads(args.threads)
+    from ..engine.canvas_llm import is_canvas_checkpoint
+    from ..hub import resolve_model
+    if is_canvas_checkpoint(resolve_model(args.model, args.revision)):
+        return profile_canvas_model(args, examples)
     llm = common.load_llm(args)  # as dllm bench: freed host memory kept unless --no-keep-freed-memory
     defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
     print(f"model: {args.model}  prompts: {len(examples)}  {workload(args, examples)}  device: {args.device}  "
@@ -55,3 +59,28 @@ def run_profile(args: argparse.Namespace) -> None:
     if args.breakdown:
         print("\nop time by kind, ms per step (share of the step's op time):\n")
         print(breakdown_table(records))
+
+
+def profile_canvas_model(args: argparse.Namespace, examples) -> None:
+    """``dllm profile`` of a DiffusionGemma checkpoint (``bench/canvas_profile.py``): its specs
+    and options checked before the weights load."""
+    from ..bench.canvas_profile import HEADER, run_canvas_profile, table
+    from ..engine.canvas_llm import DOCS, MODEL_TYPE, parse_canvas_spec
+    refused = {"--breakdown": args.breakdown, "--fixed-shapes": args.fixed_shapes, "--repeats": args.repeats != 1}
+    named = [flag for flag, on in refused.items() if on]
+    if named:
+        raise UserError(f"{', '.join(named)}: not available for {MODEL_TYPE}'s profile ({DOCS})")
+    defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
+    for spec in args.methods:
+        try:
+            parse_canvas_spec(spec, **defaults)
+        except UserError as e:
+            raise UserError(f"spec {spec!r}: {e}") from None
+    llm = common.load_llm(args)
+    prompts = [llm.check_ids(llm.apply_chat_template(e.chat())) for e in examples]
+    print(f"model: {args.model}  prompts: {len(examples)}  {workload(args, examples)}  device: {args.device}  "
+          f"clock: {args.clock}")
+    print(HEADER)
+    records = run_canvas_profile(llm, args.methods, args.batch_sizes, prompts, defaults, clock=args.clock)
+    print()
+    print(table(records))

@@ -558,12 +558,12 @@ def is_canvas_checkpoint(folder) -> bool:
 
 def refuse_canvas(model, revision: str | None, what: str) -> None:
     """A ``UserError`` when ``model`` (a folder or Hub id, resolved as ``LLM`` resolves it) is a
-    canvas checkpoint and ``what`` (a command) needs the engine's step loop, which does not run
-    this family yet: said before any weight loads."""
+    canvas checkpoint and ``what`` (a command) does not run this family yet: said before any
+    weight loads."""
     if is_canvas_checkpoint(resolve_model(model, revision)):
         raise UserError(f"{what} does not run {MODEL_TYPE} yet: its sampler runs from Python (LLM(...).generate, "
-                        f".chat), dllm generate, serve, playground, bench and lm-eval's generate_until; the "
-                        f"engine's step loop (profiles, replicas) does not take it ({DOCS})")
+                        f".chat), dllm generate, serve, playground, bench, profile and lm-eval's generate_until "
+                        f"({DOCS})")
 
 
 def format_canvas_steps(steps: list[CanvasStep]) -> str:
