@@ -161,17 +161,26 @@ class CanvasEngine:
                         c.job.emit(error)
                     self.queue, self.members, self.group = [], {}, None
                     return
-                self.join()
-                self.running = len(self.group)
+                try:
+                    self.join()
+                    failure = None
+                except Exception as e:  # a bug: the group's requests fail below, and the choice that was
+                    failure = e        # joining, so the loop goes on without meeting it again
+                    if self.queue:
+                        self.queue.pop(0).job.emit(Event(error=ApiError(500, f"request failed: {type(e).__name__}: "
+                                                                             f"{e}", kind="server_error")))
+                self.running = len(self.members)
             start = time.perf_counter()
             try:
+                if failure is not None:
+                    raise failure
                 finished = self.group.run_canvas()
+                self.metrics.observe_step(time.perf_counter() - start)
+                for request, out in finished:
+                    self.finish(self.members.pop(id(request)), out)
             except Exception as e:  # a bug or an out-of-memory: the group's requests fail, the loop goes on
                 self.group_failed(e)
                 continue
-            self.metrics.observe_step(time.perf_counter() - start)
-            for request, out in finished:
-                self.finish(self.members.pop(id(request)), out)
             with self.lock:
                 if not len(self.group):
                     self.group = None
