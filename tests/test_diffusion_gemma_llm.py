@@ -294,9 +294,17 @@ def test_commands_that_do_not_run_it_refuse_it_before_loading(folder, capsys, mo
     def no_load(*args, **kwargs):
         raise AssertionError("the weights were loaded before the refusal")
     monkeypatch.setattr("dllm_engine.engine.canvas_llm.load_diffusion_gemma", no_load)
-    assert main(["eval", "--model", str(folder)]) == 2
+    assert main(["chain-probe", "--model", str(folder)]) == 2
     err = capsys.readouterr().err
-    assert "error: dllm eval does not run diffusion_gemma yet: its sampler runs from Python" in err, err
+    assert "error: dllm chain-probe does not run diffusion_gemma yet: its sampler runs from Python" in err, err
+
+
+def test_dllm_eval_grades_its_answers_on_the_task_suite(folder, llm, capsys):
+    assert main(["eval", "--model", str(folder), "--tasks", "sort", "--limit", "3", "--batch-size", "2",
+                 "--method", f"{METHOD}:steps=3", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "method: diffusion-gemma max_new_tokens=18 canvas_length=6 steps=3" in out
+    assert re.search(r"^sort +3 +[0-9.]+% ", out, re.M) and re.search(r"^mean +3 .*throughput [0-9.]+ tok/s", out, re.M)
 
 
 # -- dllm playground ------------------------------------------------------------------------------

@@ -76,9 +76,10 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
 def load_llm(args: argparse.Namespace, model: str | None = None, **kw):
     """The model of a command's ``--model`` (or ``model``) with the command's engine options; a
     canvas checkpoint (DiffusionGemma) only for ``dllm generate``, ``serve``, ``playground``,
-    ``bench`` and ``profile``, refused for the other commands before any weight loads."""
+    ``bench``, ``profile`` and ``eval`` (the lab's), refused for the other commands (the lab's
+    probes and trainer) before any weight loads."""
     from .. import LLM
-    if getattr(args, "command", None) not in ("generate", "serve", "playground", "bench", "profile"):
+    if getattr(args, "command", None) not in ("generate", "serve", "playground", "bench", "profile", "eval"):
         from ..engine.canvas_llm import refuse_canvas
         refuse_canvas(model or args.model, args.revision, f"dllm {getattr(args, 'command', None) or 'this command'}")
     kw.setdefault("compile", getattr(args, "compile", False))

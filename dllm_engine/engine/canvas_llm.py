@@ -562,7 +562,7 @@ def refuse_canvas(model, revision: str | None, what: str) -> None:
     weight loads."""
     if is_canvas_checkpoint(resolve_model(model, revision)):
         raise UserError(f"{what} does not run {MODEL_TYPE} yet: its sampler runs from Python (LLM(...).generate, "
-                        f".chat), dllm generate, serve, playground, bench, profile and lm-eval's generate_until "
+                        f".chat), dllm generate, serve, playground, bench, profile, eval and lm-eval's generate_until "
                         f"({DOCS})")
 
 

@@ -33,6 +33,7 @@ def run_eval(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     given = sampling_params(args)  # bad options fail before the model loads
     llm = common.load_llm(args)
+    common.check_method_family(args, llm)
     params = llm.resolve(given)
     report = evaluate(llm, params, examples=load_split(args.tasks, limit=args.limit),
                       batch_size=args.batch_size, samples=args.samples)
