@@ -40,20 +40,16 @@ def pane_params(llm: LLM, spec: str, max_new_tokens: int | None = None) -> Sampl
 
 
 @dataclass
-class PaneRun:
-    """One pane's generation: its spec, the resolved options, the output (with ``steps``) and
-    the canvas after each step."""
+class RecordedRun:
+    """One pane's generation: its spec, the resolved options and the output with its trace
+    (``steps``, each with the run's time at its end): what the replay clock and the summary read."""
     spec: str
-    params: SamplingParams
+    params: object  # SamplingParams (CanvasParams for a canvas model)
     output: RequestOutput
     stop_ids: frozenset[int]
-    frames: list[list[int | None]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.frames = canvas_frames(self.steps, self.prompt_len)
 
     @property
-    def steps(self) -> list[StepRecord]:
+    def steps(self) -> list:
         return self.output.steps or []
 
     @property
@@ -65,17 +61,26 @@ class PaneRun:
         return self.steps[-1].seconds if self.steps else 0.0
 
     @property
+    def tokens_per_second(self) -> float:
+        s = self.output.stats
+        return s.output_tokens / s.seconds if s.seconds else 0.0
+
+
+@dataclass
+class PaneRun(RecordedRun):
+    """A masked-diffusion pane's run (``StepRecord`` steps) and its canvas after each step."""
+    frames: list[list[int | None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.frames = canvas_frames(self.steps, self.prompt_len)
+
+    @property
     def initial_slots(self) -> int:
         """Answer slots before the first step (``Sequence``'s canvas: whole blocks)."""
         p = self.params
         if not p.decoder.block_causal:
             return p.generation_slots
         return -(-(self.prompt_len + p.max_new_tokens) // p.block_length) * p.block_length - self.prompt_len
-
-    @property
-    def tokens_per_second(self) -> float:
-        s = self.output.stats
-        return s.output_tokens / s.seconds if s.seconds else 0.0
 
 
 def run_pane(llm: LLM, spec: str, params: SamplingParams, message: str, chat: bool) -> PaneRun:

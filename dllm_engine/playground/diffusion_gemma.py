@@ -9,9 +9,8 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from ..engine.canvas_llm import METHOD, CanvasLLM, CanvasParams, CanvasStep, parse_canvas_spec
-from ..engine.llm import RequestOutput
-from .canvas import token_label
+from ..engine.canvas_llm import METHOD, CanvasLLM, CanvasParams, parse_canvas_spec
+from .canvas import RecordedRun, token_label
 
 LEGEND = ('<span class="slot mask">\u00b7</span> not drawn yet · <span class="slot tok noise">w</span> '
           'noise (a draw not accepted, renoised) · <span class="slot tok acc">w</span> accepted this step · '
@@ -39,13 +38,9 @@ def canvas_pane_params(llm: CanvasLLM, spec: str, max_new_tokens: int | None = N
 
 
 @dataclass
-class CanvasPaneRun:
-    """One pane's generation on a canvas model: its spec, options, output (with ``steps``, one
-    ``CanvasStep`` per denoising step) and each canvas's kept argmax."""
-    spec: str
-    params: CanvasParams
-    output: RequestOutput
-    stop_ids: frozenset[int]
+class CanvasPaneRun(RecordedRun):
+    """A canvas model's pane run (``CanvasStep`` steps, one per denoising step) and each
+    canvas's kept argmax."""
     kept: dict[int, list[int]] = field(default_factory=dict)  # canvas -> its last step's argmax
     last_step: dict[int, int] = field(default_factory=dict)  # canvas -> the index of its last step
     texts: dict[int, str] = field(default_factory=dict)  # token id -> its text, for every token shown
@@ -53,23 +48,6 @@ class CanvasPaneRun:
     def __post_init__(self) -> None:
         for i, s in enumerate(self.steps):
             self.kept[s.canvas], self.last_step[s.canvas] = s.argmax_ids, i
-
-    @property
-    def steps(self) -> list[CanvasStep]:
-        return self.output.steps or []
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.output.prompt_token_ids)
-
-    @property
-    def seconds(self) -> float:
-        return self.steps[-1].seconds if self.steps else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        s = self.output.stats
-        return s.output_tokens / s.seconds if s.seconds else 0.0
 
     def canvases_at(self, at: int) -> list[tuple[list[int], str, list[bool]]]:
         """The canvases after step ``at`` (-1: before the first step), each as (token ids, its
