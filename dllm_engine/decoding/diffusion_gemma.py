@@ -568,10 +568,6 @@ class CanvasRow:
     num_steps: list[int] = field(default_factory=list)
     finished: bool = False  # an EOS ended it
 
-    @property
-    def done(self) -> bool:
-        return self.finished or len(self.token_ids) == self.canvases
-
 
 class CanvasBatch:
     """A batch-invariant sampler run whose rows join and leave between canvases: continuous
