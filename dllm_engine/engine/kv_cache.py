@@ -28,17 +28,31 @@ class KVCache:
         step on CUDA: CUDA graphs then replay the steps that write it in place)."""
         self.shape = (num_kv_heads, head_dim)
         self.dtype, self.device, self.static = dtype, device, static
-        self.k: list[Tensor] = [self.empty(0, 0) for _ in range(num_layers)]
-        self.v: list[Tensor] = [self.empty(0, 0) for _ in range(num_layers)]
+        self.num_layers = num_layers
+        # every layer's K and V in one tensor [layers, 2, rows, Hkv, length + 1, D], ``k`` and ``v``
+        # its per-layer views: moving rows is one gather and one scatter for the whole pool, not two
+        # per layer. A static pool (a compiled step) keeps a tensor per layer and K/V instead, each
+        # marked as a static address; ``buffer`` is then None
+        self.buffer: Tensor | None = None
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+        self.allocate(0, 0)
         self.rows: dict[int, int] = {}  # sequence id -> row
 
-    def empty(self, rows: int, length: int) -> Tensor:
+    def allocate(self, rows: int, length: int) -> None:
         """Zeroed storage for ``rows`` rows of ``length`` positions (+ the padding sink)."""
-        t = torch.zeros(rows, self.shape[0], length + 1, self.shape[1], dtype=self.dtype, device=self.device)
-        if self.static:  # unguarded: a reallocated pool is re-recorded, not recompiled
-            from torch._dynamo import mark_static_address  # only a compiled step needs dynamo
-            mark_static_address(t, guard=False)
-        return t
+        if not self.static:
+            self.buffer = torch.zeros(self.num_layers, 2, rows, self.shape[0], length + 1, self.shape[1],
+                                      dtype=self.dtype, device=self.device)
+            self.k, self.v = list(self.buffer[:, 0].unbind(0)), list(self.buffer[:, 1].unbind(0))
+            return
+        from torch._dynamo import mark_static_address  # only a compiled step needs dynamo
+        self.k, self.v = [], []
+        for store in (self.k, self.v):
+            for _ in range(self.num_layers):
+                t = torch.zeros(rows, self.shape[0], length + 1, self.shape[1], dtype=self.dtype, device=self.device)
+                mark_static_address(t, guard=False)  # unguarded: a reallocated pool is re-recorded, not recompiled
+                store.append(t)
 
     @property
     def num_rows(self) -> int:
@@ -80,11 +94,13 @@ class KVCache:
         src = torch.tensor([self.rows[i] for i in kept], dtype=torch.long, device=self.device)
         dst = torch.tensor([target[i] for i in kept], dtype=torch.long, device=self.device)
         width = min(self.capacity, length)
-        for store in (self.k, self.v):
-            for layer, old in enumerate(store):
-                new = self.empty(rows, length)
-                new[dst, :, :width] = old[src, :, :width]
-                store[layer] = new
+        old_buffer, old = self.buffer, self.k + self.v
+        self.allocate(rows, length)
+        if old_buffer is not None:
+            self.buffer[:, :, dst, :, :width] = old_buffer[:, :, src, :, :width]
+            return
+        for new, was in zip(self.k + self.v, old):
+            new[dst, :, :width] = was[src, :, :width]
 
     def move(self, target: dict[int, int]) -> None:
         """Copy the rows of the sequences whose row changes (nothing else)."""
@@ -93,9 +109,12 @@ class KVCache:
             return
         src = torch.tensor([self.rows[i] for i in moved], dtype=torch.long, device=self.device)
         dst = torch.tensor([target[i] for i in moved], dtype=torch.long, device=self.device)
-        for store in (self.k, self.v):
-            for t in store:
-                t[dst] = t[src]  # the right side is gathered first, so overlapping moves are safe
+        # the right side is gathered first, so overlapping moves are safe
+        if self.buffer is not None:
+            self.buffer[:, :, dst] = self.buffer[:, :, src]
+            return
+        for t in self.k + self.v:
+            t[dst] = t[src]
 
     def view(self, start: int, end: int) -> "KVCacheView":
         """Rows [start, end) without copying (one forward group of the batch)."""
@@ -111,9 +130,11 @@ class KVCache:
         """Positions [lo, hi) of rows ``src`` into rows ``dst``, every layer."""
         s = torch.tensor(src, dtype=torch.long, device=self.device)
         d = torch.tensor(dst, dtype=torch.long, device=self.device)
-        for store in (self.k, self.v):
-            for t in store:
-                t[d, :, lo:hi] = t[s, :, lo:hi]
+        if self.buffer is not None:
+            self.buffer[:, :, d, :, lo:hi] = self.buffer[:, :, s, :, lo:hi]
+            return
+        for t in self.k + self.v:
+            t[d, :, lo:hi] = t[s, :, lo:hi]
 
     def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor, valid: Tensor,
               rows: slice | Tensor = slice(None), span: tuple[int, int] | None = None) -> None:

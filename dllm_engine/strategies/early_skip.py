@@ -115,10 +115,10 @@ Window = tuple[Tensor, int]  # a sequence's hidden-state window: row ``int`` of 
 def group_windows(windows: list[Window | None], width: int, hidden_size: int, dtype: torch.dtype,
                   device: torch.device) -> Tensor:
     """[B, width + 1, d] (the last column a sink) holding each sequence's window (None: a new
-    block's, zeros). When every window is row b of one tensor of this shape (the group of the
-    last step, unchanged), a copy of it with the new blocks' rows zeroed; else one gather per
-    tensor the windows come from (sequences joined or left): a number of ops that does not grow
-    with the batch."""
+    block's, zeros). When every window is a row of one tensor of this width (the group of the last
+    step, unchanged or with rows gone), a copy of it or one gather of its rows, the new blocks'
+    rows zeroed; else one gather per tensor the windows come from (sequences joined): a number
+    of ops that does not grow with the batch."""
     sources: dict[int, tuple[Tensor, list[int], list[int]]] = {}  # tensor -> (itself, rows here, rows there)
     for b, w in enumerate(windows):
         if w is not None:
@@ -127,8 +127,13 @@ def group_windows(windows: list[Window | None], width: int, hidden_size: int, dt
             there.append(w[1])
     fresh = [b for b, w in enumerate(windows) if w is None]
     shape = (len(windows), width + 1, hidden_size)
-    if len(sources) == 1 and (src := next(iter(sources.values())))[0].shape == shape and src[1] == src[2]:
-        out = src[0].clone()
+    if len(sources) == 1 and (src := next(iter(sources.values())))[0].shape[1:] == shape[1:]:
+        if src[1] == src[2] and src[0].shape[0] == shape[0]:  # the last step's group, unchanged
+            out = src[0].clone()
+        else:  # rows left or moved: one gather (a new block's rows take row 0, zeroed below)
+            there = np.zeros(len(windows), dtype=np.int64)
+            there[src[1]] = src[2]
+            out = src[0].index_select(0, to_device(there, device))
         if fresh:
             out[to_device(np.array(fresh), device)] = 0
         return out
