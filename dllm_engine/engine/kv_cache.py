@@ -11,7 +11,9 @@ The engine keeps one pool per forward group (method and length class), so a long
 only the rows of its own class. Rows change only when sequences join or leave, never inside a
 step (``arrange``): a sequence keeps its row while it runs, and a join or leave copies only the
 rows that move into the holes. The pool is reallocated when it must grow, and shrinks when it
-holds more than ``SHRINK_AT`` times the rows or positions its sequences need.
+holds more than ``SHRINK_AT`` times the rows or positions its sequences need. Every layer's K and
+V live in one tensor (``buffer``; ``k[layer]`` and ``v[layer]`` are its views), so a move, a
+reallocation or a row copy is one gather and one scatter, whatever the depth.
 """
 from __future__ import annotations
 
