@@ -579,9 +579,10 @@ class CanvasBatch:
     row that stops leaves the forwards) and returns the rows that left: at EOS (with a pad id;
     else a finished row runs on while another row has not finished, as the batch loop has it), or
     after its own number of canvases (``max_new_tokens``). The rows share ``settings`` but for
-    ``max_new_tokens``; each draws by its own key, the generation index ``add`` gives it."""
+    ``max_new_tokens``; each draws by its own key, the generation index ``add`` gives it
+    (``draws`` None: ``SeededDraws`` of the seeds ``add`` is given)."""
 
-    def __init__(self, model: DiffusionGemma, settings: GenerationSettings, draws: Draws,
+    def __init__(self, model: DiffusionGemma, settings: GenerationSettings, draws: Draws | None,
                  chunk_elements: int = SAMPLING_CHUNK_ELEMENTS, observe: Observer | None = None) -> None:
         self.model, self.settings, self.draws = model, settings, draws
         self.chunk_elements, self.observe = chunk_elements, observe
@@ -607,13 +608,16 @@ class CanvasBatch:
         limits = max_new_tokens or [self.settings.max_new_tokens] * len(prompts)
         first = len(self.rows)
         if seeds is not None:
-            if not isinstance(self.draws, SeededDraws):
+            if self.draws is None and first == 0:
+                self.draws = SeededDraws(seeds)
+            elif not isinstance(self.draws, SeededDraws):
                 raise UserError("seeds need SeededDraws")
-            if len(self.draws) != first:
+            elif len(self.draws) != first:
                 raise UserError(f"the draws hold {len(self.draws)} seeds for {first} rows: give seeds with every add, "
                                 f"or none and the draws' own")
-            extra = torch.tensor(seeds, dtype=torch.int64, device=self.draws.seeds.device)
-            self.draws.seeds = torch.cat([self.draws.seeds, extra])
+            else:
+                extra = torch.tensor(seeds, dtype=torch.int64, device=self.draws.seeds.device)
+                self.draws.seeds = torch.cat([self.draws.seeds, extra])
         for ids, limit in zip(prompts, limits):
             self.rows.append(CanvasRow(dataclasses.replace(self.settings, max_new_tokens=limit).num_canvases(canvas)))
             self.pending.append((len(self.rows) - 1, list(ids)))
@@ -740,8 +744,8 @@ def generate_batch_invariant(model: DiffusionGemma, prompt_ids: Tensor, settings
                              observe: Observer | None) -> Generation:
     """``generate(..., batch_invariant=True)``: a ``CanvasBatch`` whose rows all join at the start."""
     run = CanvasBatch(model, settings, draws, chunk_elements, observe)
-    mask = attention_mask if attention_mask is not None else torch.ones_like(prompt_ids)
-    run.add([row[m.bool()].tolist() for row, m in zip(prompt_ids, mask)])
+    mask = attention_mask.tolist() if attention_mask is not None else None  # the prompts' one read
+    run.add([row if mask is None else [t for t, m in zip(row, mask[i]) if m] for i, row in enumerate(prompt_ids.tolist())])
     while len(run):
         run.run_canvas()
     canvas = model.config.canvas_length

@@ -37,8 +37,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from ..decoding.diffusion_gemma import (SAMPLING_CHUNK_ELEMENTS, CanvasBatch, GenerationSettings, SeededDraws,
-                                       generate, load_generation_settings)
+from ..decoding.diffusion_gemma import SAMPLING_CHUNK_ELEMENTS, CanvasBatch, GenerationSettings, load_generation_settings
 from ..errors import UserError
 from ..hub import model_name, resolve_model
 from ..models.diffusion_gemma import MODEL_TYPE, DiffusionGemma, load_diffusion_gemma
@@ -392,22 +391,17 @@ class CanvasLLM:
         ``on_canvas(row, argmax_ids)``: as each row's canvas ends (stopped, or out of steps), the
         canvas it keeps (before EOS cuts it): what the server streams."""
         settings = batch[0].params.settings
-        width = max(len(r.prompt_ids) for r in batch)
-        pad = self.model.config.pad_token_id or 0
-        ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch], device=self.device)
-        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch],
-                            device=self.device)
         watcher = StepWatcher(settings.max_denoising_steps, on_canvas)
         for i, r in enumerate(batch):
             watcher.watch(i, r.params.record_steps, stream=True)
         start = time.perf_counter()
-        out = generate(self.model, ids, settings, SeededDraws([r.params.seed for r in batch]), attention_mask=mask,
-                       batch_invariant=True, observe=watcher if watcher.needed else None)
+        run = CanvasBatch(self.model, settings, None, observe=watcher)  # what generate(batch_invariant=True) runs
+        run.add([r.prompt_ids for r in batch], seeds=[r.params.seed for r in batch])
+        while len(run):
+            run.run_canvas()
         seconds = time.perf_counter() - start
-        tokens, steps = out.token_ids.tolist(), out.num_steps.tolist()  # the batch's one read back
-        traces = [watcher.traces.get(i) for i in range(len(batch))]
-        return [self.output(r, row, canvas_steps, seconds, trace)
-                for r, row, canvas_steps, trace in zip(batch, tokens, steps, traces)]
+        return [self.output(r, [t for c in row.token_ids for t in c], row.num_steps, seconds, watcher.traces.get(i))
+                for i, (r, row) in enumerate(zip(batch, run.rows))]
 
     def output(self, request: Request, row: list[int], canvas_steps: list[int], seconds: float,
                trace: list[CanvasStep] | None = None) -> RequestOutput:
@@ -469,6 +463,8 @@ class StepWatcher:
         return bool(self.streams) or bool(self.traces)
 
     def __call__(self, canvases: torch.Tensor, rows: torch.Tensor, state) -> None:
+        if not self.needed:  # nothing watched: no read at all
+            return
         values = zip(canvases.tolist(), rows.tolist(), state.canvas_ids.tolist(), state.accepted.tolist(),
                      state.argmax_ids.tolist(), state.num_steps.tolist(), state.finished.tolist())
         for canvas, row, ids, accepted, argmax, steps_run, finished in values:
@@ -500,17 +496,11 @@ class CanvasGroup:
         self.started: dict[int, float] = {}
         self.watcher = StepWatcher(key.max_denoising_steps,
                                    (lambda row, ids: on_canvas(self.requests[row], ids)) if on_canvas else None)
-        draws = SeededDraws([0])
-        draws.seeds = draws.seeds[:0]  # every row's seed comes with it (``add``)
         settings = dataclasses.replace(key, max_new_tokens=llm.settings.max_new_tokens)
-        self.run = CanvasBatch(llm.model, settings, draws, observe=self.observe)
+        self.run = CanvasBatch(llm.model, settings, None, observe=self.watcher)  # each row's seed comes with it
 
     def __len__(self) -> int:
         return len(self.requests)
-
-    def observe(self, canvases: torch.Tensor, rows: torch.Tensor, state) -> None:
-        if self.watcher.needed:  # else no read at all
-            self.watcher(canvases, rows, state)
 
     def fits(self, request: Request) -> bool:
         """Whether ``request`` may join: its settings, within ``max_num_seqs`` and the memory
