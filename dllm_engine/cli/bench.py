@@ -94,19 +94,10 @@ def check_canvas_bench(args: argparse.Namespace, defaults: dict) -> dict:
     """A DiffusionGemma checkpoint's specs (``diffusion-gemma[:field=value,...]``) parsed before
     any weight loads (``CanvasLLM.resolve`` checks their values against the checkpoint once it
     has); the engine variants, which its sampler does not run, refused naming them."""
-    from ..engine.canvas_llm import DOCS, MODEL_TYPE, parse_canvas_spec
-    variants = {"--compile": args.compile, "--fixed-shapes": args.fixed_shapes, "--compile-step": args.compile_step,
-                "--per-sequence-step": args.per_sequence_step, "--compare-quantization": args.compare_quantization,
-                "--tensor-parallel-size": getattr(args, "tensor_parallel_size", 1) != 1,
-                "--quantization": getattr(args, "quantization", None) is not None}
-    named = [flag for flag, on in variants.items() if on]
-    if named:
-        raise UserError(f"{', '.join(named)}: not available for {MODEL_TYPE} (its sampler runs in one process, "
-                        f"eager, unquantized; {DOCS})")
-    resolved = {}
-    for spec in args.methods:
-        try:
-            resolved[spec] = parse_canvas_spec(spec, **defaults)
-        except UserError as e:
-            raise UserError(f"spec {spec!r}: {e}") from None
-    return resolved
+    from ..bench.offline import resolve_specs
+    from ..engine.canvas_llm import parse_canvas_spec, refuse_options
+    refuse_options({"--compile": args.compile, "--fixed-shapes": args.fixed_shapes, "--compile-step": args.compile_step,
+                    "--per-sequence-step": args.per_sequence_step, "--compare-quantization": args.compare_quantization,
+                    "--tensor-parallel-size": getattr(args, "tensor_parallel_size", 1) != 1,
+                    "--quantization": getattr(args, "quantization", None) is not None})
+    return resolve_specs(args.methods, lambda params: params, defaults, parse_canvas_spec)

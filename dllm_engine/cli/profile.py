@@ -65,17 +65,12 @@ def profile_canvas_model(args: argparse.Namespace, examples) -> None:
     """``dllm profile`` of a DiffusionGemma checkpoint (``bench/canvas_profile.py``): its specs
     and options checked before the weights load."""
     from ..bench.canvas_profile import HEADER, run_canvas_profile, table
-    from ..engine.canvas_llm import DOCS, MODEL_TYPE, parse_canvas_spec
-    refused = {"--breakdown": args.breakdown, "--fixed-shapes": args.fixed_shapes, "--repeats": args.repeats != 1}
-    named = [flag for flag, on in refused.items() if on]
-    if named:
-        raise UserError(f"{', '.join(named)}: not available for {MODEL_TYPE}'s profile ({DOCS})")
+    from ..bench.offline import resolve_specs
+    from ..engine.canvas_llm import DOCS, MODEL_TYPE, parse_canvas_spec, refuse_options
+    refuse_options({"--breakdown": args.breakdown, "--fixed-shapes": args.fixed_shapes, "--repeats": args.repeats != 1},
+                   f"{MODEL_TYPE}'s profile", DOCS)
     defaults = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
-    for spec in args.methods:
-        try:
-            parse_canvas_spec(spec, **defaults)
-        except UserError as e:
-            raise UserError(f"spec {spec!r}: {e}") from None
+    resolve_specs(args.methods, lambda params: params, defaults, parse_canvas_spec)  # a bad spec fails here
     llm = common.load_llm(args)
     prompts = [llm.check_ids(llm.apply_chat_template(e.chat())) for e in examples]
     print(f"model: {args.model}  prompts: {len(examples)}  {workload(args, examples)}  device: {args.device}  "

@@ -144,13 +144,9 @@ class CanvasLLM:
                  fixed_shapes: bool = False, compile_step: bool = False, revision: str | None = None,
                  seed: int | None = 0, kv_cache_memory=None, gpu_memory_utilization: float = 0.9,
                  quantization: str | None = None, prefix_cache: bool = True, path=None) -> None:
-        refused = {"tensor_parallel_size": tensor_parallel_size != 1, "compile": compile,
-                   "fixed_shapes": fixed_shapes, "compile_step": compile_step,
-                   "quantization": quantization is not None}
-        named = [name for name, given in refused.items() if given]
-        if named:
-            raise UserError(f"{', '.join(named)}: not available for {MODEL_TYPE} yet (its sampler runs in one "
-                            f"process, eager, unquantized; {DOCS})")
+        refuse_options({"tensor_parallel_size": tensor_parallel_size != 1, "compile": compile,
+                        "fixed_shapes": fixed_shapes, "compile_step": compile_step,
+                        "quantization": quantization is not None})
         if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
             raise UserError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         self.device = parse_device(device)
@@ -422,6 +418,15 @@ class CanvasLLM:
         return RequestOutput(prompt_token_ids=list(request.prompt_ids), token_ids=ids, text=text, stats=stats,
                              finish_reason="stop" if stopped else "length",
                              steps=trace, canvas_steps=ran)
+
+
+def refuse_options(given: dict[str, bool], what: str = f"{MODEL_TYPE} yet",
+                   why: str = f"its sampler runs in one process, eager, unquantized; {DOCS}") -> None:
+    """A ``UserError`` naming every option in ``given`` that is set (True): not available for
+    ``what``, because ``why``. The options' names as the caller spells them (``compile``, ``--compile``)."""
+    named = [name for name, on in given.items() if on]
+    if named:
+        raise UserError(f"{', '.join(named)}: not available for {what} ({why})")
 
 
 def parse_canvas_spec(spec: str, **defaults) -> SamplingParams:
