@@ -173,23 +173,15 @@ def sampling_params(args: argparse.Namespace) -> "SamplingParams":
                   threshold=args.threshold, factor=args.factor, temperature=args.temperature,
                   remasking=args.remasking, cfg_scale=args.cfg_scale,
                   stop_at_eos=args.stop_at_eos)
-    from ..engine.canvas_llm import parse_canvas_spec
-    from ..spec import parse_spec
-    parse = parse_canvas_spec if canvas_method(args) else parse_spec  # DiffusionGemma's sampler: its fields
-    return parse(args.method or "", **fields)  # a spec's own fields (method:field=value) win
-
-
-def canvas_method(args: argparse.Namespace) -> bool:
-    """Whether ``--method`` names DiffusionGemma's sampler (``diffusion-gemma[:field=value]``)."""
-    from ..engine.canvas_llm import METHOD
-    return (args.method or "").partition(":")[0] == METHOD
+    from ..engine.canvas_llm import parse_any_spec  # DiffusionGemma's sampler: its own fields
+    return parse_any_spec(args.method or "", **fields)  # a spec's own fields (method:field=value) win
 
 
 def check_method_family(args: argparse.Namespace, llm) -> None:
     """``--method diffusion-gemma`` on a masked-diffusion checkpoint (or a masked-diffusion
     method on DiffusionGemma's, which ``CanvasLLM.resolve`` refuses): a ``UserError`` naming both."""
-    from ..engine.canvas_llm import METHOD, CanvasLLM
-    if canvas_method(args) and not isinstance(llm, CanvasLLM):
+    from ..engine.canvas_llm import METHOD, CanvasLLM, is_canvas_spec
+    if is_canvas_spec(args.method) and not isinstance(llm, CanvasLLM):
         raise UserError(f"--method {METHOD} is DiffusionGemma's sampler; {args.model} is a {llm.model_type} "
                         f"checkpoint: its methods are {', '.join(llm.methods)}")
 

@@ -41,10 +41,9 @@ def run_playground(args: argparse.Namespace) -> None:
     import_gradio()  # before the model loads
     set_threads(args.threads)
     if args.methods:
-        from ..engine.canvas_llm import METHOD, parse_canvas_spec
-        from ..spec import parse_spec
+        from ..engine.canvas_llm import parse_any_spec
         for spec in args.methods:  # a typo fails here, not in the page
-            (parse_canvas_spec if spec.partition(":")[0] == METHOD else parse_spec)(spec)
+            parse_any_spec(spec)
     from ..playground.app import build_app, example_prompts, launch
     examples = example_prompts(args.prompts) if args.prompts else None  # a bad file fails before the model loads
     llm = common.load_llm(args)

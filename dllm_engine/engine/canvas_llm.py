@@ -429,6 +429,18 @@ def refuse_options(given: dict[str, bool], what: str = f"{MODEL_TYPE} yet",
         raise UserError(f"{', '.join(named)}: not available for {what} ({why})")
 
 
+def is_canvas_spec(spec: str | None) -> bool:
+    """Whether ``spec`` names this family's sampler (``diffusion-gemma[:field=value,...]``)."""
+    return (spec or "").strip().partition(":")[0] == METHOD
+
+
+def parse_any_spec(spec: str, **defaults) -> SamplingParams:
+    """``spec`` as the family it names reads it: ``parse_canvas_spec`` for this family's
+    sampler, ``spec.parse_spec`` for a masked-diffusion method (what the command line and the
+    playground take before any model loads)."""
+    return (parse_canvas_spec if is_canvas_spec(spec) else parse_spec)(spec, **defaults)
+
+
 def parse_canvas_spec(spec: str, **defaults) -> SamplingParams:
     """``diffusion-gemma[:field=value,...]`` (the fields ``CanvasLLM.resolve`` reads, e.g.
     ``steps``, ``seed``) as ``SamplingParams`` with no method: what a bench, the playground or
