@@ -83,13 +83,16 @@ class PaneRun(RecordedRun):
         return -(-(self.prompt_len + p.max_new_tokens) // p.block_length) * p.block_length - self.prompt_len
 
 
+def answer_message(llm, params, message: str, chat: bool) -> RequestOutput:
+    """``message`` generated with ``params``, as a one-turn chat when ``chat`` (any family's LLM)."""
+    if chat:
+        return llm.chat([{"role": "user", "content": message}], params)[0]
+    return llm.generate([message], params)[0]
+
+
 def run_pane(llm: LLM, spec: str, params: SamplingParams, message: str, chat: bool) -> PaneRun:
     """Generate ``message`` (as a one-turn chat when ``chat``) with ``params``."""
-    if chat:
-        out = llm.chat([{"role": "user", "content": message}], params)[0]
-    else:
-        out = llm.generate([message], params)[0]
-    return PaneRun(spec, params, out, llm.token_ids.stop_ids)
+    return PaneRun(spec, params, answer_message(llm, params, message, chat), llm.token_ids.stop_ids)
 
 
 # -- replay ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import html
 from dataclasses import dataclass, field
 
 from ..engine.canvas_llm import METHOD, CanvasLLM, CanvasParams, parse_canvas_spec
-from .canvas import RecordedRun, token_label
+from .canvas import RecordedRun, answer_message, token_label
 
 LEGEND = ('<span class="slot mask">\u00b7</span> not drawn yet · <span class="slot tok noise">w</span> '
           'noise (a draw not accepted, renoised) · <span class="slot tok acc">w</span> accepted this step · '
@@ -75,11 +75,7 @@ class CanvasPaneRun(RecordedRun):
 
 def run_canvas_pane(llm: CanvasLLM, spec: str, params: CanvasParams, message: str, chat: bool) -> CanvasPaneRun:
     """Generate ``message`` (as a one-turn chat when ``chat``) with ``params`` (recording steps)."""
-    if chat:
-        out = llm.chat([{"role": "user", "content": message}], params)[0]
-    else:
-        out = llm.generate([message], params)[0]
-    run = CanvasPaneRun(spec, params, out, llm.stop_ids(params))
+    run = CanvasPaneRun(spec, params, answer_message(llm, params, message, chat), llm.stop_ids(params))
     if llm.tokenizer is not None:
         shown = {t for s in run.steps for t in (*s.token_ids, *s.argmax_ids)}
         run.texts = {t: llm.tokenizer.decode([t], skip_special_tokens=False) for t in shown}
