@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UserError
+from .kernels import grouped_mm_fits
 from .layers import RMSNorm, apply_rope, grouped_heads
 from .loader import named_tensors, open_weights, parse_device, read_json, resolve_dtype, weight_files
 
@@ -296,18 +297,31 @@ class GemmaExperts(nn.Module):
         nn.init.normal_(self.down_proj, std=0.02)
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        """x [N, d]: sort the (token, expert) pairs by expert, one matmul chain per active
-        expert, then each token's k outputs summed in a fixed order (batch-invariant)."""
+        """x [N, d]: sort the (token, expert) pairs by expert, run every expert on its pairs,
+        then each token's k outputs summed in a fixed order (batch-invariant). Where the device
+        has a grouped GEMM for these shapes (``grouped_mm_fits``) the experts run as two grouped
+        matmuls whose group ends stay on the device: no host read, the same ops whatever the
+        routing. Elsewhere one matmul chain per active expert, sized by one host read."""
         n, k = experts.shape
         if n == 0:
             return torch.zeros_like(x)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # [N*k] pair ids grouped by expert
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # one host read
         tokens = x[order // k]  # [N*k, d], sorted by expert
-        outs = [self.expert(e, chunk) for e, chunk in enumerate(tokens.split(counts)) if counts[e]]
+        # pairs per expert, counted on the device (bincount on CUDA reads its input's max first)
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.long, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        if grouped_mm_fits(tokens, self.gate_up_proj, self.down_proj):
+            ends = counts.cumsum(0).to(torch.int32)
+            gate, up = F.grouped_mm(tokens, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+            sorted_out = F.grouped_mm(F.gelu(gate, approximate="tanh") * up, self.down_proj.transpose(1, 2),
+                                      offs=ends)
+        else:
+            sizes = counts.tolist()  # one host read
+            sorted_out = torch.cat([self.expert(e, chunk) for e, chunk in enumerate(tokens.split(sizes))
+                                    if sizes[e]])
         pairs = torch.empty_like(tokens)
-        pairs[order] = torch.cat(outs)  # back to pair order
+        pairs[order] = sorted_out  # back to pair order
         return (pairs.view(n, k, -1).float() * weights[..., None]).sum(1).to(x.dtype)
 
     def expert(self, e: int, tokens: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from ..errors import UserError
 from .family import Family
+from .kernels import torch_at_least
 from .layers import DiffusionLM, Router
 from .parallel import Shard, check_shardable, read_slices
 from .quantize import check_quantization, quantize_model
@@ -74,13 +75,6 @@ def stored_dtype(folder: Path) -> torch.dtype | None:
 # the oldest torch whose CUDA build has every op the engine uses: nonzero_static on CUDA (2.6;
 # SDPA's enable_gqa is 2.5, torch.compile's mark_static_address(guard=False) older)
 TORCH_FLOOR = (2, 6)
-
-
-def torch_at_least(floor: tuple[int, int], version: str = torch.__version__) -> bool:
-    """Whether ``version`` (torch's, e.g. ``2.13.0+cpu``) is at least ``floor``, compared as
-    numbers (as strings, "2.13" sorts before "2.5")."""
-    numbers = version.split("+")[0].split(".")[:2]
-    return tuple(int("".join(c for c in n if c.isdigit()) or 0) for n in numbers) >= floor
 
 
 def check_torch(version: str = torch.__version__) -> None:
