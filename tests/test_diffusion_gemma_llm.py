@@ -8,6 +8,7 @@ Its answers are the sampler's on the batches it forms (``batched``), not a promp
 draws, positions and stops of a row do not depend on the rows beside it, but the kernels' rounding
 does (a vectorised kernel's scalar tail falls elsewhere in a longer tensor), and self-conditioning
 amplifies it step after step (docs/models/diffusion-gemma.md#batch-invariance)."""
+import importlib.util
 import json
 import random
 import re
@@ -22,6 +23,8 @@ from dllm_engine.cli import main
 from dllm_engine.decoding.diffusion_gemma import SeededDraws, generate, load_generation_settings
 from dllm_engine.engine.canvas_llm import METHOD, CanvasLLM, Request
 from dllm_engine.errors import UserError
+from dllm_engine.models.diffusion_gemma import load_diffusion_gemma
+from dllm_engine.models.loader import named_tensors
 from dllm_engine.sampling_params import ParamError
 from dllm_engine.seeds import choice_seeds
 from fixtures import serving
@@ -212,10 +215,44 @@ def test_out_of_memory_halves_the_batch_and_lowers_the_budget(folder, llm, monke
 
 
 def test_engine_options_that_do_not_apply_are_refused(folder):
-    with pytest.raises(UserError, match="compile, quantization: not available for diffusion_gemma yet"):
-        LLM(folder, compile=True, quantization="int8")
+    with pytest.raises(UserError, match="compile, fixed_shapes: not available for diffusion_gemma yet"):
+        LLM(folder, compile=True, fixed_shapes=True)
+    with pytest.raises(UserError, match="quantization int4 runs on CUDA only"):
+        LLM(folder, quantization="int4")
     with pytest.raises(UserError, match="prompt token 96 is not an id in"):
         LLM(folder).generate([3, 96])
+
+
+def test_int8_quantizes_the_linear_layers_and_the_stacked_experts_on_load(folder, llm):
+    """Every linear layer but the routers' and every stacked expert weight become torchao's int8
+    tensors (the embedding, the tied head, norms and routers stay); the logits are those of the
+    same model holding the dequantized weights, and the sampler runs on them, seeded."""
+    pytest.importorskip("torchao")
+    from dllm_engine.models.quantize import linears, weight_bytes
+    quant = LLM(folder, quantization="int8")
+    model, layers = quant.model, len(quant.model.layers)
+    assert model.quantization.describe() == f"int8: {len(linears(model))} linear layers quantized, " \
+                                             f"{2 * layers} stacked expert weights"
+    assert all(type(layer.experts.down_proj.data) is not torch.Tensor for layer in model.layers)
+    assert all(type(layer.router.proj.weight.data) is torch.Tensor for layer in model.layers)
+    assert weight_bytes(model) < 0.5 * weight_bytes(llm.model)
+    plain = load_diffusion_gemma(folder)  # the same weights, each quantized one replaced by its dequantization
+    plain_tensors = named_tensors(plain)
+    with torch.no_grad():
+        for name, tensor in named_tensors(model).items():
+            if type(tensor.data) is not torch.Tensor:
+                plain_tensors[name].copy_(tensor.dequantize())
+    ids, canvas = torch.tensor([[2, 5, 6, 7, 8]]), torch.tensor([[5, 9, 13, 17, 21, 25]])
+    caches = [m.new_cache() for m in (model, plain)]
+    for m, cache in zip((model, plain), caches):
+        m.encode(ids, cache)
+    got, want = (m.decode(canvas, cache) for m, cache in zip((model, plain), caches))
+    assert torch.allclose(got, want, atol=1e-4) and not torch.allclose(got, llm.model.decode(canvas, caches[1]),
+                                                                        atol=1e-4)
+    rows = prompts(3)
+    first = quant.generate(rows, SamplingParams(seed=1))
+    assert [o.token_ids for o in first] == [o.token_ids for o in quant.generate(rows, SamplingParams(seed=1))]
+    assert all(o.stats.nfe > 0 for o in first)
 
 
 def test_dllm_generate_runs_it(folder, capsys):
@@ -263,6 +300,11 @@ def test_dllm_bench_measures_its_sampler_at_each_batch_size(folder, llm, tmp_pat
             o.stats.decoded_tokens for o in outs)
         assert row["throughput"] > 0 and row["seconds"] > 0
     with_flags = ["bench", "--model", str(folder), "--methods", METHOD, "--prompts", str(file), "--out", str(out / "x")]
+    if importlib.util.find_spec("torchao") is not None:  # int8 beside the checkpoint's weights, one model
+        assert main([*with_flags, "--compare-quantization", "int8", "--batch-sizes", "1", "--threads", "1"]) == 0
+        plain, int8 = json.loads((out / "x" / "results.json").read_text())
+        assert (plain["method"], int8["method"]) == (METHOD, f"{METHOD} [int8]")
+        assert 0 < int8["weight_mb"] < 0.5 * plain["weight_mb"] and int8["output_tokens"] > 0
     assert main([*with_flags, "--compile"]) == 2
     assert "--compile: not available for diffusion_gemma" in capsys.readouterr().err
     assert main(["bench", "--model", str(folder), "--methods", "block", "--prompts", str(file),

@@ -145,9 +145,8 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
                              prefix_cache=args.prefix_cache)
     defaults = sampling_params(args)
     # reads no weights (an id is fetched here once); refuses a bad default, and what a canvas
-    # model (DiffusionGemma) does not run (compiling, fixed shapes, quantization) before any replica starts
-    canvas = {"compile": args.compile, "fixed_shapes": args.fixed_shapes, "compile_step": args.compile_step,
-              "quantization": args.quantization}
+    # model (DiffusionGemma) does not run (compiling, fixed shapes) before any replica starts
+    canvas = {"compile": args.compile, "fixed_shapes": args.fixed_shapes, "compile_step": args.compile_step}
     front = LLM(model, dtype=args.dtype, device="meta", revision=args.revision, seed=args.seed,
                 **(canvas if is_canvas_checkpoint(resolve_model(model, args.revision)) else {}))
     common.check_method_family(args, front)

@@ -12,7 +12,8 @@ self-conditioning, makes of them (docs/models/diffusion-gemma.md#batch-invarianc
 ``LLM``'s (``generate``, ``chat``, ``resolve``, ``seeds``, ``tokenizer``, ``GenerateResult`` of
 ``RequestOutput`` with ``SequenceStats``, ``record_steps`` traces as ``CanvasStep``s); what does
 not apply to this family (another method, a temperature, logprobs, tensor parallelism,
-compiling, fixed shapes, quantization) is refused up front, naming it.
+compiling, fixed shapes) is refused up front, naming it. ``quantization="int8"`` quantizes the
+linear layers and the stacked experts on load, as for the other families (``models/quantize.py``).
 
 Memory: ``kv_cache_memory`` (or on CUDA by default ``gpu_memory_utilization`` of the device less
 the weights, as ``LLM``'s budget) caps each batch's bytes as ``batch_bytes`` counts them: per row
@@ -145,8 +146,7 @@ class CanvasLLM:
                  seed: int | None = 0, kv_cache_memory=None, gpu_memory_utilization: float = 0.9,
                  quantization: str | None = None, prefix_cache: bool = True, path=None) -> None:
         refuse_options({"tensor_parallel_size": tensor_parallel_size != 1, "compile": compile,
-                        "fixed_shapes": fixed_shapes, "compile_step": compile_step,
-                        "quantization": quantization is not None})
+                        "fixed_shapes": fixed_shapes, "compile_step": compile_step})
         if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
             raise UserError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         self.device = parse_device(device)
@@ -156,7 +156,8 @@ class CanvasLLM:
         self.name = model_name(model)
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
-        self.model: DiffusionGemma = load_diffusion_gemma(self.path, dtype=dtype, device=self.device)
+        self.model: DiffusionGemma = load_diffusion_gemma(self.path, dtype=dtype, device=self.device,
+                                                             quantization=quantization)
         # bytes a batch may take (None: no cap, a CPU's default): after the weights, as LLM's
         self.budget = memory_budget(self.device, parse_bytes(kv_cache_memory), gpu_memory_utilization)
         cfg = self.model.config
@@ -421,7 +422,7 @@ class CanvasLLM:
 
 
 def refuse_options(given: dict[str, bool], what: str = f"{MODEL_TYPE} yet",
-                   why: str = f"its sampler runs in one process, eager, unquantized; {DOCS}") -> None:
+                   why: str = f"its sampler runs in one process, eager; {DOCS}") -> None:
     """A ``UserError`` naming every option in ``given`` that is set (True): not available for
     ``what``, because ``why``. The options' names as the caller spells them (``compile``, ``--compile``)."""
     named = [name for name, on in given.items() if on]

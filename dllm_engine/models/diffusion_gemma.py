@@ -47,6 +47,7 @@ from ..errors import UserError
 from .kernels import grouped_mm_fits
 from .layers import RMSNorm, apply_rope, grouped_heads
 from .loader import named_tensors, open_weights, parse_device, read_json, resolve_dtype, weight_files
+from .quantize import check_quantization, quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +288,8 @@ class GemmaRouter(nn.Module):
 class GemmaExperts(nn.Module):
     """The routed experts, stacked as the checkpoint stores them: ``gate_up_proj`` [E, 2I, d]
     (gate rows first), ``down_proj`` [E, d, I]."""
+
+    STACKED = ("gate_up_proj", "down_proj")  # what weight-only quantization takes (models/quantize.py)
 
     def __init__(self, cfg: DiffusionGemmaConfig) -> None:
         super().__init__()
@@ -646,13 +649,16 @@ def check_shape(name: str, shape: tuple, param: Tensor) -> None:
 
 
 def load_diffusion_gemma(path: str | Path, dtype: str | torch.dtype = "float32",
-                         device: str | torch.device = "cpu", revision: str | None = None) -> DiffusionGemma:
+                         device: str | torch.device = "cpu", revision: str | None = None,
+                         quantization: str | None = None) -> DiffusionGemma:
     """A released-layout DiffusionGemma folder (config.json with ``text_config``, safetensors
     shards), or a Hugging Face id (``google/diffusiongemma-26B-A4B-it``, at ``revision``: from
     the cache, downloaded when missing, as every family's ids: ``hub.resolve_model``), as a
     ``DiffusionGemma``, without transformers or remote code. Built on the meta device,
     allocated once in ``dtype`` on ``device``, then filled tensor by tensor; on the ``meta``
-    device nothing is read (config and shapes only). ``dtype`` ``"auto"``: the checkpoint's."""
+    device nothing is read (config and shapes only). ``dtype`` ``"auto"``: the checkpoint's.
+    ``quantization`` (``"int8"`` / ``"int4"``): checked before any weight is read, applied once
+    they are (``models/quantize.py``; ``model.quantization`` reports what it quantized)."""
     from ..hub import resolve_model
     folder = resolve_model(path, revision)
     device = parse_device(device)
@@ -662,9 +668,11 @@ def load_diffusion_gemma(path: str | Path, dtype: str | torch.dtype = "float32",
     except KeyError as e:
         raise UserError(f"{folder / 'config.json'}: missing key {e} (needed by {MODEL_TYPE})") from None
     dtype = resolve_dtype(dtype, hf, folder)
+    quantization = check_quantization(quantization, device, dtype)
     with torch.device("meta"):
         model = DiffusionGemma(cfg)
     model.to(dtype)
+    model.quantization = None
     if device.type == "meta":
         return model.eval()
     plan = weight_plan(folder, model)
@@ -675,6 +683,8 @@ def load_diffusion_gemma(path: str | Path, dtype: str | torch.dtype = "float32",
             with open_weights(file) as f:
                 for ckpt, ours in items:
                     params[ours].copy_(f.get_tensor(ckpt))
+    if quantization is not None:
+        model.quantization = quantize_model(model, quantization)
     return model.eval()
 
 

@@ -3,9 +3,11 @@
 
 The checkpoint's own weights are read as usual (bf16 / fp32), then every linear layer of the
 stack — attention projections, dense MLPs, every MoE expert and shared expert — is replaced in
-place by torchao's quantized tensor. Left as they are: the embedding, the LM head (the logits'
-precision sets the confidences every commit rule reads, and a tied head is the embedding),
-norms and MoE routers (fp32 by design). Under tensor parallelism each rank quantizes the slices
+place by torchao's quantized tensor, and so are experts stored stacked (DiffusionGemma's
+``[experts, out, in]`` parameters, named by their module's ``STACKED``; int8 only, one scale per
+expert and output row: torchao's int4 layout packs 2-D weights). Left as they are: the
+embedding, the LM head (the logits' precision sets the confidences every commit rule reads, and
+a tied head is the embedding), norms and MoE routers (fp32 by design). Under tensor parallelism each rank quantizes the slices
 it holds: a row-parallel slice gets its own per-row scales, so tokens can differ from one process
 in the last bits, as they do for any TP split.
 
@@ -35,10 +37,15 @@ class QuantizeReport:
     method: str
     quantized: int  # linear layers replaced
     kept: int  # linear layers the method's layout cannot take, left in the model's dtype
+    stacked: int = 0  # stacked expert weights quantized
+    stacked_kept: int = 0  # stacked expert weights the method cannot take (int4), left as they are
 
     def describe(self) -> str:
         kept = f", {self.kept} kept in the model's dtype (shape)" if self.kept else ""
-        return f"{self.method}: {self.quantized} linear layers quantized{kept}"
+        stacked = f", {self.stacked} stacked expert weights" if self.stacked else ""
+        if self.stacked_kept:
+            stacked += f", {self.stacked_kept} stacked expert weights kept in the model's dtype (layout)"
+        return f"{self.method}: {self.quantized} linear layers quantized{kept}{stacked}"
 
 
 def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype | None) -> str | None:
@@ -107,32 +114,47 @@ def config(method: str):
 
 
 def linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """The linear layers quantization replaces: all but the LM head."""
+    """The linear layers quantization replaces: all but the LM head and a router's projection."""
     return {name: m for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and name.split(".")[-1] != "lm_head"}
+            if isinstance(m, nn.Linear) and name.split(".")[-1] != "lm_head" and ".router." not in f".{name}."}
+
+
+def stacked_experts(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Experts stored as one ``[experts, out, in]`` parameter each (a module's ``STACKED``
+    names them): full name -> (module, attribute)."""
+    return {f"{name}.{attr}" if name else attr: (m, attr) for name, m in model.named_modules()
+            for attr in getattr(m, "STACKED", ())}
 
 
 def quantize_model(model: nn.Module, method: str) -> QuantizeReport:
-    """Quantize ``model``'s linear layers in place (see the module docstring for which)."""
+    """Quantize ``model``'s linear layers and stacked experts in place (see the module
+    docstring for which)."""
     lib = torchao()
     found = linears(model)
     chosen = {name for name, m in found.items() if takes(method, m)}
+    stacks = stacked_experts(model) if method == "int8" else {}
     with quiet_import(), torch.no_grad():
         lib.quantization.quantize_(model, config(method), filter_fn=lambda m, name: name in chosen)
-    return QuantizeReport(method, len(chosen), len(found) - len(chosen))
+        if stacks:
+            from torchao.quantization import FqnToConfig
+            lib.quantization.quantize_(model, FqnToConfig({name: config(method) for name in stacks}),
+                                       filter_fn=None)
+    return QuantizeReport(method, len(chosen), len(found) - len(chosen), len(stacks),
+                          len(stacked_experts(model)) - len(stacks))
 
 
 def quantize_reversibly(model: nn.Module, method: str):
     """Quantize ``model`` in place and return a function that puts its original weights back
     (``dllm bench --compare-quantization``: one model measured both ways in one run; the
     original weights stay in memory meanwhile)."""
-    originals = {m: m.weight for m in linears(model).values()}
+    originals = [(m, "weight") for m in linears(model).values()] + list(stacked_experts(model).values())
+    weights = [getattr(m, attr) for m, attr in originals]
     before = getattr(model, "quantization", None)
     model.quantization = quantize_model(model, method)
 
     def restore() -> None:
-        for m, weight in originals.items():
-            m.weight = weight
+        for (m, attr), weight in zip(originals, weights):
+            setattr(m, attr, weight)
         model.quantization = before
     return restore
 
