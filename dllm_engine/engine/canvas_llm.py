@@ -31,6 +31,7 @@ import json
 import logging
 import numbers
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -48,7 +49,7 @@ from ..seeds import SeedStream
 from ..spec import parse_spec
 from ..tokenizer import load_tokenizer
 from . import host_memory
-from .llm import PROGRESS_DELAY_S, GenerateResult, RequestOutput, memory_budget, parse_bytes, prompt_list
+from .llm import PROGRESS_DELAY_S, GenerateResult, RequestOutput, check_options, memory_budget, parse_bytes, prompt_list
 from .sequence import SequenceStats
 
 log = logging.getLogger(__name__)
@@ -138,15 +139,14 @@ class CanvasLLM:
     family = MODEL_TYPE
     model_type = MODEL_TYPE  # what /v1/models reports
     methods = (METHOD,)
-    parallel = None  # one process (LLM's tensor-parallel handle)
 
     def __init__(self, model, dtype: str = "auto", device: str = "cpu", max_num_seqs: int = 256,
                  keep_freed_memory: bool = False, tensor_parallel_size: int = 1, compile: bool = False,
                  fixed_shapes: bool = False, compile_step: bool = False, revision: str | None = None,
                  seed: int | None = 0, kv_cache_memory=None, gpu_memory_utilization: float = 0.9,
                  quantization: str | None = None, prefix_cache: bool = True, path=None) -> None:
-        refuse_options({"tensor_parallel_size": tensor_parallel_size != 1, "compile": compile,
-                        "fixed_shapes": fixed_shapes, "compile_step": compile_step})
+        refuse_options({"compile": compile, "fixed_shapes": fixed_shapes, "compile_step": compile_step})
+        check_options(device, tensor_parallel_size, False, False, quantization)
         if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
             raise UserError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         self.device = parse_device(device)
@@ -156,8 +156,16 @@ class CanvasLLM:
         self.name = model_name(model)
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
-        self.model: DiffusionGemma = load_diffusion_gemma(self.path, dtype=dtype, device=self.device,
-                                                             quantization=quantization)
+        self.parallel = None  # tensor parallelism: rank 0's handle (engine/canvas_parallel.py)
+        if tensor_parallel_size > 1 and self.device.type != "meta":
+            from .parallel import TensorParallel, Weights
+            self.parallel = TensorParallel.start(Weights(str(self.path), dtype, quantization), self.device,
+                                                 tensor_parallel_size, keep_freed_memory)
+            weakref.finalize(self, self.parallel.close)
+            self.model: DiffusionGemma = self.parallel.model
+            self.device = self.model.embed_tokens.weight.device
+        else:
+            self.model = load_diffusion_gemma(self.path, dtype=dtype, device=self.device, quantization=quantization)
         # bytes a batch may take (None: no cap, a CPU's default): after the weights, as LLM's
         self.budget = memory_budget(self.device, parse_bytes(kv_cache_memory), gpu_memory_utilization)
         cfg = self.model.config
@@ -165,7 +173,17 @@ class CanvasLLM:
         self.settings = load_generation_settings(self.path, cfg.eos_token_ids, cfg.pad_token_id)
 
     def close(self) -> None:
-        """Nothing to release (one process): ``LLM``'s surface."""
+        """Stop the tensor-parallel workers (nothing to do in one process)."""
+        if self.parallel is not None:
+            self.parallel.close()
+
+    def new_batch(self, settings: GenerationSettings, observe=None) -> CanvasBatch:
+        """A sampler run (``CanvasBatch``) on this model; under tensor parallelism one every
+        rank runs alike (``canvas_parallel.MirroredBatch``)."""
+        if self.parallel is None:
+            return CanvasBatch(self.model, settings, None, observe=observe)
+        from .canvas_parallel import MirroredBatch
+        return MirroredBatch(self.parallel, self.model, settings, observe=observe)
 
     def __enter__(self) -> CanvasLLM:
         return self
@@ -392,7 +410,7 @@ class CanvasLLM:
         for i, r in enumerate(batch):
             watcher.watch(i, r.params.record_steps, stream=True)
         start = time.perf_counter()
-        run = CanvasBatch(self.model, settings, None, observe=watcher)  # what generate(batch_invariant=True) runs
+        run = self.new_batch(settings, observe=watcher)  # what generate(batch_invariant=True) runs
         run.add([r.prompt_ids for r in batch], seeds=[r.params.seed for r in batch])
         while len(run):
             run.run_canvas()
@@ -515,7 +533,7 @@ class CanvasGroup:
         self.watcher = StepWatcher(key.max_denoising_steps,
                                    (lambda row, ids: on_canvas(self.requests[row], ids)) if on_canvas else None)
         settings = dataclasses.replace(key, max_new_tokens=llm.settings.max_new_tokens)
-        self.run = CanvasBatch(llm.model, settings, None, observe=self.watcher)  # each row's seed comes with it
+        self.run = llm.new_batch(settings, observe=self.watcher)  # each row's seed comes with it
 
     def __len__(self) -> int:
         return len(self.requests)

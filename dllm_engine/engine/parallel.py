@@ -170,17 +170,19 @@ class TensorParallel:
         self.model, self.channel, self.procs = model, channel, procs
         self.owns_group = owns_group
         self.size = model.shard.size
-        self.runner = ParallelRunner(model, self)
+        # the masked families' steps go through a runner; a canvas model's sampler mirrors its
+        # batches instead (engine/canvas_parallel.py)
+        self.runner = ParallelRunner(model, self) if isinstance(model, DiffusionLM) else None
         self.error: str | None = None
         self.closed = False
+        self.released: list[int] = []  # ids of mirrored objects rank 0 let go (engine/canvas_parallel.py)
 
     # -- starting ----------------------------------------------------------------------------
     @classmethod
     def start(cls, weights: Weights, device: str | torch.device, size: int,
               keep_freed_memory: bool = False) -> "TensorParallel":
         """Rank 0 of ``size`` ranks: spawn the workers, or join torchrun's group."""
-        _, _, cfg = read_config(weights.path)
-        check_shardable(cfg, size)  # before any process starts
+        check_weights_shardable(weights.path, size)  # before any process starts
         device = parse_device(device)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             return cls.join_torchrun(weights, device, size)
@@ -311,9 +313,26 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
     return device
 
 
+def check_weights_shardable(path: str, size: int) -> None:
+    """The checkpoint's shapes split over ``size`` ranks (its family's rule), read from its
+    config alone."""
+    from .canvas_llm import is_canvas_checkpoint
+    if is_canvas_checkpoint(path):
+        from ..models.diffusion_gemma import check_shardable as check_canvas, load_diffusion_gemma
+        check_canvas(load_diffusion_gemma(path, device="meta").config, size)
+        return
+    _, _, cfg = read_config(path)
+    check_shardable(cfg, size)
+
+
 def load_shard(weights: Weights, device, rank: int, size: int) -> tuple[DiffusionLM | None, str | None]:
+    from .canvas_llm import is_canvas_checkpoint
     try:
         shard = Shard(rank, size, dist.group.WORLD)
+        if is_canvas_checkpoint(weights.path):
+            from ..models.diffusion_gemma import load_diffusion_gemma
+            return load_diffusion_gemma(weights.path, dtype=weights.dtype, device=device, shard=shard,
+                                        quantization=weights.quantization), None
         return load_model(weights.path, dtype=weights.dtype, device=device, shard=shard,
                           quantization=weights.quantization), None
     except Exception as e:  # reported to rank 0, which raises it
@@ -413,7 +432,11 @@ def serve_rank(weights: Weights, device: torch.device, rank: int, size: int) -> 
     if gather_errors(channel.group, error):
         return
     try:
-        Worker(model, channel).serve()
+        if isinstance(model, DiffusionLM):
+            Worker(model, channel).serve()
+        else:  # a canvas model (DiffusionGemma): the sampler's batches, mirrored
+            from .canvas_parallel import CanvasWorker
+            CanvasWorker(model, channel).serve()
     except Exception as e:  # rank 0 is gone or a step failed here: rank 0 reports it
         print(f"dllm tensor-parallel rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
 

@@ -47,6 +47,7 @@ from ..errors import UserError
 from .kernels import grouped_mm_fits
 from .layers import RMSNorm, apply_rope, grouped_heads
 from .loader import named_tensors, open_weights, parse_device, read_json, resolve_dtype, weight_files
+from .parallel import ColumnParallelLinear, RowParallelLinear, Shard, mark, read_slices
 from .quantize import check_quantization, quantize_model
 
 log = logging.getLogger(__name__)
@@ -252,13 +253,20 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class GatedMLP(nn.Module):
-    """GeGLU: down(gelu_tanh(gate x) * up x)."""
+    """GeGLU: down(gelu_tanh(gate x) * up x). With a ``shard``: this rank's slice of the
+    intermediate features, the partial outputs summed over ranks (one all-reduce)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, shard: Shard | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        if shard is None:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+            return
+        part = [(intermediate_size, *shard.part(intermediate_size))]
+        self.gate_proj = ColumnParallelLinear(hidden_size, part, bias=False)
+        self.up_proj = ColumnParallelLinear(hidden_size, part, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, shard)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
@@ -291,13 +299,21 @@ class GemmaExperts(nn.Module):
 
     STACKED = ("gate_up_proj", "down_proj")  # what weight-only quantization takes (models/quantize.py)
 
-    def __init__(self, cfg: DiffusionGemmaConfig) -> None:
+    def __init__(self, cfg: DiffusionGemmaConfig, shard: Shard | None = None) -> None:
+        """With a ``shard`` (expert parallelism): this rank's ``num_experts / size`` whole
+        experts, [first, first + local); the router stays whole on every rank, each rank runs
+        the pairs routed to its experts and the outputs are summed over ranks (one all-reduce)."""
         super().__init__()
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
-        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.shard = shard
+        self.first, end = (0, e) if shard is None else shard.part(e)
+        self.gate_up_proj = nn.Parameter(torch.empty(end - self.first, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.empty(end - self.first, d, i))
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
+        if shard is not None:
+            mark(self.gate_up_proj, (e, 2 * i, d), [(0, self.first, end)])
+            mark(self.down_proj, (e, d, i), [(0, self.first, end)])
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """x [N, d]: sort the (token, expert) pairs by expert, run every expert on its pairs,
@@ -308,24 +324,37 @@ class GemmaExperts(nn.Module):
         n, k = experts.shape
         if n == 0:
             return torch.zeros_like(x)
+        local = self.gate_up_proj.shape[0]
         flat = experts.flatten()
+        mine = None
+        if self.shard is not None:  # another rank's experts sort last, into a group nothing runs
+            flat = flat - self.first
+            mine = (flat >= 0) & (flat < local)
+            flat = torch.where(mine, flat, local)
         order = flat.argsort(stable=True)  # [N*k] pair ids grouped by expert
         tokens = x[order // k]  # [N*k, d], sorted by expert
         # pairs per expert, counted on the device (bincount on CUDA reads its input's max first)
-        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.long, device=x.device).scatter_add_(
+        counts = torch.zeros(local + 1, dtype=torch.long, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat))
         if grouped_mm_fits(tokens, self.gate_up_proj, self.down_proj):
-            ends = counts.cumsum(0).to(torch.int32)
+            ends = counts[:local].cumsum(0).to(torch.int32)  # rows past the last end: not run
             gate, up = F.grouped_mm(tokens, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
             sorted_out = F.grouped_mm(F.gelu(gate, approximate="tanh") * up, self.down_proj.transpose(1, 2),
                                       offs=ends)
         else:
             sizes = counts.tolist()  # one host read
-            sorted_out = torch.cat([self.expert(e, chunk) for e, chunk in enumerate(tokens.split(sizes))
-                                    if sizes[e]])
+            chunks = tokens.split(sizes)
+            sorted_out = torch.cat([self.expert(e, chunks[e]) for e in range(local) if sizes[e]]
+                                   + [torch.zeros_like(chunks[local])])
         pairs = torch.empty_like(tokens)
         pairs[order] = sorted_out  # back to pair order
-        return (pairs.view(n, k, -1).float() * weights[..., None]).sum(1).to(x.dtype)
+        pairs = pairs.view(n, k, -1).float()
+        if mine is not None:  # another rank's pairs (left unwritten by the grouped GEMM) count 0 here
+            pairs = torch.where(mine.view(n, k, 1), pairs, 0.0)
+        out = (pairs * weights[..., None]).sum(1)
+        if self.shard is not None:
+            self.shard.all_reduce(out)
+        return out.to(x.dtype)
 
     def expert(self, e: int, tokens: Tensor) -> Tensor:
         gate, up = F.linear(tokens, self.gate_up_proj[e]).chunk(2, dim=-1)
@@ -337,14 +366,27 @@ class GemmaAttention(nn.Module):
     softmax scale of 1 (the norms set the scale). Full layers have no ``v_proj``: V is the
     key projection before its norm and RoPE."""
 
-    def __init__(self, cfg: DiffusionGemmaConfig, spec: AttentionSpec) -> None:
+    def __init__(self, cfg: DiffusionGemmaConfig, spec: AttentionSpec, shard: Shard | None = None) -> None:
+        """With a ``shard``: this rank's ``num_heads / size`` query heads and the key/value
+        heads they read (split, or each copied on several ranks when fewer than the ranks); the
+        output projection's partial sums are added over ranks (one all-reduce)."""
         super().__init__()
         d, hd, bias = cfg.hidden_size, spec.head_dim, cfg.attention_bias
         self.head_dim, self.eps = hd, cfg.rms_norm_eps
-        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(d, spec.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(d, spec.num_kv_heads * hd, bias=bias) if spec.is_sliding else None
-        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=bias)
+        if shard is None:
+            self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=bias)
+            self.k_proj = nn.Linear(d, spec.num_kv_heads * hd, bias=bias)
+            self.v_proj = nn.Linear(d, spec.num_kv_heads * hd, bias=bias) if spec.is_sliding else None
+            self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=bias)
+        else:
+            heads, kv = cfg.num_heads // shard.size, max(1, spec.num_kv_heads // shard.size)
+            first_kv = shard.rank * heads // (cfg.num_heads // spec.num_kv_heads)
+            q_part = [(cfg.num_heads * hd, shard.rank * heads * hd, (shard.rank + 1) * heads * hd)]
+            kv_part = [(spec.num_kv_heads * hd, first_kv * hd, (first_kv + kv) * hd)]
+            self.q_proj = ColumnParallelLinear(d, q_part, bias)
+            self.k_proj = ColumnParallelLinear(d, kv_part, bias)
+            self.v_proj = ColumnParallelLinear(d, kv_part, bias) if spec.is_sliding else None
+            self.o_proj = RowParallelLinear(cfg.num_heads * hd, d, shard, bias=bias)
         self.q_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps)
 
@@ -373,14 +415,14 @@ class GemmaLayer(nn.Module):
     """Attention, then the dense MLP and the routed experts side by side (the router and the
     experts read the post-attention residual), each branch with its own norms."""
 
-    def __init__(self, cfg: DiffusionGemmaConfig, spec: AttentionSpec) -> None:
+    def __init__(self, cfg: DiffusionGemmaConfig, spec: AttentionSpec, shard: Shard | None = None) -> None:
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.spec = spec
-        self.self_attn = GemmaAttention(cfg, spec)
-        self.mlp = GatedMLP(d, cfg.intermediate_size)
+        self.self_attn = GemmaAttention(cfg, spec, shard)
+        self.mlp = GatedMLP(d, cfg.intermediate_size, shard)
         self.router = GemmaRouter(cfg)
-        self.experts = GemmaExperts(cfg)
+        self.experts = GemmaExperts(cfg, shard)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm", "post_feedforward_layernorm_1",
                      "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
@@ -513,11 +555,16 @@ class DiffusionGemma(nn.Module):
     """The shared stack with its two passes: ``encode`` (causal, fills an ``EncoderCache``) and
     ``decode`` (bidirectional over a canvas against the cache, self-conditioned, returns logits)."""
 
-    def __init__(self, cfg: DiffusionGemmaConfig) -> None:
+    def __init__(self, cfg: DiffusionGemmaConfig, shard: Shard | None = None) -> None:
+        """``shard``: tensor and expert parallelism (``check_shardable``): each layer's
+        attention heads, dense MLP and experts split over the ranks, three all-reduces a layer;
+        the embedding (and so the tied head and the self-conditioning's soft embeddings), the
+        norms, the routers and the self-conditioning MLP whole on every rank, so every rank
+        computes the same full logits and the sampler decides the same on each."""
         super().__init__()
-        self.config = cfg
+        self.config, self.shard = cfg, shard
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GemmaLayer(cfg, spec) for spec in cfg.layers)
+        self.layers = nn.ModuleList(GemmaLayer(cfg, spec, shard) for spec in cfg.layers)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_conditioning = SelfConditioning(cfg)
         self.self_conditioning_chunk = SELF_CONDITIONING_CHUNK
@@ -600,6 +647,25 @@ class DiffusionGemma(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+def check_shardable(cfg: DiffusionGemmaConfig, size: int) -> None:
+    """Refuse, naming the field and the sizes, a model whose heads, widths or experts do not
+    split over ``size`` ranks (key/value heads fewer than the ranks are copied, as the other
+    families' are)."""
+    if size < 1:
+        raise UserError(f"tensor_parallel_size must be >= 1, got {size}")
+    need = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
+            "num_experts": cfg.num_experts}
+    for name, value in need.items():
+        if value % size:
+            raise UserError(f"{name} {value} is not divisible by tensor_parallel_size {size}; "
+                            f"choose a tensor_parallel_size that divides it")
+    for kind, spec in (("sliding", next((s for s in cfg.layers if s.is_sliding), None)),
+                       ("full", next((s for s in cfg.layers if not s.is_sliding), None))):
+        if spec is not None and spec.num_kv_heads % size and size % spec.num_kv_heads:
+            raise UserError(f"the {kind} layers' {spec.num_kv_heads} key/value heads and tensor_parallel_size "
+                            f"{size}: one must divide the other")
+
+
 # -- checkpoint -----------------------------------------------------------------------------------
 def checkpoint_name(name: str) -> str:
     """Our tensor name -> the released one: the decoder holds the stack; the encoder stores only
@@ -616,8 +682,9 @@ def skipped_tensor(name: str) -> bool:
             or (name.startswith(ENCODER_PREFIX) and not name.endswith(".layer_scalar")))
 
 
-def weight_plan(folder: Path, model: DiffusionGemma) -> dict[Path, list[tuple[str, str]]]:
-    """(checkpoint name, our name) to read from each file, every name and shape checked first."""
+def weight_plan(folder: Path, model: DiffusionGemma) -> dict[Path, list[tuple[str, str, list | None]]]:
+    """(checkpoint name, our name, the slices this rank holds: None for all) to read from each
+    file, every name and shape checked first."""
     params = named_tensors(model)
     names = {checkpoint_name(n): n for n in params}
     plan: dict[Path, list[tuple[str, str]]] = {}
@@ -631,8 +698,9 @@ def weight_plan(folder: Path, model: DiffusionGemma) -> dict[Path, list[tuple[st
                     continue
                 if ckpt not in names:
                     raise UserError(f"checkpoint {str(folder)!r}: unexpected tensor {ckpt} for {MODEL_TYPE}")
-                check_shape(ckpt, tuple(f.get_slice(ckpt).get_shape()), params[names[ckpt]])
-                plan[file].append((ckpt, names[ckpt]))
+                param = params[names[ckpt]]
+                check_shape(ckpt, tuple(f.get_slice(ckpt).get_shape()), param)
+                plan[file].append((ckpt, names[ckpt], getattr(param, "load_slices", None)))
                 found.add(ckpt)
     missing = sorted(set(names) - found)
     if missing:
@@ -644,13 +712,14 @@ def weight_plan(folder: Path, model: DiffusionGemma) -> dict[Path, list[tuple[st
 
 
 def check_shape(name: str, shape: tuple, param: Tensor) -> None:
-    if shape != tuple(param.shape):
-        raise UserError(f"tensor {name} has shape {shape} but the config implies {tuple(param.shape)}")
+    full = tuple(getattr(param, "full_shape", param.shape))  # a rank's slice: the whole tensor's
+    if shape != full:
+        raise UserError(f"tensor {name} has shape {shape} but the config implies {full}")
 
 
 def load_diffusion_gemma(path: str | Path, dtype: str | torch.dtype = "float32",
                          device: str | torch.device = "cpu", revision: str | None = None,
-                         quantization: str | None = None) -> DiffusionGemma:
+                         quantization: str | None = None, shard: Shard | None = None) -> DiffusionGemma:
     """A released-layout DiffusionGemma folder (config.json with ``text_config``, safetensors
     shards), or a Hugging Face id (``google/diffusiongemma-26B-A4B-it``, at ``revision``: from
     the cache, downloaded when missing, as every family's ids: ``hub.resolve_model``), as a
@@ -658,7 +727,9 @@ def load_diffusion_gemma(path: str | Path, dtype: str | torch.dtype = "float32",
     allocated once in ``dtype`` on ``device``, then filled tensor by tensor; on the ``meta``
     device nothing is read (config and shapes only). ``dtype`` ``"auto"``: the checkpoint's.
     ``quantization`` (``"int8"`` / ``"int4"``): checked before any weight is read, applied once
-    they are (``models/quantize.py``; ``model.quantization`` reports what it quantized)."""
+    they are (``models/quantize.py``; ``model.quantization`` reports what it quantized).
+    ``shard``: build and read only this tensor-parallel rank's slices (``check_shardable``;
+    ``model.loaded_bytes`` says how many bytes of weights it read)."""
     from ..hub import resolve_model
     folder = resolve_model(path, revision)
     device = parse_device(device)
@@ -669,8 +740,10 @@ def load_diffusion_gemma(path: str | Path, dtype: str | torch.dtype = "float32",
         raise UserError(f"{folder / 'config.json'}: missing key {e} (needed by {MODEL_TYPE})") from None
     dtype = resolve_dtype(dtype, hf, folder)
     quantization = check_quantization(quantization, device, dtype)
+    if shard is not None:
+        check_shardable(cfg, shard.size)
     with torch.device("meta"):
-        model = DiffusionGemma(cfg)
+        model = DiffusionGemma(cfg, shard)
     model.to(dtype)
     model.quantization = None
     if device.type == "meta":
@@ -678,11 +751,15 @@ def load_diffusion_gemma(path: str | Path, dtype: str | torch.dtype = "float32",
     plan = weight_plan(folder, model)
     model.to_empty(device=device)
     params = named_tensors(model)
+    loaded = 0
     with torch.no_grad():
         for file, items in plan.items():
             with open_weights(file) as f:
-                for ckpt, ours in items:
-                    params[ours].copy_(f.get_tensor(ckpt))
+                for ckpt, ours, slices in items:
+                    tensor = read_slices(f.get_slice(ckpt), slices)
+                    params[ours].copy_(tensor)
+                    loaded += tensor.numel() * tensor.element_size()
+    model.loaded_bytes = loaded
     if quantization is not None:
         model.quantization = quantize_model(model, quantization)
     return model.eval()
