@@ -102,18 +102,19 @@ def test_each_rank_holds_and_reads_only_its_slices(folder, pair):
     the embedding, norms and routers whole on each."""
     whole = named_tensors(load_diffusion_gemma(folder))
     ranks = [named_tensors(load_diffusion_gemma(folder, shard=Shard(r, 2))) for r in range(2)]
-    layer = "layers.1."  # a full layer (no v_proj)
-    assert torch.equal(torch.cat([r[layer + "self_attn.q_proj.weight"] for r in ranks]), whole[layer + "self_attn.q_proj.weight"])
-    assert all(torch.equal(r[layer + "self_attn.k_proj.weight"], whole[layer + "self_attn.k_proj.weight"]) for r in ranks)
-    assert torch.equal(torch.cat([r["layers.0.self_attn.k_proj.weight"] for r in ranks]),
-                       whole["layers.0.self_attn.k_proj.weight"])
-    assert torch.equal(torch.cat([r[layer + "self_attn.o_proj.weight"] for r in ranks], dim=1),
-                       whole[layer + "self_attn.o_proj.weight"])
-    assert torch.equal(torch.cat([r[layer + "mlp.down_proj.weight"] for r in ranks], dim=1), whole[layer + "mlp.down_proj.weight"])
-    for name in ("experts.gate_up_proj", "experts.down_proj"):
-        assert torch.equal(torch.cat([r[layer + name] for r in ranks]), whole[layer + name])
-    for name in ("embed_tokens.weight", layer + "router.proj.weight", "norm.weight"):
-        assert all(torch.equal(r[name], whole[name]) for r in ranks)
+    full, sliding = "layers.1.", "layers.0."  # a full layer has no v_proj and one key/value head
+
+    def joined(name: str, dim: int = 0) -> bool:
+        return torch.equal(torch.cat([r[name] for r in ranks], dim=dim), whole[name])
+
+    def copied(name: str) -> bool:
+        return all(torch.equal(r[name], whole[name]) for r in ranks)
+
+    assert joined(full + "self_attn.q_proj.weight") and copied(full + "self_attn.k_proj.weight")
+    assert joined(sliding + "self_attn.k_proj.weight") and joined(sliding + "self_attn.v_proj.weight")
+    assert joined(full + "self_attn.o_proj.weight", dim=1) and joined(full + "mlp.down_proj.weight", dim=1)
+    assert joined(full + "experts.gate_up_proj") and joined(full + "experts.down_proj")
+    assert copied("embed_tokens.weight") and copied(full + "router.proj.weight") and copied("norm.weight")
     reports = pair[1].parallel.report()
     full = sum(t.numel() * t.element_size() for t in whole.values())
     assert [r["rank"] for r in reports] == [0, 1] and all(0 < r["loaded_bytes"] < full for r in reports)

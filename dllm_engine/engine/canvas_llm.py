@@ -11,9 +11,10 @@ same batch; across batches they differ by what the kernels' rounding, amplified 
 self-conditioning, makes of them (docs/models/diffusion-gemma.md#batch-invariance). Its surface is
 ``LLM``'s (``generate``, ``chat``, ``resolve``, ``seeds``, ``tokenizer``, ``GenerateResult`` of
 ``RequestOutput`` with ``SequenceStats``, ``record_steps`` traces as ``CanvasStep``s); what does
-not apply to this family (another method, a temperature, logprobs, tensor parallelism,
-compiling, fixed shapes) is refused up front, naming it. ``quantization="int8"`` quantizes the
-linear layers and the stacked experts on load, as for the other families (``models/quantize.py``).
+not apply to this family (another method, a temperature, logprobs, compiling, fixed shapes) is
+refused up front, naming it. ``quantization="int8"`` quantizes the linear layers and the stacked
+experts on load, as for the other families (``models/quantize.py``); ``tensor_parallel_size``
+shards the model over processes, each running the same sampler batches (``canvas_parallel``).
 
 Memory: ``kv_cache_memory`` (or on CUDA by default ``gpu_memory_utilization`` of the device less
 the weights, as ``LLM``'s budget) caps each batch's bytes as ``batch_bytes`` counts them: per row
@@ -49,7 +50,8 @@ from ..seeds import SeedStream
 from ..spec import parse_spec
 from ..tokenizer import load_tokenizer
 from . import host_memory
-from .llm import PROGRESS_DELAY_S, GenerateResult, RequestOutput, check_options, memory_budget, parse_bytes, prompt_list
+from .llm import (PROGRESS_DELAY_S, GenerateResult, RequestOutput, check_options, memory_budget, parse_bytes,
+                  prompt_list)
 from .sequence import SequenceStats
 
 log = logging.getLogger(__name__)

@@ -7,9 +7,9 @@ place by torchao's quantized tensor, and so are experts stored stacked (Diffusio
 ``[experts, out, in]`` parameters, named by their module's ``STACKED``; int8 only, one scale per
 expert and output row: torchao's int4 layout packs 2-D weights). Left as they are: the
 embedding, the LM head (the logits' precision sets the confidences every commit rule reads, and
-a tied head is the embedding), norms and MoE routers (fp32 by design). Under tensor parallelism each rank quantizes the slices
-it holds: a row-parallel slice gets its own per-row scales, so tokens can differ from one process
-in the last bits, as they do for any TP split.
+a tied head is the embedding), norms and MoE routers (fp32 by design). Under tensor parallelism
+each rank quantizes the slices it holds: a row-parallel slice gets its own per-row scales, so
+tokens can differ from one process in the last bits, as they do for any TP split.
 
 - ``int8``: int8 weights, one scale per output row (per-channel), CPU and CUDA.
 - ``int4``: int4 weights in groups of ``INT4_GROUP`` inputs, CUDA with bf16 activations only
