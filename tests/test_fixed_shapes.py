@@ -123,11 +123,18 @@ def test_a_static_pool_marks_its_storage_for_cuda_graphs():
 
 
 @pytest.mark.slow  # over 2 s on 2 busy cores
-def test_compile_step_is_for_one_process_and_dense_layers(tmp_path):
+def test_compile_step_is_for_one_process_and_grouped_moe_layers(tmp_path, monkeypatch):
+    """MoE layers are captured only where their experts run as grouped GEMMs in bfloat16 (the
+    step is compiled on its first use: building the LLM compiles nothing)."""
     with pytest.raises(ValueError, match="compile_step is for one process"):
         check_compile(False, 2, compile_step=True)
-    with pytest.raises(ValueError, match="compile_step cannot capture MoE layers .* use fixed_shapes without"):
-        LLM(write_llada2_checkpoint(tmp_path), compile_step=True)
+    folder = write_llada2_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="compile_step cannot capture these MoE layers: .*bfloat16.* Use fixed_shapes"):
+        LLM(folder, compile_step=True)  # float32
+    assert LLM(folder, compile_step=True, dtype="bfloat16").engine.runner.compiled_step is not None
+    monkeypatch.setattr("dllm_engine.models.layers.grouped_mm_fits", lambda *a: False)
+    with pytest.raises(ValueError, match="compile_step cannot capture these MoE layers"):
+        LLM(folder, compile_step=True, dtype="bfloat16")
 
 
 @pytest.mark.slow  # torch.compile

@@ -1,12 +1,15 @@
 """The grouped-GEMM MoE dispatch (``models/kernels.grouped_mm_fits``): when it runs, it gives the
-per-expert matmul chain's outputs, and a DiffusionGemma forward reads nothing on the host."""
+per-expert matmul chain's outputs, and a forward reads nothing on the host in its MoE layers
+(DiffusionGemma's stacked experts; the masked families' experts, stacked on load)."""
 import pytest
 import torch
 
 from dllm_engine.bench.profile import DispatchSyncs, ListSyncs, SyncCount
-from dllm_engine.models import diffusion_gemma as dg, kernels
+from dllm_engine.models import diffusion_gemma as dg, kernels, load_model
 from dllm_engine.models.diffusion_gemma import DiffusionGemma, config_from_hf
-from fixtures import randomize_diffusion_gemma
+from dllm_engine.models.layers import MoE
+from dllm_engine.models.loader import save_model
+from fixtures import randomize_diffusion_gemma, write_llada2_checkpoint, write_llada_moe_checkpoint
 from tiny_diffusion_gemma import TEXT
 
 
@@ -76,3 +79,37 @@ def test_a_diffusion_gemma_forward_reads_nothing_on_the_host(monkeypatch):
     assert small.ops == large.ops
     monkeypatch.setattr(dg, "grouped_mm_fits", lambda *a: False)
     assert count_reads(lambda: passes(2)).total == 3 * cfg.num_layers  # the chain's one read a layer
+
+
+@pytest.mark.parametrize("write", [write_llada_moe_checkpoint, write_llada2_checkpoint])
+def test_stacked_experts_run_grouped_with_the_chains_logits_and_save_as_released(tmp_path, write):
+    """Loaded, every MoE layer's experts are views into two stacked tensors and run as grouped
+    GEMMs: the logits equal the per-expert chain's, with one host read fewer per MoE layer;
+    saved, the checkpoint holds one tensor per expert again and loads back to the same logits."""
+    model = load_model(write(tmp_path / "ckpt"))
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert moes and all(m.grouped for m in moes)
+    first = moes[0].experts[moes[0].first]
+    assert first.up_proj.weight.data_ptr() == moes[0].stacks[0][0, first.gate_proj.weight.shape[0]:].data_ptr()
+    ids = torch.randint(5, 90, (3, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        grouped, reads = model(ids), count_reads(lambda: model(ids)).total
+        for m in moes:
+            m.grouped = False
+        chain, chain_reads = model(ids), count_reads(lambda: model(ids)).total
+    assert torch.allclose(grouped, chain, atol=1e-5) and chain_reads == reads + len(moes)
+    save_model(model, tmp_path / "saved", model.family)
+    with torch.no_grad():
+        assert torch.equal(load_model(tmp_path / "saved")(ids), grouped)
+
+
+def test_quantized_experts_leave_their_stacks_and_get_them_back_when_put_back(tmp_path):
+    pytest.importorskip("torchao")
+    from dllm_engine.models.quantize import quantize_model, quantize_reversibly
+    model = load_model(write_llada2_checkpoint(tmp_path / "a"))
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    restore = quantize_reversibly(model, "int8")
+    assert all(m.stacks is None and not m.grouped for m in moes)
+    restore()
+    assert all(m.grouped for m in moes)
+    quantize_model(load_model(write_llada2_checkpoint(tmp_path / "b")), "int8")  # and a plain load's

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UserError
-from .layers import MLP, DiffusionLM, RMSNorm, rms_norm
+from .layers import MLP, DiffusionLM, MoE, RMSNorm, rms_norm
 
 
 def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
@@ -88,11 +88,16 @@ def compile_step(model: DiffusionLM):
     (``engine/shapes.py``): one graph per shape bucket, each compiled on its first step (tens
     of seconds on a CPU), then replayed. On CUDA with ``mode="reduce-overhead"``, i.e. captured
     as a CUDA graph; on a CPU inductor's C++ kernels. Not bit-exact (as ``compile_model``).
-    Refused for MoE models: their dispatch sizes each expert's matmul by its token count, a
-    host read that would send the whole stack back to eager."""
-    if model.config.moe is not None:
-        raise UserError("compile_step cannot capture MoE layers (each expert's matmul is sized by "
-                        "its token count, read from the device); use fixed_shapes without compile_step")
+    MoE layers are captured where their experts run as grouped GEMMs (``MoE.grouped``: torch
+    2.9+, unquantized) in bfloat16 (the grouped GEMM's traced form takes no other dtype);
+    refused otherwise, since the per-expert chain sizes each matmul by its token count, a host
+    read that would send the whole stack back to eager."""
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
+    if any(not m.grouped or m.stacks[0].dtype != torch.bfloat16 for m in moe):
+        raise UserError("compile_step cannot capture these MoE layers: their experts must run as grouped GEMMs "
+                        "(torch >= 2.9, unquantized weights) in bfloat16 (pass dtype bfloat16); the per-expert "
+                        "chain sizes each matmul by a token count read from the device. Use fixed_shapes "
+                        "without compile_step")
     cuda = next(model.parameters()).device.type == "cuda"
     return torch.compile(model.forward_layers, dynamic=False, mode="reduce-overhead" if cuda else None,
                          **step_recompile_limit())

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig, MoEConfig
 from .context import ForwardContext, block_causal_mask
+from .kernels import grouped_mm_fits
 from .parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
                        VocabParallelEmbedding, kv_heads_of)
 
@@ -284,18 +285,57 @@ class MoE(nn.Module):
     With a ``shard`` (expert parallelism): the router is replicated, each rank holds
     ``num_experts / size`` whole experts (``experts`` keyed by global expert id) and a
     column/row slice of the shared expert; the routed and shared partial outputs are summed over
-    ranks in one all-reduce."""
+    ranks in one all-reduce.
+
+    The experts' weights may live in two stacked tensors (``stack_experts``, done on load), each
+    expert's gate / up / down weight a view into them: the checkpoint's names, loading, saving,
+    expert parallelism and quantization see one module per expert as before, and where the
+    device has a grouped GEMM for them (``kernels.grouped_mm_fits``) the dispatch runs every
+    expert in two grouped matmuls whose group ends stay on the device: no host read, the same
+    ops whatever the routing (what a captured step needs). Elsewhere, or once quantization has
+    replaced the weights (``unstack``), one matmul chain per expert that got tokens, sized by
+    one host read."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, shard: Shard | None = None) -> None:
         super().__init__()
         self.shard = shard
         self.num_experts = moe.num_experts
         self.gate = Router(hidden_size, moe)
-        start, end = (0, moe.num_experts) if shard is None else shard.part(moe.num_experts)
+        self.first, end = (0, moe.num_experts) if shard is None else shard.part(moe.num_experts)
         self.experts = Experts({str(e): MLP(hidden_size, moe.moe_intermediate_size)
-                                for e in range(start, end)})
+                                for e in range(self.first, end)})
         shared = moe.moe_intermediate_size * moe.num_shared_experts
         self.shared_experts = MLP(hidden_size, shared, shard, reduce=False) if shared else None
+        self.stacks: tuple[Tensor, Tensor] | None = None  # (gate_up [E, 2I, d], down [E, d, I]) of this rank's experts
+        self.grouped = False  # the dispatch runs the grouped GEMM over ``stacks`` (decided once, on the host)
+
+    def stack_experts(self) -> None:
+        """Copy this rank's experts' weights into two stacked tensors and make each expert's
+        weights views into them (call once they are allocated on their device: the loader does,
+        before it fills them; again after anything replaces them)."""
+        mlps = [self.experts[e] for e in range(self.first, self.first + len(self.experts))]
+        weights = [w for m in mlps for w in (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)]
+        if any(type(w.data) is not Tensor for w in weights) or len({(w.dtype, w.device) for w in weights}) != 1:
+            self.unstack()  # quantized (tensor subclasses) or mixed: the per-expert chain
+            return
+        inter, d = mlps[0].gate_proj.weight.shape
+        gate_up = weights[0].new_empty(len(mlps), 2 * inter, d)
+        down = weights[0].new_empty(len(mlps), d, inter)
+        with torch.no_grad():
+            for i, m in enumerate(mlps):
+                gate_up[i, :inter].copy_(m.gate_proj.weight)
+                gate_up[i, inter:].copy_(m.up_proj.weight)
+                down[i].copy_(m.down_proj.weight)
+                for linear, view in ((m.gate_proj, gate_up[i, :inter]), (m.up_proj, gate_up[i, inter:]),
+                                     (m.down_proj, down[i])):
+                    linear.weight = nn.Parameter(view, requires_grad=linear.weight.requires_grad)
+        self.stacks = (gate_up, down)
+        self.grouped = grouped_mm_fits(gate_up.new_empty(0, d), gate_up, down)
+
+    def unstack(self) -> None:
+        """Drop the stacked tensors (the experts' weights were replaced, e.g. quantized): the
+        per-expert chain from now on."""
+        self.stacks, self.grouped = None, False
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [N, d]
@@ -308,26 +348,40 @@ class MoE(nn.Module):
         return out.view(x.shape)
 
     def dispatch(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        """Sort the (token, expert) pairs by expert, run one matmul chain per active expert,
-        then sum each token's k outputs in a fixed order (batch-invariant, no atomics)."""
+        """Sort the (token, expert) pairs by expert, run every expert on its pairs (see the
+        class docstring for how), then sum each token's k outputs in a fixed order
+        (batch-invariant, no atomics); another rank's experts' pairs count zero here."""
         n, k = experts.shape
         if n == 0:  # host shape: no device read
             return torch.zeros_like(x)
+        local = len(self.experts)
         flat = experts.flatten()
+        mine = None
+        if self.shard is not None:  # another rank's experts sort last, into a group nothing runs
+            flat = flat - self.first
+            mine = (flat >= 0) & (flat < local)
+            flat = torch.where(mine, flat, local)
         order = flat.argsort(stable=True)  # [N*k] pair ids grouped by expert
-        # the one host read of a MoE layer: each expert's matmul is sized by its token count
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat)).tolist()
+        counts = torch.zeros(local + 1, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))  # pairs per expert, on the device
         tokens = x[order // k]  # [N*k, d], sorted by expert
-        outs = [self.expert(e, chunk) for e, chunk in enumerate(tokens.split(counts)) if counts[e]]
+        if self.grouped:
+            gate_up, down = self.stacks
+            ends = counts[:local].cumsum(0).to(torch.int32)  # rows past the last end: not run
+            gate, up = F.grouped_mm(tokens, gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+            sorted_out = F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)
+        else:  # the one host read of a MoE layer: each expert's matmul is sized by its token count
+            sizes = counts.tolist()
+            chunks = tokens.split(sizes)
+            sorted_out = torch.cat([self.experts[self.first + e](chunks[e]) for e in range(local) if sizes[e]]
+                                   + [torch.zeros_like(chunks[local])])
         pairs = torch.empty_like(tokens)
-        pairs[order] = torch.cat(outs)  # back to pair order: [N*k, d]
-        out = (pairs.view(n, k, -1).float() * weights[..., None]).sum(1)  # [N, d]
+        pairs[order] = sorted_out  # back to pair order: [N*k, d]
+        pairs = pairs.view(n, k, -1).float()
+        if mine is not None:  # rows the grouped GEMM left unwritten count 0
+            pairs = torch.where(mine.view(n, k, 1), pairs, 0.0)
+        out = (pairs * weights[..., None]).sum(1)  # [N, d]
         return out.to(x.dtype)
-
-    def expert(self, e: int, tokens: Tensor) -> Tensor:
-        """Expert ``e`` on ``tokens``; zeros for an expert another rank holds."""
-        return self.experts[e](tokens) if str(e) in self.experts else torch.zeros_like(tokens)
 
 
 class DecoderLayer(nn.Module):

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from ..errors import UserError
 from .family import Family
 from .kernels import torch_at_least
-from .layers import DiffusionLM, Router
+from .layers import DiffusionLM, MoE, Router
 from .parallel import Shard, check_shardable, read_slices
 from .quantize import check_quantization, quantize_model
 from .registry import family_of
@@ -309,6 +309,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
     cast_model(model, dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    for module in model.modules():  # the experts' weights in stacked tensors, filled in place below
+        if isinstance(module, MoE):
+            module.stack_experts()
     nbytes = read_weights(model, plan)
     if shard is not None:
         model.loaded_bytes = nbytes
@@ -331,12 +334,18 @@ def save_model(model: DiffusionLM, path: str | Path, family: Family,
     if dtype is not None:  # what the weights are stored in (dtype "auto" loads it back)
         hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    state = {family.checkpoint_name(n): p.detach().contiguous().cpu()
+    state = {family.checkpoint_name(n): own_storage(p.detach().contiguous().cpu())
              for n, p in named_tensors(model).items()}
     if max_shard_bytes is None:
         save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
         return
     save_shards(state, folder, max_shard_bytes)
+
+
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when it is a view into a larger tensor (a stacked expert's weight,
+    ``MoE.stack_experts``): safetensors stores no two tensors that share memory."""
+    return t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
 
 
 def save_shards(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:

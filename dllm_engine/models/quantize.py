@@ -139,6 +139,9 @@ def quantize_model(model: nn.Module, method: str) -> QuantizeReport:
             from torchao.quantization import FqnToConfig
             lib.quantization.quantize_(model, FqnToConfig({name: config(method) for name in stacks}),
                                        filter_fn=None)
+    for module in model.modules():  # experts kept in stacked tensors drop them: their weights are new
+        if hasattr(module, "unstack"):
+            module.unstack()
     return QuantizeReport(method, len(chosen), len(found) - len(chosen), len(stacks),
                           len(stacked_experts(model)) - len(stacks))
 
@@ -155,6 +158,9 @@ def quantize_reversibly(model: nn.Module, method: str):
     def restore() -> None:
         for (m, attr), weight in zip(originals, weights):
             setattr(m, attr, weight)
+        for module in model.modules():  # stacked experts (models/layers.MoE) stacked again
+            if hasattr(module, "stack_experts"):
+                module.stack_experts()
         model.quantization = before
     return restore
 
