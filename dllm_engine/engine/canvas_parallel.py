@@ -24,7 +24,7 @@ import torch
 
 from ..decoding.diffusion_gemma import CanvasBatch, GenerationSettings
 from ..models.diffusion_gemma import DiffusionGemma
-from .parallel import Channel, TensorParallel, gather_reports, rank_report, reset_peak_rss
+from .parallel import Channel, RankWorker, TensorParallel
 
 _ids = itertools.count()
 
@@ -63,20 +63,12 @@ def drain(ids: list[int]) -> list[int]:
     return out
 
 
-class CanvasWorker:
+class CanvasWorker(RankWorker):
     """A rank other than 0: runs rank 0's batch calls on its slice of the model."""
 
     def __init__(self, model: DiffusionGemma, channel: Channel) -> None:
-        self.model, self.channel = model, channel
+        super().__init__(model, channel)
         self.batches: dict[int, CanvasBatch] = {}
-
-    def serve(self) -> None:
-        while True:
-            kind, *args = self.channel.receive()
-            if kind == "shutdown":
-                return
-            with torch.inference_mode():
-                getattr(self, kind)(*args)
 
     def forget(self, gone: list[int]) -> None:
         for i in gone:
@@ -89,9 +81,3 @@ class CanvasWorker:
     def call(self, batch_id: int, method: str, args: tuple, gone: list[int]) -> None:
         self.forget(gone)
         getattr(self.batches[batch_id], method)(*args)
-
-    def report(self) -> None:
-        gather_reports(self.channel.group, rank_report(self.model))
-
-    def reset_peak(self) -> None:
-        reset_peak_rss()

@@ -441,13 +441,12 @@ def serve_rank(weights: Weights, device: torch.device, rank: int, size: int) -> 
         print(f"dllm tensor-parallel rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
 
 
-class Worker:
-    """Runs the steps rank 0 sends: the same forward on this rank's slice of the model."""
+class RankWorker:
+    """A rank other than 0: runs each message rank 0 sends (its kind names the method) until
+    told to stop; every rank answers ``report`` and ``reset_peak``."""
 
-    def __init__(self, model: DiffusionLM, channel: Channel) -> None:
+    def __init__(self, model, channel: Channel) -> None:
         self.model, self.channel = model, channel
-        self.runner = Runner(model)
-        self.caches: dict[int, KVCache] = {}
 
     def serve(self) -> None:
         while True:
@@ -456,6 +455,21 @@ class Worker:
                 return
             with torch.inference_mode():
                 getattr(self, kind)(*args)
+
+    def report(self) -> None:
+        gather_reports(self.channel.group, rank_report(self.model))
+
+    def reset_peak(self) -> None:
+        reset_peak_rss()
+
+
+class Worker(RankWorker):
+    """Runs the steps rank 0 sends: the same forward on this rank's slice of the model."""
+
+    def __init__(self, model: DiffusionLM, channel: Channel) -> None:
+        super().__init__(model, channel)
+        self.runner = Runner(model)
+        self.caches: dict[int, KVCache] = {}
 
     def step(self, ops: list, fields: dict, where: tuple, hooks: dict | None) -> None:
         """Rank 0's ``step_message``: the same forward on this rank's slice."""
@@ -478,9 +492,3 @@ class Worker:
 
     def forward(self, input_ids, attention_mask) -> None:
         self.model(input_ids, attention_mask)
-
-    def report(self) -> None:
-        gather_reports(self.channel.group, rank_report(self.model))
-
-    def reset_peak(self) -> None:
-        reset_peak_rss()
