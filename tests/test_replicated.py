@@ -11,6 +11,11 @@ import signal
 import socket
 import time
 
+# Ray Serve marks its HTTP proxy unhealthy after three 5 s readiness checks; on 2 cores shared
+# with the other test worker (a process group's ranks, a compile) its start-up can take longer.
+# The cluster's processes inherit this from the driver.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
+
 import httpx
 import pytest
 from fastapi.testclient import TestClient
