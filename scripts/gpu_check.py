@@ -233,11 +233,12 @@ def markdown(report: dict) -> str:
     for r in report["fused_attention"]:
         lines.append(f"| {r['checkpoint']} | `{r['method']}` | {'yes' if r['fused'] else 'no: ' + r['error']} |")
     lines += ["", "| model | weights | method | batch | step ms | forward ms | outside the forward | "
-                  "host reads / step | ops outside the layer loop | tok/s | weights MB |",
+                  "host reads / step (in the layer loop) | ops outside the layer loop | tok/s | weights MB |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["step_cost"]:
         lines.append(f"| {r['model']} ({r['layers']} layers) | {r['variant']} | `{r['method']}` | {r['batch_size']} | "
-                     f"{r['step_ms']} | {r['floor_ms']} | {r['overhead']:.1%} | {r['syncs_per_step']} | "
+                     f"{r['step_ms']} | {r['floor_ms']} | {r['overhead']:.1%} | {r['syncs_per_step']} "
+                     f"({r['layer_syncs_per_step']}) | "
                      f"{r['ops_per_step']} | {r['throughput']} | {r['weights_mb']} |")
     return "\n".join(lines) + "\n"
 

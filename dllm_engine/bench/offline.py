@@ -124,9 +124,7 @@ def bench_one(llm: LLM, spec: str, params: SamplingParams, examples: list[Prompt
     size after ``place`` (the pass's place in the run, e.g. "[3/12]")."""
     warm = (examples, batch_size) if warm_all else (examples[:1], 1)
     evaluate(llm, params, examples=warm[0], batch_size=warm[1], use_tqdm=False)  # warm-up
-    store = llm.engine.prefix_store if hasattr(llm, "engine") else None  # a canvas model (CanvasLLM) keeps none
-    if store is not None:  # every row starts cold: no spec reuses another's blocks
-        store.clear()
+    llm.clear_prefix_store()  # every row starts cold: no spec reuses another's blocks
     if llm.parallel is not None:
         llm.parallel.reset_peak()
     with PeakMemory(llm.device) as mem:

@@ -179,6 +179,9 @@ class CanvasLLM:
         if self.parallel is not None:
             self.parallel.close()
 
+    def clear_prefix_store(self) -> None:
+        """``LLM``'s surface: this family keeps no prefix store (each call encodes its prompts)."""
+
     def new_batch(self, settings: GenerationSettings, observe=None) -> CanvasBatch:
         """A sampler run (``CanvasBatch``) on this model; under tensor parallelism one every
         rank runs alike (``canvas_parallel.MirroredBatch``)."""

@@ -251,6 +251,12 @@ class LLM:
     def tensor_parallel_size(self) -> int:
         return 1 if self.parallel is None else self.parallel.size
 
+    def clear_prefix_store(self) -> None:
+        """Forget the prefix store's blocks (``prefix_cache``), so the next call starts cold
+        (``dllm bench``: no spec reuses another's blocks)."""
+        if self.engine.prefix_store is not None:
+            self.engine.prefix_store.clear()
+
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do in one process)."""
         if self.parallel is not None:
