@@ -144,3 +144,21 @@ def test_a_dead_rank_is_an_error_not_a_hang(pair):
         two.generate(ROWS[:1], SamplingParams(seed=1))
     with pytest.raises(WorkerDied):  # and stays one
         two.generate(ROWS[:1], SamplingParams(seed=1))
+
+
+def test_int8_weights_on_two_ranks(folder):
+    """After the module's group ended (the test above): each rank quantizes its slices, stacked
+    experts included, and samples seeded rows (row-parallel slices get their own scales, so the
+    tokens are not one process's int8 tokens)."""
+    pytest.importorskip("torchao")
+    two = LLM(folder, tensor_parallel_size=2, quantization="int8")
+    try:
+        layers = len(two.model.layers)
+        assert two.model.quantization.describe().endswith(f", {2 * layers} stacked expert weights")
+        params = [SamplingParams(seed=s) for s in SEEDS[:3]]
+        first = two.generate(ROWS[:3], params)
+        assert [o.token_ids for o in first] == [o.token_ids for o in two.generate(ROWS[:3], params)]
+        assert all(o.stats.nfe > 0 for o in first)
+    finally:
+        two.close()
+

@@ -49,8 +49,7 @@ class MirroredBatch(CanvasBatch):
         return self.call("add", [list(p) for p in prompts], max_new_tokens, seeds)
 
     def run_canvas(self) -> list[int]:
-        with torch.inference_mode():
-            return self.call("run_canvas")
+        return self.call("run_canvas")  # the model's passes run under no_grad (see CanvasWorker)
 
     def leave(self, indices: list[int]) -> None:
         return self.call("leave", list(indices))
@@ -64,7 +63,11 @@ def drain(ids: list[int]) -> list[int]:
 
 
 class CanvasWorker(RankWorker):
-    """A rank other than 0: runs rank 0's batch calls on its slice of the model."""
+    """A rank other than 0: runs rank 0's batch calls on its slice of the model. Not under
+    inference mode, as rank 0 does not run them either: torchao's int8 tensors cannot be indexed
+    there (an expert's slice of a quantized stack), and the model's passes are no_grad."""
+
+    grad_mode = staticmethod(torch.no_grad)
 
     def __init__(self, model: DiffusionGemma, channel: Channel) -> None:
         super().__init__(model, channel)

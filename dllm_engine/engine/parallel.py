@@ -443,7 +443,9 @@ def serve_rank(weights: Weights, device: torch.device, rank: int, size: int) -> 
 
 class RankWorker:
     """A rank other than 0: runs each message rank 0 sends (its kind names the method) until
-    told to stop; every rank answers ``report`` and ``reset_peak``."""
+    told to stop, under ``grad_mode``; every rank answers ``report`` and ``reset_peak``."""
+
+    grad_mode = staticmethod(torch.inference_mode)
 
     def __init__(self, model, channel: Channel) -> None:
         self.model, self.channel = model, channel
@@ -453,7 +455,7 @@ class RankWorker:
             kind, *args = self.channel.receive()
             if kind == "shutdown":
                 return
-            with torch.inference_mode():
+            with self.grad_mode():
                 getattr(self, kind)(*args)
 
     def report(self) -> None:
