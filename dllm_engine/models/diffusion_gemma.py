@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from .kernels import grouped_mm_fits
-from .layers import RMSNorm, apply_rope, grouped_heads
+from .layers import RMSNorm, apply_rope, grouped_heads, run_experts
 from .loader import named_tensors, open_weights, parse_device, read_json, resolve_dtype, weight_files
 from .parallel import ColumnParallelLinear, RowParallelLinear, Shard, mark, read_slices
 from .quantize import check_quantization, quantize_model
@@ -252,6 +252,11 @@ class GemmaRMSNorm(RMSNorm):
         return gemma_rms_norm(x, self.weight, self.eps)
 
 
+def gelu_tanh(x: Tensor) -> Tensor:
+    """GELU, tanh approximation (the checkpoint's ``gelu_pytorch_tanh``)."""
+    return F.gelu(x, approximate="tanh")
+
+
 class GatedMLP(nn.Module):
     """GeGLU: down(gelu_tanh(gate x) * up x). With a ``shard``: this rank's slice of the
     intermediate features, the partial outputs summed over ranks (one all-reduce)."""
@@ -269,7 +274,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, shard)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 
 class GemmaRouter(nn.Module):
@@ -316,49 +321,20 @@ class GemmaExperts(nn.Module):
             mark(self.down_proj, (e, d, i), [(0, self.first, end)])
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        """x [N, d]: sort the (token, expert) pairs by expert, run every expert on its pairs,
-        then each token's k outputs summed in a fixed order (batch-invariant). Where the device
-        has a grouped GEMM for these shapes (``grouped_mm_fits``) the experts run as two grouped
-        matmuls whose group ends stay on the device: no host read, the same ops whatever the
-        routing. Elsewhere one matmul chain per active expert, sized by one host read."""
-        n, k = experts.shape
-        if n == 0:
-            return torch.zeros_like(x)
-        local = self.gate_up_proj.shape[0]
-        flat = experts.flatten()
-        mine = None
-        if self.shard is not None:  # another rank's experts sort last, into a group nothing runs
-            flat = flat - self.first
-            mine = (flat >= 0) & (flat < local)
-            flat = torch.where(mine, flat, local)
-        order = flat.argsort(stable=True)  # [N*k] pair ids grouped by expert
-        tokens = x[order // k]  # [N*k, d], sorted by expert
-        # pairs per expert, counted on the device (bincount on CUDA reads its input's max first)
-        counts = torch.zeros(local + 1, dtype=torch.long, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
-        if grouped_mm_fits(tokens, self.gate_up_proj, self.down_proj):
-            ends = counts[:local].cumsum(0).to(torch.int32)  # rows past the last end: not run
-            gate, up = F.grouped_mm(tokens, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-            sorted_out = F.grouped_mm(F.gelu(gate, approximate="tanh") * up, self.down_proj.transpose(1, 2),
-                                      offs=ends)
-        else:
-            sizes = counts.tolist()  # one host read
-            chunks = tokens.split(sizes)
-            sorted_out = torch.cat([self.expert(e, chunks[e]) for e in range(local) if sizes[e]]
-                                   + [torch.zeros_like(chunks[local])])
-        pairs = torch.empty_like(tokens)
-        pairs[order] = sorted_out  # back to pair order
-        pairs = pairs.view(n, k, -1).float()
-        if mine is not None:  # another rank's pairs (left unwritten by the grouped GEMM) count 0 here
-            pairs = torch.where(mine.view(n, k, 1), pairs, 0.0)
-        out = (pairs * weights[..., None]).sum(1)
+        """The routed experts on x [N, d] (``layers.run_experts``): two grouped GEMMs over the
+        stacked weights where the device has them for these shapes (``grouped_mm_fits``), else
+        one matmul chain per expert that got tokens; summed over ranks under a shard."""
+        stacks = (self.gate_up_proj, self.down_proj)
+        out = run_experts(x, weights, experts, self.first, self.gate_up_proj.shape[0], self.shard is not None,
+                          stacks if grouped_mm_fits(x, *stacks) else None, gelu_tanh, self.expert)
         if self.shard is not None:
             self.shard.all_reduce(out)
         return out.to(x.dtype)
 
     def expert(self, e: int, tokens: Tensor) -> Tensor:
+        """This process's ``e``-th expert on ``tokens``."""
         gate, up = F.linear(tokens, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
+        return F.linear(gelu_tanh(gate) * up, self.down_proj[e])
 
 
 class GemmaAttention(nn.Module):
@@ -459,7 +435,7 @@ class SelfConditioning(nn.Module):
     def forward(self, embeds: Tensor, soft: Tensor | None) -> Tensor:
         if soft is not None:
             s = self.pre_norm(soft)
-            embeds = embeds + self.down_proj(F.gelu(self.gate_proj(s), approximate="tanh") * self.up_proj(s))
+            embeds = embeds + self.down_proj(gelu_tanh(self.gate_proj(s)) * self.up_proj(s))
         return gemma_rms_norm(embeds, None, self.eps)
 
 

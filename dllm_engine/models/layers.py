@@ -6,6 +6,7 @@ enter through ``ForwardContext`` (positions, masks, KV cache, hooks).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -299,7 +300,6 @@ class MoE(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig, shard: Shard | None = None) -> None:
         super().__init__()
         self.shard = shard
-        self.num_experts = moe.num_experts
         self.gate = Router(hidden_size, moe)
         self.first, end = (0, moe.num_experts) if shard is None else shard.part(moe.num_experts)
         self.experts = Experts({str(e): MLP(hidden_size, moe.moe_intermediate_size)
@@ -348,40 +348,56 @@ class MoE(nn.Module):
         return out.view(x.shape)
 
     def dispatch(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        """Sort the (token, expert) pairs by expert, run every expert on its pairs (see the
-        class docstring for how), then sum each token's k outputs in a fixed order
-        (batch-invariant, no atomics); another rank's experts' pairs count zero here."""
-        n, k = experts.shape
-        if n == 0:  # host shape: no device read
-            return torch.zeros_like(x)
-        local = len(self.experts)
-        flat = experts.flatten()
-        mine = None
-        if self.shard is not None:  # another rank's experts sort last, into a group nothing runs
-            flat = flat - self.first
-            mine = (flat >= 0) & (flat < local)
-            flat = torch.where(mine, flat, local)
-        order = flat.argsort(stable=True)  # [N*k] pair ids grouped by expert
-        counts = torch.zeros(local + 1, dtype=torch.long, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))  # pairs per expert, on the device
-        tokens = x[order // k]  # [N*k, d], sorted by expert
-        if self.grouped:
-            gate_up, down = self.stacks
-            ends = counts[:local].cumsum(0).to(torch.int32)  # rows past the last end: not run
-            gate, up = F.grouped_mm(tokens, gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-            sorted_out = F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)
-        else:  # the one host read of a MoE layer: each expert's matmul is sized by its token count
-            sizes = counts.tolist()
-            chunks = tokens.split(sizes)
-            sorted_out = torch.cat([self.experts[self.first + e](chunks[e]) for e in range(local) if sizes[e]]
-                                   + [torch.zeros_like(chunks[local])])
-        pairs = torch.empty_like(tokens)
-        pairs[order] = sorted_out  # back to pair order: [N*k, d]
-        pairs = pairs.view(n, k, -1).float()
-        if mine is not None:  # rows the grouped GEMM left unwritten count 0
-            pairs = torch.where(mine.view(n, k, 1), pairs, 0.0)
-        out = (pairs * weights[..., None]).sum(1)  # [N, d]
+        """The routed experts on x [N, d] (``run_experts``): grouped GEMMs over ``stacks`` where
+        they run, else one chain per expert module."""
+        out = run_experts(x, weights, experts, self.first, len(self.experts), self.shard is not None,
+                          self.stacks if self.grouped else None, F.silu,
+                          lambda e, tokens: self.experts[self.first + e](tokens))
         return out.to(x.dtype)
+
+
+def run_experts(x: Tensor, weights: Tensor, experts: Tensor, first: int, local: int, sharded: bool,
+                stacks: tuple[Tensor, Tensor] | None, act: Callable[[Tensor], Tensor],
+                expert: Callable[[int, Tensor], Tensor]) -> Tensor:
+    """Routed experts, fp32 [N, d], for x [N, d] routed to ``experts`` [N, k] (global ids) with
+    ``weights`` [N, k]: sort the (token, expert) pairs by expert, run every expert on its pairs,
+    then sum each token's k outputs in a fixed order (batch-invariant, no atomics).
+
+    This process holds the ``local`` experts from ``first``; ``sharded`` (expert parallelism):
+    a pair routed to another rank's expert sorts last, into a group nothing runs, and counts
+    zero here. ``stacks`` (gate_up [local, 2I, d], down [local, d, I]): the experts run as two
+    grouped GEMMs (``F.grouped_mm``, activation ``act``) whose group ends are counted and
+    summed on the device: no host read, the same ops whatever the routing. None: ``expert(e,
+    tokens)`` for each local expert ``e`` that got tokens, sized by one host read."""
+    n, k = experts.shape
+    if n == 0:  # host shape: no device read
+        return x.new_zeros(x.shape, dtype=torch.float32)
+    flat = experts.flatten()
+    mine = None
+    if sharded:
+        flat = flat - first
+        mine = (flat >= 0) & (flat < local)
+        flat = torch.where(mine, flat, local)
+    order = flat.argsort(stable=True)  # [N*k] pair ids grouped by expert
+    # pairs per expert, counted on the device (bincount on CUDA reads its input's max first)
+    counts = torch.zeros(local + 1, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    tokens = x[order // k]  # [N*k, d], sorted by expert
+    if stacks is not None:
+        gate_up, down = stacks
+        ends = counts[:local].cumsum(0).to(torch.int32)  # rows past the last end: not run
+        gate, up = F.grouped_mm(tokens, gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        sorted_out = F.grouped_mm(act(gate) * up, down.transpose(1, 2), offs=ends)
+    else:
+        sizes = counts.tolist()  # the one host read: each expert's matmul is sized by its token count
+        chunks = tokens.split(sizes)
+        sorted_out = torch.cat([expert(e, chunks[e]) for e in range(local) if sizes[e]]
+                               + [torch.zeros_like(chunks[local])])
+    pairs = torch.empty_like(tokens)
+    pairs[order] = sorted_out  # back to pair order: [N*k, d]
+    pairs = pairs.view(n, k, -1).float()
+    if mine is not None:  # another rank's pairs (rows the grouped GEMM left unwritten) count 0
+        pairs = torch.where(mine.view(n, k, 1), pairs, 0.0)
+    return (pairs * weights[..., None]).sum(1)  # [N, d]
 
 
 class DecoderLayer(nn.Module):
