@@ -32,6 +32,7 @@ import sys
 import time
 import weakref
 from datetime import timedelta
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -318,8 +319,8 @@ def check_weights_shardable(path: str, size: int) -> None:
     config alone."""
     from .canvas_llm import is_canvas_checkpoint
     if is_canvas_checkpoint(path):
-        from ..models.diffusion_gemma import check_shardable as check_canvas, load_diffusion_gemma
-        check_canvas(load_diffusion_gemma(path, device="meta").config, size)
+        from ..models.diffusion_gemma import check_shardable as check_canvas, read_config as read_canvas_config
+        check_canvas(read_canvas_config(Path(path))[1], size)
         return
     _, _, cfg = read_config(path)
     check_shardable(cfg, size)

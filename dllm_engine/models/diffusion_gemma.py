@@ -46,8 +46,8 @@ from torch import Tensor, nn
 from ..errors import UserError
 from .kernels import grouped_mm_fits
 from .layers import RMSNorm, apply_rope, grouped_heads, run_experts
-from .loader import named_tensors, open_weights, parse_device, read_json, resolve_dtype, weight_files
-from .parallel import ColumnParallelLinear, RowParallelLinear, Shard, mark, read_slices
+from .loader import named_tensors, open_weights, parse_device, read_json, read_weights, resolve_dtype, weight_files
+from .parallel import ColumnParallelLinear, RowParallelLinear, Shard, check_divisible, kv_head_part, mark
 from .quantize import check_quantization, quantize_model
 
 log = logging.getLogger(__name__)
@@ -355,8 +355,8 @@ class GemmaAttention(nn.Module):
             self.v_proj = nn.Linear(d, spec.num_kv_heads * hd, bias=bias) if spec.is_sliding else None
             self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=bias)
         else:
-            heads, kv = cfg.num_heads // shard.size, max(1, spec.num_kv_heads // shard.size)
-            first_kv = shard.rank * heads // (cfg.num_heads // spec.num_kv_heads)
+            heads = cfg.num_heads // shard.size
+            first_kv, kv = kv_head_part(cfg.num_heads, spec.num_kv_heads, shard)
             q_part = [(cfg.num_heads * hd, shard.rank * heads * hd, (shard.rank + 1) * heads * hd)]
             kv_part = [(spec.num_kv_heads * hd, first_kv * hd, (first_kv + kv) * hd)]
             self.q_proj = ColumnParallelLinear(d, q_part, bias)
@@ -627,14 +627,8 @@ def check_shardable(cfg: DiffusionGemmaConfig, size: int) -> None:
     """Refuse, naming the field and the sizes, a model whose heads, widths or experts do not
     split over ``size`` ranks (key/value heads fewer than the ranks are copied, as the other
     families' are)."""
-    if size < 1:
-        raise UserError(f"tensor_parallel_size must be >= 1, got {size}")
-    need = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
-            "num_experts": cfg.num_experts}
-    for name, value in need.items():
-        if value % size:
-            raise UserError(f"{name} {value} is not divisible by tensor_parallel_size {size}; "
-                            f"choose a tensor_parallel_size that divides it")
+    check_divisible({"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
+                     "num_experts": cfg.num_experts}, size)
     for kind, spec in (("sliding", next((s for s in cfg.layers if s.is_sliding), None)),
                        ("full", next((s for s in cfg.layers if not s.is_sliding), None))):
         if spec is not None and spec.num_kv_heads % size and size % spec.num_kv_heads:
@@ -693,6 +687,15 @@ def check_shape(name: str, shape: tuple, param: Tensor) -> None:
         raise UserError(f"tensor {name} has shape {shape} but the config implies {full}")
 
 
+def read_config(folder: Path) -> tuple[dict, DiffusionGemmaConfig]:
+    """``folder``'s config.json and the config it gives, nothing else read."""
+    hf = read_json(folder / "config.json", "a JSON object of model settings")
+    try:
+        return hf, config_from_hf(hf)
+    except KeyError as e:
+        raise UserError(f"{folder / 'config.json'}: missing key {e} (needed by {MODEL_TYPE})") from None
+
+
 def load_diffusion_gemma(path: str | Path, dtype: str | torch.dtype = "float32",
                          device: str | torch.device = "cpu", revision: str | None = None,
                          quantization: str | None = None, shard: Shard | None = None) -> DiffusionGemma:
@@ -709,11 +712,7 @@ def load_diffusion_gemma(path: str | Path, dtype: str | torch.dtype = "float32",
     from ..hub import resolve_model
     folder = resolve_model(path, revision)
     device = parse_device(device)
-    hf = read_json(folder / "config.json", "a JSON object of model settings")
-    try:
-        cfg = config_from_hf(hf)
-    except KeyError as e:
-        raise UserError(f"{folder / 'config.json'}: missing key {e} (needed by {MODEL_TYPE})") from None
+    hf, cfg = read_config(folder)
     dtype = resolve_dtype(dtype, hf, folder)
     quantization = check_quantization(quantization, device, dtype)
     if shard is not None:
@@ -726,16 +725,7 @@ def load_diffusion_gemma(path: str | Path, dtype: str | torch.dtype = "float32",
         return model.eval()
     plan = weight_plan(folder, model)
     model.to_empty(device=device)
-    params = named_tensors(model)
-    loaded = 0
-    with torch.no_grad():
-        for file, items in plan.items():
-            with open_weights(file) as f:
-                for ckpt, ours, slices in items:
-                    tensor = read_slices(f.get_slice(ckpt), slices)
-                    params[ours].copy_(tensor)
-                    loaded += tensor.numel() * tensor.element_size()
-    model.loaded_bytes = loaded
+    model.loaded_bytes = read_weights(model, plan)
     if quantization is not None:
         model.quantization = quantize_model(model, quantization)
     return model.eval()

@@ -73,23 +73,27 @@ class Shard:
         return torch.cat(parts, dim=-1) if self.rank == 0 else x
 
 
+def check_divisible(need: dict[str, int], size: int) -> None:
+    """Refuse a ``size`` below 1, and each field of ``need`` (name -> value) that ``size`` does
+    not divide, naming it and both sizes."""
+    if size < 1:
+        raise UserError(f"tensor_parallel_size must be >= 1, got {size}")
+    for field, value in need.items():
+        if value % size:
+            raise UserError(f"{field} {value} is not divisible by tensor_parallel_size {size}; "
+                            f"choose a tensor_parallel_size that divides it")
+
+
 def check_shardable(cfg: ModelConfig, size: int) -> None:
     """Refuse, naming the field and the sizes, a model whose shapes do not split over ``size``
     ranks. Fallbacks instead of errors: KV heads fewer than ranks are replicated (each KV head on
     size / num_kv_heads ranks); a vocabulary that does not divide is padded (``vocab_part``)."""
-    if size < 1:
-        raise UserError(f"tensor_parallel_size must be >= 1, got {size}")
-    if size == 1:
-        return
     need = {"num_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size}
     if cfg.moe is not None:
         need["num_experts"] = cfg.moe.num_experts
         need["moe_intermediate_size * num_shared_experts"] = (cfg.moe.moe_intermediate_size
                                                               * cfg.moe.num_shared_experts)
-    for field, value in need.items():
-        if value % size:
-            raise UserError(f"{field} {value} is not divisible by tensor_parallel_size {size}; "
-                            f"choose a tensor_parallel_size that divides it")
+    check_divisible(need, size)
     kv = cfg.num_kv_heads
     if kv % size and size % kv:
         raise UserError(f"num_kv_heads {kv} and tensor_parallel_size {size}: one must divide the "
@@ -97,11 +101,16 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
 
 
 def kv_heads_of(cfg: ModelConfig, shard: Shard) -> tuple[int, int]:
+    """(first KV head, KV heads) of this rank (``kv_head_part``)."""
+    return kv_head_part(cfg.num_heads, cfg.num_kv_heads, shard)
+
+
+def kv_head_part(num_heads: int, num_kv_heads: int, shard: Shard) -> tuple[int, int]:
     """(first KV head, KV heads) of this rank: the KV heads its query heads read. With fewer KV
     heads than ranks, several ranks hold a copy of the same head (as vLLM does)."""
-    heads = cfg.num_heads // shard.size
-    group = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
-    return shard.rank * heads // group, max(1, cfg.num_kv_heads // shard.size)
+    heads = num_heads // shard.size
+    group = num_heads // num_kv_heads  # query heads per KV head
+    return shard.rank * heads // group, max(1, num_kv_heads // shard.size)
 
 
 class ColumnParallelLinear(nn.Linear):
