@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from .layers import MoE
 
 QUANTIZATIONS = ("int8", "int4")
 INT4_GROUP = 128  # inputs per int4 scale (torchao's default)
@@ -140,7 +141,7 @@ def quantize_model(model: nn.Module, method: str) -> QuantizeReport:
             lib.quantization.quantize_(model, FqnToConfig({name: config(method) for name in stacks}),
                                        filter_fn=None)
     for module in model.modules():  # experts kept in stacked tensors drop them: their weights are new
-        if hasattr(module, "unstack"):
+        if isinstance(module, MoE):
             module.unstack()
     return QuantizeReport(method, len(chosen), len(found) - len(chosen), len(stacks),
                           len(stacked_experts(model)) - len(stacks))
@@ -152,15 +153,15 @@ def quantize_reversibly(model: nn.Module, method: str):
     original weights stay in memory meanwhile)."""
     originals = [(m, "weight") for m in linears(model).values()] + list(stacked_experts(model).values())
     weights = [getattr(m, attr) for m, attr in originals]
+    stacks = [(m, m.stacks, m.grouped) for m in model.modules() if isinstance(m, MoE)]  # the weights' storage
     before = getattr(model, "quantization", None)
     model.quantization = quantize_model(model, method)
 
     def restore() -> None:
         for (m, attr), weight in zip(originals, weights):
             setattr(m, attr, weight)
-        for module in model.modules():  # stacked experts (models/layers.MoE) stacked again
-            if hasattr(module, "stack_experts"):
-                module.stack_experts()
+        for module, stacked, grouped in stacks:  # the original weights are views into them again
+            module.stacks, module.grouped = stacked, grouped
         model.quantization = before
     return restore
 
