@@ -394,16 +394,23 @@ class CanvasLLM:
         try:
             return self.sample(batch, on_canvas)
         except torch.OutOfMemoryError:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            limit = self.batch_bytes(batch) - 1  # what failed never runs again
-            self.budget = limit if self.budget is None else min(self.budget, limit)
+            limit = self.lower_budget(batch)
             if len(batch) == 1 or on_canvas is not None:
                 raise
             log.warning("out of device memory sampling %d rows: in halves, and batches below %.1f MiB from now on",
                         len(batch), limit / 2**20)
             half = len(batch) // 2
             return self.run_batch(batch[:half]) + self.run_batch(batch[half:])
+
+    def lower_budget(self, failed: list[Request]) -> int:
+        """After an out-of-memory running ``failed``: the device's cached blocks released, and
+        every later batch held below the bytes ``failed`` needed (what failed never runs
+        again); returns that limit."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        limit = self.batch_bytes(failed) - 1
+        self.budget = limit if self.budget is None else min(self.budget, limit)
+        return limit
 
     def sample(self, batch: list[Request],
                on_canvas: Callable[[int, list[int]], None] | None = None) -> list[RequestOutput]:

@@ -220,10 +220,7 @@ class CanvasEngine:
         members = list(self.members.values())
         oom = isinstance(error, torch.OutOfMemoryError)
         if oom:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            limit = self.llm.batch_bytes([c.request for c in members]) - 1
-            self.llm.budget = limit if self.llm.budget is None else min(self.llm.budget, limit)
+            limit = self.llm.lower_budget([c.request for c in members])
             log.warning("out of device memory in a group of %d rows: groups below %.1f MiB from now on",
                         len(members), limit / 2**20)
         else:
