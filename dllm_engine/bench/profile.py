@@ -127,7 +127,7 @@ class LayerLoopFlag:
 
 class ShapeLog:
     """The distinct forward signatures of a run: per layer (rows, tokens, keys, whether a mask
-    is applied), from the hidden state and context each layer is called with. A strategy that
+    is applied), from the context each layer is called with. A strategy that
     shrinks the token set (FOCUS, early skip) changes the signature inside the forward. A
     context manager: the hooks come off on exit."""
 
@@ -139,8 +139,8 @@ class ShapeLog:
         self.handles += [layer.register_forward_pre_hook(self.record) for layer in model.layers]
 
     def record(self, module, args) -> None:
-        hidden, ctx = args[0], args[1]
-        self.current.append((*hidden.shape[:2], ctx.key_length, ctx.attn_mask is not None))
+        ctx = args[1]  # the hidden state may be packed: the context has the [B, T] layout
+        self.current.append((*ctx.token_valid.shape, ctx.key_length, ctx.attn_mask is not None))
 
     def close(self) -> None:
         self.signatures.add(tuple(self.current))
@@ -165,6 +165,9 @@ class ReadOnlyCache:
 
     def write(self, *args, **kwargs) -> None:
         pass
+
+    def write_index(self, *args) -> None:
+        return None
 
     def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
         return self.k[:, :, :length], self.v[:, :, :length]

@@ -139,26 +139,36 @@ class KVCache:
             t[d, :, lo:hi] = t[s, :, lo:hi]
 
     def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor, valid: Tensor,
-              rows: slice | Tensor = slice(None), span: tuple[int, int] | None = None) -> None:
+              rows: slice | Tensor = slice(None), span: tuple[int, int] | None = None,
+              index: tuple[Tensor, Tensor] | None = None) -> None:
         """Store k, v [B, Hkv, T, D] at cache index ``slots`` [B, T] of ``rows`` (a range, or a row
         index per batch row); padding goes to the sink. ``span`` (lo, hi): every row writes
         slots [lo, hi) in order, none padded (the runner knows it without a device read), so
-        the write is one slice copy, not an indexed one."""
+        the write is one slice copy, not an indexed one. ``index``: ``write_index(slots, valid,
+        rows)``, when the caller built it once for every layer."""
         if span is not None:
             self.k[layer][rows, :, span[0]: span[1]] = k
             self.v[layer][rows, :, span[0]: span[1]] = v
             return
+        row, idx = self.write_index(slots, valid, rows) if index is None else index
         # index_put over a [B, S, Hkv, D] view: a whole head vector per index, ~2x faster than
         # a scatter along dim 2 with an index expanded to every element
+        k_rows, v_rows = (self.k[layer][rows], self.v[layer][rows]) if isinstance(rows, slice) \
+            else (self.k[layer], self.v[layer])
+        if k.dtype != self.dtype:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        k_rows.transpose(1, 2).index_put_((row, idx), k.transpose(1, 2))
+        v_rows.transpose(1, 2).index_put_((row, idx), v.transpose(1, 2))
+
+    def write_index(self, slots: Tensor, valid: Tensor, rows: slice | Tensor = slice(None)
+                    ) -> tuple[Tensor, Tensor]:
+        """The (row, slot) index [B, T] pair an indexed ``write`` of ``slots`` puts each token
+        at: padding at the sink slot; rows counted in the range for a slice ``rows``, in the
+        pool for a row index. The same for every layer of a forward."""
         idx = torch.where(valid, slots, self.capacity)
         if isinstance(rows, slice):
-            row = torch.arange(idx.shape[0], device=idx.device)[:, None].expand_as(idx)
-            k_rows, v_rows = self.k[layer][rows], self.v[layer][rows]
-        else:
-            row = rows[:, None].expand_as(idx)
-            k_rows, v_rows = self.k[layer], self.v[layer]
-        k_rows.transpose(1, 2).index_put_((row, idx), k.transpose(1, 2).to(self.dtype))
-        v_rows.transpose(1, 2).index_put_((row, idx), v.transpose(1, 2).to(self.dtype))
+            return torch.arange(idx.shape[0], device=idx.device)[:, None].expand_as(idx), idx
+        return rows[:, None].expand_as(idx), idx
 
     def read(self, layer: int, length: int, rows: slice | Tensor = slice(None)) -> tuple[Tensor, Tensor]:
         """K, V [B, Hkv, length, D] of every row's first ``length`` positions (views of a range,
@@ -174,8 +184,11 @@ class KVCacheView:
         self.cache, self.rows = cache, rows
 
     def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor, valid: Tensor,
-              span: tuple[int, int] | None = None) -> None:
-        self.cache.write(layer, k, v, slots, valid, self.rows, span)
+              span: tuple[int, int] | None = None, index: tuple[Tensor, Tensor] | None = None) -> None:
+        self.cache.write(layer, k, v, slots, valid, self.rows, span, index)
+
+    def write_index(self, slots: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        return self.cache.write_index(slots, valid, self.rows)
 
     def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
         return self.cache.read(layer, length, self.rows)

@@ -89,7 +89,9 @@ class LayerHooks(Protocol):
 
     def after_qk(self, layer_idx: int, q: Tensor, k: Tensor, ctx: "ForwardContext") -> Kept | None: ...
 
-    def after_layer(self, layer_idx: int, hidden: Tensor, ctx: "ForwardContext") -> Kept | None: ...
+    def after_layer(self, layer_idx: int, hidden: Tensor, ctx: "ForwardContext") -> Kept | None:
+        """``hidden``: the residual stream after layer ``layer_idx`` in ``ctx``'s layout
+        (``ctx.unpack(hidden)`` is [B, T, d]; unpack only at the layers the hook acts on)."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,17 @@ class ForwardContext:
             return y
         b, t = self.token_valid.shape
         return y.new_zeros(b * t, y.shape[-1]).index_copy(0, index, y).view(b, t, -1)
+
+    def write_kv(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Store the step's K/V [B, Hkv, T, D] of layer ``layer`` in the cache at ``slots``: one
+        slice copy when the rows write one span, else an indexed write whose index is built
+        once per context for every layer (``KVCache.write_index``)."""
+        if self.slot_span is not None:
+            self.cache.write(layer, k, v, self.slots, self.token_valid, span=self.slot_span)
+            return
+        if "write_index" not in self.derived:
+            self.derived["write_index"] = self.cache.write_index(self.slots, self.token_valid)
+        self.cache.write(layer, k, v, self.slots, self.token_valid, index=self.derived["write_index"])
 
     def keep(self, kept: Kept) -> "ForwardContext":
         """The context of the tokens ``kept`` (a hook's ``Kept``: FOCUS eviction, ES-dLLM

@@ -175,12 +175,15 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, d, shard, bias=cfg.attn_out_bias)
 
     def project(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
-        b, t, _ = x.shape
-        xs = ctx.pack(x)
+        """Q, K, V [B, H, T, D] of x, the live tokens in ``ctx``'s layout (``ForwardContext.pack``)."""
+        b, t = ctx.token_valid.shape
         if self.fused_qkv:
-            q, k, v = ctx.unpack(self.qkv_proj(xs)).split(self.qkv_sizes, dim=-1)
+            q, k, v = ctx.unpack(self.qkv_proj(x)).split(self.qkv_sizes, dim=-1)
+        elif ctx.live_index() is not None:  # packed: the three unpacked as one
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            q, k, v = ctx.unpack(qkv).split(self.qkv_sizes, dim=-1)
         else:
-            q, k, v = (ctx.unpack(proj(xs)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -189,13 +192,14 @@ class Attention(nn.Module):
         return apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin), v
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor | None, ForwardContext]:
-        """Returns the attention output of the live tokens, the kept index [B, K] when a hook
-        shrank the token set after Q/K/V (the caller gathers its residual with it; else None),
-        and the context the output is live in (a new one when the hook shrank the set)."""
+        """x: the live tokens in ``ctx``'s layout. Returns the attention output of the live
+        tokens, the kept index [B, K] when a hook shrank the token set after Q/K/V (the caller
+        gathers its residual with it; else None), and the context the output is live in (a new
+        one when the hook shrank the set), in that context's layout."""
         q, k, v = self.project(x, ctx)
         if ctx.cache is not None:
             # K/V of every token are written before any eviction (FOCUS's layer-1 K/V)
-            ctx.cache.write(self.layer_idx, k, v, ctx.slots, ctx.token_valid, span=ctx.slot_span)
+            ctx.write_kv(self.layer_idx, k, v)
         keep = ctx.hooks.after_qk(self.layer_idx, q, k, ctx) if ctx.hooks is not None else None
         if keep is not None:
             q = torch.gather(q, 2, keep.index[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
@@ -205,7 +209,7 @@ class Attention(nn.Module):
         mask = ctx.attention_mask(k.shape[2])
         out = ragged_attention(q, k, v, mask, ctx.attention_rows())  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
-        return ctx.unpack(self.o_proj(ctx.pack(out))), (keep.index if keep is not None else None), ctx
+        return self.o_proj(ctx.pack(out)), (keep.index if keep is not None else None), ctx
 
 
 class MLP(nn.Module):
@@ -413,13 +417,14 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, shard)
 
     def forward(self, h: Tensor, ctx: ForwardContext) -> tuple[Tensor, ForwardContext]:
-        """The layer's output and the context it is live in (a new one when ``after_qk`` kept a
-        subset of the tokens)."""
-        attn_out, keep, ctx = self.self_attn(self.input_layernorm(h), ctx)
+        """h: the residual stream in ``ctx``'s layout (``ForwardContext.pack``). The layer's
+        output and the context it is live in (a new one when ``after_qk`` kept a subset of the
+        tokens), the output in that context's layout."""
+        attn_out, keep, kept_ctx = self.self_attn(self.input_layernorm(h), ctx)
         if keep is not None:
-            h = ctx.gather(h, keep)
+            h = kept_ctx.pack(ctx.gather(ctx.unpack(h), keep))
         h = h + attn_out
-        return h + ctx.unpack(self.mlp(self.post_attention_layernorm(ctx.pack(h)))), ctx
+        return h + self.mlp(self.post_attention_layernorm(h)), kept_ctx
 
 
 class StackOutput(NamedTuple):
@@ -477,8 +482,13 @@ class DiffusionLM(nn.Module):
         """THE layer loop, on a prepared context. It owns the current context: a layer hands
         back the one it ran in (``after_qk`` may have kept a subset), and the loop applies an
         ``after_layer`` hook's ``Kept`` (``ForwardContext.keep``). With hooks it also counts
-        each layer's live tokens (``processed_tokens``: the work a shrinking strategy saves)."""
-        h = self.embed_tokens(input_ids)
+        each layer's live tokens (``processed_tokens``: the work a shrinking strategy saves).
+
+        The residual stream stays in the current context's layout from the embedding to the
+        final norm: the live tokens as one [N, d] matrix when the context packs
+        (``ForwardContext.live_index``), so a layer unpacks only Q/K/V for attention and packs
+        only attention's output; it is unpacked where the live set changes and at the end."""
+        h = ctx.pack(self.embed_tokens(input_ids))
         processed = None if ctx.hooks is None else [0.0] * ctx.positions.shape[0]
         for i, layer in enumerate(self.layers):
             h, ctx = layer(h, ctx)
@@ -486,8 +496,9 @@ class DiffusionLM(nn.Module):
                 processed = [p + n for p, n in zip(processed, ctx.live_counts())]
             keep = ctx.hooks.after_layer(i, h, ctx) if ctx.hooks is not None else None
             if keep is not None:
-                h, ctx = ctx.gather(h, keep.index), ctx.keep(keep)
-        return StackOutput(self.norm(h), ctx, processed)
+                kept_ctx = ctx.keep(keep)
+                h, ctx = kept_ctx.pack(ctx.gather(ctx.unpack(h), keep.index)), kept_ctx
+        return StackOutput(self.norm(ctx.unpack(h)), ctx, processed)
 
     @property
     def num_kv_heads(self) -> int:

@@ -212,6 +212,7 @@ class SkipHooks:
     def after_layer(self, layer_idx: int, hidden: Tensor, ctx: ForwardContext) -> Kept | None:
         if layer_idx not in self.counts:
             return None
+        hidden = ctx.unpack(hidden)
         live = ctx.token_valid
         offset, in_window = self.window_offsets(ctx.slots)
         lengths = self.kept_lengths(layer_idx, ctx.live_counts())
