@@ -137,24 +137,26 @@ def test_ragged_attention_runs_narrow_rows_apart_with_the_same_result():
     valid = torch.arange(t)[None] < live[:, None]
     mask = (torch.arange(s)[None, None, None] < torch.tensor([20, 9, 12, 15])[:, None, None, None]
             ).expand(b, 1, t, s)
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    groups = row_groups(live.tolist(), t)
-    assert [(rows.tolist(), width) for rows, width in groups] == [([1, 2], 20), ([0, 3], 96)]
-    got = ragged_attention(q, k, v, mask, groups)
-    assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)
+    split = row_groups(live.tolist(), t)
+    assert (split.wide.tolist(), split.narrow, split.width) == ([0, 3], 20, 96)
+    for m in (mask, None):  # None: every query sees every key
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        got = ragged_attention(q, k, v, m, split)
+        assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)
 
 
 def test_row_groups_split_only_when_the_narrow_rows_shed_enough_width():
-    """Narrow rows (at most a quarter of the width) get their own call only when it makes them
+    """Narrow rows (at most a quarter of the width) run apart from the wide ones' rest only when it makes them
     at least SPLIT_SAVING query tokens narrower: a 300-token canvas beside 32-token blocks
     splits; rows of a few tokens beside a 32-token block do not (the gather costs more)."""
     from dllm_engine.models.context import SPLIT_SAVING, row_groups
-    groups = row_groups([300, 32, 290, 20], 300)
-    assert [(rows.tolist(), width) for rows, width in groups] == [([1, 3], 32), ([0, 2], 300)]
+    split = row_groups([300, 32, 290, 20], 300)
+    assert (split.wide.tolist(), split.narrow, split.width) == ([0, 2], 32, 300)
     assert row_groups([32, 4, 8, 30], 32) is None
     assert row_groups([32, 32], 32) is None and row_groups([4, 8], 32) is None  # no mix
     n = SPLIT_SAVING
-    assert [(rows.tolist(), w) for rows, w in row_groups([n + 1, 1], n + 1)] == [([1], 1), ([0], n + 1)]
+    split = row_groups([n + 1, 1], n + 1)
+    assert (split.wide.tolist(), split.narrow, split.width) == ([0], 1, n + 1)
     assert row_groups([n, 1], n) is None  # sheds n - 1 tokens
 
 
@@ -178,10 +180,10 @@ def test_grouped_kv_heads_attend_as_if_repeated(expand, monkeypatch):
     want = torch.nn.functional.scaled_dot_product_attention(q, rk, rv, attn_mask=mask)
     assert torch.allclose(layers.ragged_attention(q, k, v, mask, None), want, atol=1e-6)
     live = [80, 2, 70]
-    groups = row_groups(live, t)
-    # the narrow row alone, as wide as it is; the wide ones together, as wide as the widest
-    assert [(g.tolist(), w) for g, w in groups] == [([1], 2), ([0, 2], 80)]
-    got = layers.ragged_attention(q, k, v, mask, groups)
+    split = row_groups(live, t)
+    # every row's first 2 queries (the narrow row's width) in one call; the wide rows' rest
+    assert (split.wide.tolist(), split.narrow, split.width) == ([0, 2], 2, 80)
+    got = layers.ragged_attention(q, k, v, mask, split)
     valid = torch.arange(t)[None] < torch.tensor(live)[:, None]
     assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)
 

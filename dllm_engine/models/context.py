@@ -23,25 +23,33 @@ NARROW_ROWS = 4  # rows with at most 1/4 of the padded width run attention as th
 SPLIT_SAVING = 64  # ... when that makes them at least this many query tokens narrower
 
 
-def row_groups(lengths: list[int], width: int, device: torch.device | str = "cpu"
-               ) -> list[tuple[Tensor, int]] | None:
-    """Rows of a [B, ``width``] batch whose live tokens are left-packed (``lengths`` per row)
-    split into (row index, width) groups for attention: the narrow rows (at most
-    1/NARROW_ROWS of ``width`` live) and the rest, each group as wide as its widest row. None
-    when one call over all rows is as good: no mix, or the narrow group would be fewer than
-    SPLIT_SAVING query tokens narrower than the rest. A separate call gathers its rows' K/V and
-    mask; on CPU that pays for a full canvas beside one-block rows (tiny-llada, ~290 against 32
-    wide), not for rows a few tokens wide beside a 32-token block (tiny-sdar with FOCUS or its
-    delayed cache at batch 8 and 64, where one call took 0.78-0.89x the split's attention
-    time). Host arithmetic only."""
+class RowSplit(NamedTuple):
+    """Attention over a batch that mixes narrow and wide rows as two calls over query ranges:
+    every row's first ``narrow`` queries in place, then the ``wide`` rows' queries
+    [``narrow``, ``width``). Each query is computed once."""
+    wide: Tensor  # [W] the rows with more than ``narrow`` live tokens
+    narrow: int  # the narrow rows' widest live count
+    width: int  # the wide rows' widest live count
+
+
+def row_groups(lengths: list[int], width: int, device: torch.device | str = "cpu") -> RowSplit | None:
+    """The ``RowSplit`` of a [B, ``width``] batch whose live tokens are left-packed
+    (``lengths`` per row): the narrow rows have at most 1/NARROW_ROWS of ``width`` live. None
+    when one call over all rows is as good: no mix, or the narrow rows would be fewer than
+    SPLIT_SAVING query tokens narrower than the rest. The second call gathers the wide rows'
+    K/V and mask; on CPU that pays for a full canvas beside one-block rows (tiny-llada, ~290
+    against 32 wide), not for rows a few tokens wide beside a 32-token block (tiny-sdar with
+    FOCUS or its delayed cache at batch 8 and 64, where one call took 0.78-0.89x the time of
+    a split that gathered both groups). Host arithmetic only."""
     narrow = [n <= width // NARROW_ROWS for n in lengths]
     if all(narrow) or not any(narrow):
         return None
-    rows = [[i for i, f in enumerate(narrow) if f == flag] for flag in (True, False)]
-    widths = [max(lengths[i] for i in group) for group in rows]
-    if widths[1] - widths[0] < SPLIT_SAVING:
+    narrow_width = max(n for n, f in zip(lengths, narrow) if f)
+    wide = [i for i, f in enumerate(narrow) if not f]
+    wide_width = max(lengths[i] for i in wide)
+    if wide_width - narrow_width < SPLIT_SAVING:
         return None
-    return [(torch.tensor(group, device=device), w) for group, w in zip(rows, widths)]
+    return RowSplit(torch.tensor(wide, device=device), narrow_width, wide_width)
 
 
 class Kept(NamedTuple):
@@ -190,7 +198,7 @@ class ForwardContext:
             self.derived["live"] = index if sparse else None
         return self.derived["live"]
 
-    def attention_rows(self) -> list[tuple[Tensor, int]] | None:
+    def attention_rows(self) -> RowSplit | None:
         """``row_groups`` of the live set, computed once per set for every layer's attention
         (only when the live tokens are known to be left-packed)."""
         if "rows" not in self.derived:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig, MoEConfig
-from .context import ForwardContext, block_causal_mask
+from .context import ForwardContext, RowSplit, block_causal_mask
 from .kernels import grouped_mm_fits
 from .parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
                        VocabParallelEmbedding, kv_heads_of)
@@ -89,26 +89,28 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 EXPAND_GQA_WITH_MASK = frozenset({"cuda"})
 
 
-def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-                     groups: list[tuple[Tensor, int]] | None) -> Tensor:
-    """SDPA of q [B, H, T, D], one call per ``groups`` entry (``context.row_groups``). ``mask``
-    None (every query sees every key) lets SDPA pick its fused kernels without a mask.
+def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, split: RowSplit | None) -> Tensor:
+    """SDPA of q [B, H, T, D]; with a ``split`` (``context.row_groups``) as two calls over query
+    ranges. ``mask`` None (every query sees every key) lets SDPA pick its fused kernels without
+    a mask.
 
     A batch that mixes rows computing a whole canvas with rows computing one block (a sequence at
     its block's first step beside sequences mid-block; FOCUS or ES rows that kept few tokens)
-    would pay the widest row's attention in every row; each group runs only as wide as its widest
-    row. Each row's result is the same either way.
+    would pay the widest row's attention in every row. Split, every row runs its first
+    ``split.narrow`` queries in place (no copy of its K/V), and only the wide rows run the rest,
+    so each query is computed once. A query's result does not depend on the others in its call.
 
     k, v may hold fewer heads than q (grouped-query attention: query head h reads K/V head
     h // (H / Hkv)); ``grouped_heads`` says how they are read."""
     k, v, gqa = grouped_heads(q, k, v, mask)
-    if groups is None:
+    if split is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+    rows, lo, hi = split
     out = q.new_zeros(q.shape[:3] + v.shape[-1:])
-    for rows, width in groups:
-        out[rows, :, :width] = F.scaled_dot_product_attention(
-            q[rows, :, :width], k[rows], v[rows], attn_mask=None if mask is None else mask[rows, :, :width],
-            **gqa)
+    out[:, :, :lo] = F.scaled_dot_product_attention(
+        q[:, :, :lo], k, v, attn_mask=None if mask is None else mask[:, :, :lo], **gqa)
+    out[rows, :, lo:hi] = F.scaled_dot_product_attention(
+        q[rows, :, lo:hi], k[rows], v[rows], attn_mask=None if mask is None else mask[rows, :, lo:hi], **gqa)
     return out
 
 
