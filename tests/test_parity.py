@@ -1,7 +1,10 @@
 """Logits parity of each family with the matching `transformers` class."""
+import collections
+
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dllm_engine.models import load_model
 from fixtures import left_padded_batch, random_model, write_checkpoint
@@ -93,8 +96,21 @@ def test_sharded_checkpoint_loads_the_same(tmp_path, model_type):
     assert torch.equal(a, b)
 
 
+class CountOps(TorchDispatchMode):
+    """The aten ops run inside it, by name."""
+
+    def __enter__(self):
+        self.names = collections.Counter()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def test_packing_live_tokens_changes_no_logit(monkeypatch):
-    """Per-token layers run on the packed live tokens of a padded batch: same logits as dense."""
+    """Per-token layers run on the packed live tokens of a padded batch, the residual stream
+    packed from the embedding to the final norm: same logits as dense."""
     from dllm_engine.models import context
     model = random_model("sdar")
     ids = torch.randint(11, 95, (3, 12))
@@ -107,6 +123,11 @@ def test_packing_live_tokens_changes_no_logit(monkeypatch):
         dense = model(ids, attention_mask=valid.long())
     assert torch.allclose(packed[valid], dense[valid], atol=1e-5)
     ctx = model.plain_context(ids, valid.long())
+    monkeypatch.setattr(context, "PACK_BELOW", 0.75)
+    with torch.no_grad(), CountOps() as ops:
+        model(ids, attention_mask=valid.long())
+    # the residual stays packed: Q/K/V unpacked once a layer, the stream once at the end
+    assert ops.names["index_copy"] == model.config.num_layers + 1
     monkeypatch.setattr(context, "PACK_BELOW", 0.75)
     x = torch.randn(3, 12, 5)
     assert ctx.pack(x).shape == (20, 5) and torch.equal(ctx.pack(x), x[valid])
