@@ -90,8 +90,10 @@ def cases(ckpt, tmp_path_factory) -> dict[str, tuple[list[str], str]]:
                                                "compile_step is for one process"),
         "profile a compiled step": (["profile", *model, "--methods", "dual-cache", "--compile-step"],
                                     "use --fixed-shapes here, and dllm bench --compile-step for its speed"),
-        "replicas under tensor parallel": (["serve", str(ckpt), "--replicas", "2", "--tensor-parallel-size", "2"],
-                                           "--tensor-parallel-size with --replicas is not supported"),
+        # refused before Ray starts, not in every replica
+        "replicas under tensor parallel that does not divide": (
+            ["serve", str(ckpt), "--replicas", "2", "--tensor-parallel-size", "3"],
+            "num_heads 4 is not divisible by tensor_parallel_size 3"),
         "replicas with a memory budget": (["serve", str(ckpt), "--replicas", "2", "--kv-cache-memory", "1GiB"],
                                           "--kv-cache-memory with --replicas is not supported"),
         "int4 on a CPU": (["generate", *model, "--quantization", "int4"], "int4 runs on CUDA only"),
@@ -154,7 +156,7 @@ def test_bad_input_is_one_error_line_and_exit_2(results, argv_cases, name):
 CASES = [*BROKEN, "model is a file", "device tpu", "device cuda on a CPU build", "port out of range",
          "temperature NaN", "factor inf", "serve a default it cannot run", "two models to serve",
          "bench spec before weights", "tensor parallel does not divide", "profile under tensor parallel",
-         "replicas under tensor parallel", "compile under tensor parallel",
+         "replicas under tensor parallel that does not divide", "compile under tensor parallel",
          "bench compile under tensor parallel", "compile step under tensor parallel", "profile a compiled step",
          "eval json into a missing folder", "chain-probe json is a folder", "int4 on a CPU"]
 

@@ -223,7 +223,8 @@ def test_dead_worker_is_an_error_and_the_server_answers_503(pair):
     module's last family.)"""
     from test_server import SHORT, serving
     _, _, llm = pair
-    with serving(llm) as (url, _):
+    with serving(llm) as (url, app):
+        assert app.state.server.engine.alive()
         served = httpx.post(f"{url}/v1/completions", json=SHORT, timeout=60)
         assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] > 0
         pid = llm.parallel.procs[0].pid
@@ -234,6 +235,7 @@ def test_dead_worker_is_an_error_and_the_server_answers_503(pair):
         assert f"rank 1 (pid {pid}) exited with code -9" in r.json()["error"]["message"]
         assert httpx.post(f"{url}/v1/completions", json=SHORT, timeout=30).status_code == 503
         assert httpx.get(f"{url}/health", timeout=30).status_code == 503
+        assert not app.state.server.engine.alive()  # a replica's health check: Ray Serve restarts it
     with pytest.raises(WorkerDied, match="rank 1"):
         llm.generate(PROMPTS[:1], SamplingParams(method="block", max_new_tokens=8, block_length=8))
 

@@ -19,6 +19,7 @@ from dllm_engine import LLM, SamplingParams
 from dllm_engine.engine import parallel
 from dllm_engine.engine.canvas_llm import CanvasGroup, Request, group_key
 from dllm_engine.engine.parallel import WorkerDied
+from dllm_engine.server.canvas_engine import CanvasEngine
 from dllm_engine.errors import UserError
 from dllm_engine.models.diffusion_gemma import load_diffusion_gemma
 from dllm_engine.models.loader import named_tensors
@@ -144,6 +145,14 @@ def test_a_dead_rank_is_an_error_not_a_hang(pair):
         two.generate(ROWS[:1], SamplingParams(seed=1))
     with pytest.raises(WorkerDied):  # and stays one
         two.generate(ROWS[:1], SamplingParams(seed=1))
+    engine = CanvasEngine(two)  # the server's loop: a group failing so fails its health check
+    engine.start()
+    try:
+        assert engine.alive()
+        engine.group_failed(WorkerDied("rank 1 exited"))
+        assert not engine.alive()
+    finally:
+        engine.shutdown(5)
 
 
 def test_int8_weights_on_two_ranks(folder):

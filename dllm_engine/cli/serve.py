@@ -63,7 +63,8 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-ongoing-requests", type=float, default=16.0,
                    help="--replicas auto: ongoing requests per replica that autoscaling aims at")
     g.add_argument("--threads-per-replica", type=int, default=None,
-                   help="torch CPU threads of each replica (default: CPU cores / replicas)")
+                   help="torch CPU threads of each replica, of each of its ranks with --tensor-parallel-size "
+                        "(default: CPU cores / (replicas x ranks))")
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (e.g. auto, ray://head:10001); default: start a "
                    "local Ray instance for the server's lifetime")
@@ -117,9 +118,6 @@ def seed_policy(seeds) -> str:
 
 def run_serve_replicated(args: argparse.Namespace) -> None:
     import os
-    if args.tensor_parallel_size != 1:
-        raise UserError("--tensor-parallel-size with --replicas is not supported yet: a replica "
-                        "runs in one process; use one or the other")
     if args.kv_cache_memory is not None:
         raise UserError("--kv-cache-memory with --replicas is not supported yet: each replica would "
                         "need its own share; use one or the other")
@@ -137,18 +135,23 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
                       args.max_replicas, args.target_ongoing_requests)
     threads = args.threads_per_replica
     if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // scaling.most)
+        threads = max(1, (os.cpu_count() or 1) // (scaling.most * args.tensor_parallel_size))
     replica = ReplicaOptions(model, args.dtype, args.device, args.max_num_seqs, args.max_queue,
                              threads, args.shutdown_timeout, args.keep_freed_memory, args.compile,
                              args.fixed_shapes, args.compile_step, revision=args.revision, seed=args.seed,
                              quantization=args.quantization, max_request_bytes=args.max_request_bytes,
-                             prefix_cache=args.prefix_cache)
+                             prefix_cache=args.prefix_cache, tensor_parallel_size=args.tensor_parallel_size)
     defaults = sampling_params(args)
     # reads no weights (an id is fetched here once); refuses a bad default, and what a canvas
     # model (DiffusionGemma) does not run (compiling, fixed shapes) before any replica starts
     canvas = {"compile": args.compile, "fixed_shapes": args.fixed_shapes, "compile_step": args.compile_step}
+    path = resolve_model(model, args.revision)
     front = LLM(model, dtype=args.dtype, device="meta", revision=args.revision, seed=args.seed,
-                **(canvas if is_canvas_checkpoint(resolve_model(model, args.revision)) else {}))
+                tensor_parallel_size=args.tensor_parallel_size,
+                **(canvas if is_canvas_checkpoint(path) else {}))
+    if args.tensor_parallel_size > 1:  # shapes that do not split fail here, not in every replica
+        from ..engine.parallel import check_weights_shardable
+        check_weights_shardable(str(path), args.tensor_parallel_size)
     common.check_method_family(args, front)
     front.resolve(defaults)
     # a quantization the replicas' device cannot run fails here (the front may have no GPU)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.canvas_llm import CanvasGroup, CanvasLLM, Request, group_key
+from ..engine.parallel import WorkerDied
 from ..engine.stop_strings import find_stop
 from ..errors import UserError
 from .engine_client import GenerateRequest, relay
@@ -73,6 +74,7 @@ class CanvasEngine:
         self.members: dict[int, Choice] = {}  # id(request) -> its choice, for the group's rows
         self.running = 0  # choices in the group (guarded by lock)
         self.accepting, self.stopping = True, False
+        self.failure: str | None = None  # a tensor-parallel rank died: this engine cannot run a group again
         self.tokenizer_lock = threading.Lock()  # the HTTP side encodes while this thread decodes
         self.thread = threading.Thread(target=self.run, name="dllm-canvas-loop", daemon=True)
 
@@ -130,8 +132,9 @@ class CanvasEngine:
             self.lock.notify_all()
 
     def alive(self) -> bool:
-        """Whether the loop thread runs (a replica's health check)."""
-        return self.thread.is_alive()
+        """Whether the engine can still run a group (a replica's health check): its loop thread
+        runs and no tensor-parallel rank has died."""
+        return self.thread.is_alive() and self.failure is None
 
     def queue_depth(self) -> int:
         """Choices waiting for a batch."""
@@ -225,6 +228,8 @@ class CanvasEngine:
                         len(members), limit / 2**20)
         else:
             log.exception("canvas group failed")
+        if isinstance(error, WorkerDied):
+            self.failure = f"engine unavailable: {error}"
         again = [c for c in members if oom and len(members) > 1 and not c.sent and not c.ids]
         event = Event(error=ApiError(500, f"request failed: {type(error).__name__}: {error}", kind="server_error"))
         for job in {id(c.job): c.job for c in members if not any(c is a for a in again)}.values():

@@ -116,8 +116,9 @@ class InProcessEngine:
         return relay(submit, lambda: self.loop.cancel(job))
 
     def alive(self) -> bool:
-        """Whether the loop thread runs (a replica's health check)."""
-        return self.loop.thread.is_alive()
+        """Whether the engine can still step (a replica's health check): its loop thread runs
+        and no tensor-parallel rank has died (``EngineLoop.fail``)."""
+        return self.loop.thread.is_alive() and self.loop.failure is None
 
     def queue_depth(self) -> int:
         return self.loop.queue_depth()

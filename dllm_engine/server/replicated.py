@@ -76,16 +76,21 @@ class ReplicaOptions:
     quantization: str | None = None  # --quantization: each replica quantizes its own copy on load
     prefix_cache: bool = True  # --no-prefix-cache: each replica has its own prefix store otherwise
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # the front's body limit (--max-request-bytes)
+    # --tensor-parallel-size: each replica is rank 0 of its own group, its other ranks processes
+    # it spawns on its node (``engine/parallel.py``)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise UserError(f"threads per replica must be >= 1, got {self.threads}")
 
     def actor_options(self) -> dict:
-        """Ray resources of one replica: a GPU on CUDA, else ``threads`` CPUs."""
+        """Ray resources of one replica: a GPU per rank on CUDA, else ``threads`` CPUs per rank
+        (Ray reserves them all for the replica's actor; its ranks run in processes it starts)."""
+        ranks = self.tensor_parallel_size
         if torch.device(self.device).type == "cuda":
-            return {"num_cpus": 1, "num_gpus": 1} | NORMAL_PRIORITY
-        return {"num_cpus": self.threads} | NORMAL_PRIORITY
+            return {"num_cpus": 1, "num_gpus": ranks} | NORMAL_PRIORITY
+        return {"num_cpus": self.threads * ranks} | NORMAL_PRIORITY
 
 
 @dataclass
@@ -159,7 +164,8 @@ class EngineReplica:
                        max_num_seqs=options.max_num_seqs, keep_freed_memory=options.keep_freed_memory,
                        compile=options.compile, fixed_shapes=options.fixed_shapes,
                        compile_step=options.compile_step, revision=options.revision,
-                       quantization=options.quantization, prefix_cache=options.prefix_cache)
+                       quantization=options.quantization, prefix_cache=options.prefix_cache,
+                       tensor_parallel_size=options.tensor_parallel_size)
         self.metrics = Metrics()
         self.engine = local_engine(self.llm, options.max_queue, self.metrics)  # a canvas model: its own loop
         self.engine.start()
@@ -177,9 +183,11 @@ class EngineReplica:
             self.ongoing -= 1
 
     def check_health(self) -> None:
-        """Ray Serve's health check: a replica whose engine thread died is restarted."""
+        """Ray Serve's health check: a replica whose engine thread died, or one of whose
+        tensor-parallel ranks died, is restarted."""
         if not self.engine.alive():
-            raise RuntimeError(f"replica {self.replica}: the engine loop thread has died")
+            raise RuntimeError(f"replica {self.replica}: its engine loop has stopped or a tensor-parallel "
+                               "rank has died")
 
     def report(self) -> ReplicaReport:
         return ReplicaReport(self.replica, os.getpid(), self.metrics.merged([]), self.engine.queue_depth(),
@@ -359,7 +367,8 @@ def run_replicated(replica: ReplicaOptions, scaling: Scaling, defaults: Sampling
     local = ray_address is None
     if local:  # the instance only serves: its HTTP proxy and controller get normal priority too
         os.environ.update(NORMAL_PRIORITY["runtime_env"]["env_vars"])
-        ray.init(num_cpus=max(os.cpu_count() or 1, scaling.most * replica.threads), include_dashboard=False)
+        ray.init(num_cpus=max(os.cpu_count() or 1, scaling.most * replica.actor_options()["num_cpus"]),
+                 include_dashboard=False)
     else:
         ray.init(address=ray_address)
     stop = threading.Event()
