@@ -19,7 +19,7 @@ from ..engine.shapes import bucket
 
 PACK_BELOW = 0.75  # pack live tokens for the per-token layers when more than 1/4 is row padding
 
-NARROW_ROWS = 4  # rows with at most 1/4 of the padded width run attention as their own call ...
+NARROW_ROWS = 4  # rows with at most 1/4 of the padded width split attention from the wide rows (RowSplit) ...
 SPLIT_SAVING = 64  # ... when that makes them at least this many query tokens narrower
 
 
