@@ -128,7 +128,6 @@ def test_packing_live_tokens_changes_no_logit(monkeypatch):
         model(ids, attention_mask=valid.long())
     # the residual stays packed: Q/K/V unpacked once a layer, the stream once at the end
     assert ops.names["index_copy"] == model.config.num_layers + 1
-    monkeypatch.setattr(context, "PACK_BELOW", 0.75)
     x = torch.randn(3, 12, 5)
     assert ctx.pack(x).shape == (20, 5) and torch.equal(ctx.pack(x), x[valid])
     assert torch.equal(ctx.unpack(ctx.pack(x)), x * valid[..., None])

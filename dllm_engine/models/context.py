@@ -226,6 +226,11 @@ class ForwardContext:
         b, t = self.token_valid.shape
         return y.new_zeros(b * t, y.shape[-1]).index_copy(0, index, y).view(b, t, -1)
 
+    def carry(self, x: Tensor, index: Tensor, kept: "ForwardContext") -> Tensor:
+        """``x`` in this context's layout (``pack``), narrowed to the tokens ``index`` [B, K]
+        (a hook's ``Kept.index``) and laid out as ``kept`` (the context ``keep`` made of them)."""
+        return kept.pack(self.gather(self.unpack(x), index))
+
     def write_kv(self, layer: int, k: Tensor, v: Tensor) -> None:
         """Store the step's K/V [B, Hkv, T, D] of layer ``layer`` in the cache at ``slots``: one
         slice copy when the rows write one span, else an indexed write whose index is built

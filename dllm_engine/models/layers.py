@@ -105,7 +105,7 @@ def ragged_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, split
     k, v, gqa = grouped_heads(q, k, v, mask)
     if split is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
-    rows, lo, hi = split
+    rows, lo, hi = split.wide, split.narrow, split.width
     out = q.new_zeros(q.shape[:3] + v.shape[-1:])
     out[:, :, :lo] = F.scaled_dot_product_attention(
         q[:, :, :lo], k, v, attn_mask=None if mask is None else mask[:, :, :lo], **gqa)
@@ -424,7 +424,7 @@ class DecoderLayer(nn.Module):
         tokens), the output in that context's layout."""
         attn_out, keep, kept_ctx = self.self_attn(self.input_layernorm(h), ctx)
         if keep is not None:
-            h = kept_ctx.pack(ctx.gather(ctx.unpack(h), keep))
+            h = ctx.carry(h, keep, kept_ctx)
         h = h + attn_out
         return h + self.mlp(self.post_attention_layernorm(h)), kept_ctx
 
@@ -499,7 +499,7 @@ class DiffusionLM(nn.Module):
             keep = ctx.hooks.after_layer(i, h, ctx) if ctx.hooks is not None else None
             if keep is not None:
                 kept_ctx = ctx.keep(keep)
-                h, ctx = kept_ctx.pack(ctx.gather(ctx.unpack(h), keep.index)), kept_ctx
+                h, ctx = ctx.carry(h, keep.index, kept_ctx), kept_ctx
         return StackOutput(self.norm(ctx.unpack(h)), ctx, processed)
 
     @property
