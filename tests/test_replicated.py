@@ -4,6 +4,7 @@ for this module.
 
 Every wait is bounded (client timeouts, deadlines on polls)."""
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -66,21 +67,29 @@ def free_port_below_ephemeral() -> int:
     raise RuntimeError(f"no free port between 20000 and {ephemeral}")
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """One local Ray instance and the application; yields (base URL, metrics board)."""
+@contextlib.contextmanager
+def local_cluster(replica: ReplicaOptions, scaling: Scaling):
+    """A local Ray instance of 2 CPUs running the application; yields (base URL, metrics
+    board), and shuts both down after."""
     port = free_port_below_ephemeral()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        # the replicas run fixed-shape steps (``--fixed-shapes`` reaches them); the offline
-        # engine they are compared with runs dynamic ones: the tokens must still be the same
-        replica = ReplicaOptions(str(MODEL), max_num_seqs=MAX_NUM_SEQS, max_queue=MAX_QUEUE, threads=1,
-                                 shutdown_timeout=5, fixed_shapes=True)
-        board = deploy(replica, Scaling(replicas=2), DEFAULTS, port=port)
+        board = deploy(replica, scaling, DEFAULTS, port=port)
         yield f"http://127.0.0.1:{port}", board
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray instance and the application; yields (base URL, metrics board)."""
+    # the replicas run fixed-shape steps (``--fixed-shapes`` reaches them); the offline
+    # engine they are compared with runs dynamic ones: the tokens must still be the same
+    replica = ReplicaOptions(str(MODEL), max_num_seqs=MAX_NUM_SEQS, max_queue=MAX_QUEUE, threads=1,
+                             shutdown_timeout=5, fixed_shapes=True)
+    with local_cluster(replica, Scaling(replicas=2)) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,10 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray Serve tests need the distributed extra: "
                                         "pip install -e '.[distributed]' (make venv installs it)")
-from ray import serve  # noqa: E402
 
 from dllm_engine import LLM  # noqa: E402
-from dllm_engine.server.replicated import ReplicaOptions, Scaling, deploy  # noqa: E402
-from test_replicated import DEFAULTS, MODEL, PROMPTS, TIMEOUT, ask, expected, free_port_below_ephemeral, \
-    metrics, wait_until  # noqa: E402
+from dllm_engine.server.replicated import ReplicaOptions, Scaling  # noqa: E402
+from test_replicated import MODEL, PROMPTS, TIMEOUT, ask, expected, local_cluster, metrics, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a Ray Serve replica and its second rank
 
@@ -25,17 +23,11 @@ pytestmark = pytest.mark.slow  # a Ray Serve replica and its second rank
 @pytest.fixture(scope="module")
 def cluster():
     """One local Ray instance and the application; yields (base URL, metrics board)."""
-    port = free_port_below_ephemeral()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        replica = ReplicaOptions(str(MODEL), max_num_seqs=8, max_queue=8, threads=1, shutdown_timeout=5,
-                                 tensor_parallel_size=2)
-        assert replica.actor_options()["num_cpus"] == 2  # a thread for each rank
-        board = deploy(replica, Scaling(replicas=1), DEFAULTS, port=port)
-        yield f"http://127.0.0.1:{port}", board
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    replica = ReplicaOptions(str(MODEL), max_num_seqs=8, max_queue=8, threads=1, shutdown_timeout=5,
+                             tensor_parallel_size=2)
+    assert replica.actor_options()["num_cpus"] == 2  # a thread for each rank
+    with local_cluster(replica, Scaling(replicas=1)) as running:
+        yield running
 
 
 def children(pid: int) -> list[str]:
