@@ -94,8 +94,6 @@ def cases(ckpt, tmp_path_factory) -> dict[str, tuple[list[str], str]]:
         "replicas under tensor parallel that does not divide": (
             ["serve", str(ckpt), "--replicas", "2", "--tensor-parallel-size", "3"],
             "num_heads 4 is not divisible by tensor_parallel_size 3"),
-        "replicas with a memory budget": (["serve", str(ckpt), "--replicas", "2", "--kv-cache-memory", "1GiB"],
-                                          "--kv-cache-memory with --replicas is not supported"),
         "int4 on a CPU": (["generate", *model, "--quantization", "int4"], "int4 runs on CUDA only"),
         "a memory budget that is no size": (["generate", *model, "--kv-cache-memory", "lots"],
                                             "kv_cache_memory must be a number of bytes such as 2GiB"),

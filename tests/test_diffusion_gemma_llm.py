@@ -589,6 +589,49 @@ def test_an_out_of_memory_in_a_server_group_requeues_its_requests_under_a_lower_
     assert llm.budget < llm.batch_bytes(three)
 
 
+def test_the_server_loop_reports_its_group_bytes_and_the_requests_waiting_for_the_budget(folder, monkeypatch):
+    """A budget that fits one row: while the first request's second canvas runs, the second
+    request waits for memory, and ``memory()`` (what ``/metrics`` shows) says so."""
+    import threading
+
+    from dllm_engine.decoding.diffusion_gemma import CanvasBatch
+    real, seen = CanvasBatch.run_canvas, []
+
+    def held(run):
+        if not seen:  # the first canvas: until the second request queues
+            for _ in range(1200):
+                if engine.queue_depth() == 1:
+                    break
+                threading.Event().wait(0.05)
+        seen.append(engine.memory())
+        return real(run)
+    monkeypatch.setattr(CanvasBatch, "run_canvas", held)
+    params = SamplingParams(max_new_tokens=12, stop_at_eos=False)
+    probe = LLM(folder)
+    first, second = (Request(0, ids, probe.resolve(params)) for ids in ([5, 6, 7], [8, 9]))
+    alone = max(probe.batch_bytes([first]), probe.batch_bytes([second]))
+    assert probe.batch_bytes([first, second]) > alone
+    answers = []
+
+    def ask(prompt):
+        answers.append(httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "seed": 4,
+                                                                  "max_tokens": 12, "stop_at_eos": False}, timeout=120))
+
+    with serving(LLM(folder, kv_cache_memory=alone)) as (url, app):
+        engine = app.state.server.engine
+        threads = [threading.Thread(target=ask, args=(p,)) for p in ("w5 w6 w7", "w8 w9")]
+        for t in threads:
+            t.start()
+            threading.Event().wait(0.2)
+        for t in threads:
+            t.join(timeout=120)
+        text = httpx.get(f"{url}/metrics", timeout=60).text
+    assert [r.status_code for r in answers] == [200, 200]
+    assert seen[:2] == [(alone, probe.batch_bytes([first]), 0), (alone, probe.batch_bytes([first]), 1)]
+    assert engine.memory() == (alone, 0, 0)  # nothing runs or waits any more
+    assert f"dllm_kv_cache_memory_budget_bytes {alone}" in text and "dllm_waiting_for_memory 0" in text
+
+
 # -- lm-eval ---------------------------------------------------------------------------------------
 def test_the_lm_eval_model_generates_through_the_canvas_sampler(folder, llm):
     pytest.importorskip("lm_eval")

@@ -326,6 +326,9 @@ def test_replicas_must_be_a_number_or_auto(capsys):
     (["--replicas", "auto", "--min-replicas", "3", "--max-replicas", "2"], "--min-replicas"),
     (["--replicas", "2", "--threads-per-replica", "0"], "threads per replica must be >= 1"),
     (["--ray-address", "ray://h:10001"], "--ray-address needs --replicas"),
+    (["--replicas", "2", "--kv-cache-memory", "lots"], "kv_cache_memory must be a number of bytes"),
+    (["--replicas", "2", "--kv-cache-memory", "0"], "kv_cache_memory must be a positive number of bytes"),
+    (["--replicas", "2", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
 ])
 def test_bad_replica_options_exit_2_naming_the_option(args, message, capsys):
     assert main(["serve", str(MODEL), *args]) == 2
@@ -337,6 +340,43 @@ def test_diffusion_gemma_replicas_refuse_what_its_sampler_does_not_run_before_st
     folder = write_checkpoint(tmp_path)
     assert main(["serve", "--model", str(folder), "--replicas", "1", "--compile"]) == 2
     assert "compile: not available for diffusion_gemma" in capsys.readouterr().err
+
+def test_each_replica_admits_by_its_own_memory_budget(cluster, offline):
+    """``--kv-cache-memory`` with ``--replicas``: the application gives way to one replica whose
+    budget fits one slow request. Of three, one runs and the others wait for memory, as the
+    replica's figures and their sums in ``/metrics`` say; a request that could never fit gets
+    the single-process server's 400; a request then answers as offline."""
+    from dllm_engine.server.replicated import APP_NAME
+    url, _ = cluster
+    budget = 15 * 2**20  # one 600-token canvas (about 12 MB), not two; not LONG's (about 19 MB)
+    serve.delete(APP_NAME)
+    deploy(ReplicaOptions(str(MODEL), max_num_seqs=MAX_NUM_SEQS, max_queue=MAX_QUEUE, threads=1,
+                          shutdown_timeout=5, kv_cache_memory=budget),
+           Scaling(replicas=1), DEFAULTS, port=int(url.rsplit(":", 1)[1]))
+    slow = {**LONG, "max_tokens": 600, "block_length": 600}  # ~600 steps: far longer than the wait
+
+    async def scenario() -> dict[str, float]:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as c:
+            load = [asyncio.create_task(c.post("/v1/completions", json=slow)) for _ in range(3)]
+            m = await wait_async(lambda m: m["dllm_running_sequences"] == 1 and m["dllm_waiting_for_memory"] >= 1, c)
+            for task in load:
+                task.cancel()
+            await asyncio.gather(*load, return_exceptions=True)
+            return m
+
+    m = asyncio.run(scenario())
+    replica = {k.split("{")[0]: v for k, v in m.items() if k.startswith("dllm_replica_")}
+    assert m["dllm_kv_cache_memory_budget_bytes"] == replica["dllm_replica_kv_cache_memory_budget_bytes"] == budget
+    assert 0 < m["dllm_kv_cache_bytes"] == replica["dllm_replica_kv_cache_bytes"] <= budget
+    assert m["dllm_waiting_for_memory"] == replica["dllm_replica_waiting_for_memory"] >= 1
+    with TestClient(create_app(LLM(MODEL, kv_cache_memory=budget), DEFAULTS)) as single:
+        want = single.post("/v1/completions", json=LONG)
+    got = httpx.post(url + "/v1/completions", json=LONG, timeout=TIMEOUT)
+    assert want.status_code == 400 and "kv_cache_memory" in want.json()["error"]["message"]
+    assert (got.status_code, got.json()) == (want.status_code, want.json())
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 16}, timeout=TIMEOUT)
+    assert r.json()["choices"][0]["text"] == offline.generate([PROMPTS[3]], DEFAULTS.replace(max_new_tokens=16))[0].text
+
 
 def test_a_diffusion_gemma_checkpoint_serves_from_its_own_loop_on_a_replica(cluster, tmp_path_factory):
     """The last test on the cluster: tiny-llada's application gives way to a DiffusionGemma one

@@ -118,9 +118,6 @@ def seed_policy(seeds) -> str:
 
 def run_serve_replicated(args: argparse.Namespace) -> None:
     import os
-    if args.kv_cache_memory is not None:
-        raise UserError("--kv-cache-memory with --replicas is not supported yet: each replica would "
-                        "need its own share; use one or the other")
     try:
         from ..server.replicated import ReplicaOptions, Scaling, run_replicated
     except ImportError as e:
@@ -128,9 +125,11 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
     import torch
     from .. import LLM
     from ..engine.canvas_llm import is_canvas_checkpoint
+    from ..engine.llm import parse_bytes
     from ..hub import resolve_model
     from ..models.quantize import check_quantization
     model = serve_model(args)
+    budget = parse_bytes(args.kv_cache_memory)  # each replica's own (the front's LLM checks it)
     scaling = Scaling(None if args.replicas == "auto" else args.replicas, args.min_replicas,
                       args.max_replicas, args.target_ongoing_requests)
     threads = args.threads_per_replica
@@ -140,14 +139,16 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
                              threads, args.shutdown_timeout, args.keep_freed_memory, args.compile,
                              args.fixed_shapes, args.compile_step, revision=args.revision, seed=args.seed,
                              quantization=args.quantization, max_request_bytes=args.max_request_bytes,
-                             prefix_cache=args.prefix_cache, tensor_parallel_size=args.tensor_parallel_size)
+                             prefix_cache=args.prefix_cache, tensor_parallel_size=args.tensor_parallel_size,
+                             kv_cache_memory=budget, gpu_memory_utilization=args.gpu_memory_utilization)
     defaults = sampling_params(args)
     # reads no weights (an id is fetched here once); refuses a bad default, and what a canvas
     # model (DiffusionGemma) does not run (compiling, fixed shapes) before any replica starts
     canvas = {"compile": args.compile, "fixed_shapes": args.fixed_shapes, "compile_step": args.compile_step}
     path = resolve_model(model, args.revision)
     front = LLM(model, dtype=args.dtype, device="meta", revision=args.revision, seed=args.seed,
-                tensor_parallel_size=args.tensor_parallel_size,
+                tensor_parallel_size=args.tensor_parallel_size, kv_cache_memory=budget,
+                gpu_memory_utilization=args.gpu_memory_utilization,
                 **(canvas if is_canvas_checkpoint(path) else {}))
     if args.tensor_parallel_size > 1:  # shapes that do not split fail here, not in every replica
         from ..engine.parallel import check_weights_shardable

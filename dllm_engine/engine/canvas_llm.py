@@ -551,10 +551,13 @@ class CanvasGroup:
         return len(self.requests)
 
     def fits(self, request: Request) -> bool:
-        """Whether ``request`` may join: its settings, within ``max_num_seqs`` and the memory
-        budget with the rows running (``batch_bytes``: the widest row's columns for every row)."""
-        return (group_key(request.params) == self.key and len(self) < self.llm.max_num_seqs
-                and self.llm.fits([*self.requests.values(), request]))
+        """Whether ``request`` may join: ``takes`` it, and within the memory budget with the rows
+        running (``batch_bytes``: the widest row's columns for every row)."""
+        return self.takes(request) and self.llm.fits([*self.requests.values(), request])
+
+    def takes(self, request: Request) -> bool:
+        """Whether ``request``'s settings and ``max_num_seqs`` let it join, memory aside."""
+        return group_key(request.params) == self.key and len(self) < self.llm.max_num_seqs
 
     def add(self, request: Request, stream: bool = False) -> None:
         row, = self.run.add([request.prompt_ids], [request.params.max_new_tokens], seeds=[request.params.seed])

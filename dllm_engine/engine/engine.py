@@ -86,7 +86,9 @@ class Engine:
 
     @property
     def cache_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches.values())
+        # read by the server's metrics while the loop thread steps: list() copies the dict's
+        # values at once (in C, under the GIL), so a pool made or freed meanwhile cannot break it
+        return sum(c.nbytes for c in list(self.caches.values()))
 
     def pipeline(self, method: str) -> Pipeline:
         if not method:

@@ -73,6 +73,8 @@ class CanvasEngine:
         self.group: CanvasGroup | None = None  # the running rows (the loop thread's)
         self.members: dict[int, Choice] = {}  # id(request) -> its choice, for the group's rows
         self.running = 0  # choices in the group (guarded by lock)
+        self.group_bytes = 0  # what the group's sampler holds at its peak (``CanvasLLM.batch_bytes``)
+        self.waiting_for_memory = 0  # queued choices the last join left waiting for the budget
         self.accepting, self.stopping = True, False
         self.failure: str | None = None  # a tensor-parallel rank died: this engine cannot run a group again
         self.tokenizer_lock = threading.Lock()  # the HTTP side encodes while this thread decodes
@@ -149,8 +151,13 @@ class CanvasEngine:
 
     async def render_metrics(self, front: Metrics) -> str:
         metrics = front if front is self.metrics else front.merged([self.metrics])
-        return metrics.render(self.queue_depth(), self.num_running(), (self.llm.budget, 0, 0), None,
+        return metrics.render(self.queue_depth(), self.num_running(), self.memory(), None,
                               process_memory(self.llm.device))
+
+    def memory(self) -> tuple[int | None, int, int]:
+        """As ``InProcessEngine.memory``: the budget, the running group's peak bytes, the choices
+        waiting for the budget (as the last join between two canvases left them)."""
+        return self.llm.budget, self.group_bytes, self.waiting_for_memory
 
     # -- the loop thread ------------------------------------------------------------------------
     def run(self) -> None:
@@ -186,7 +193,7 @@ class CanvasEngine:
                 continue
             with self.lock:
                 if not len(self.group):
-                    self.group = None
+                    self.group, self.group_bytes = None, 0
                 self.running = 0 if self.group is None else len(self.group)
                 self.lock.notify_all()
 
@@ -201,14 +208,17 @@ class CanvasEngine:
         if self.group is None or not len(self.group):
             self.group = CanvasGroup(self.llm, group_key(self.queue[0].request.params), self.canvas_ended_request) \
                 if self.queue else self.group
-        taken = 0
+        taken, self.waiting_for_memory = 0, 0
         for c in self.queue:
             if not self.group.fits(c.request):  # other settings, no room, or not in the budget: wait
+                self.waiting_for_memory = len(self.queue) - taken if self.group.takes(c.request) else 0
                 break
             self.group.add(c.request, stream=c.job.stream or bool(c.job.stops))
             self.members[id(c.request)] = c
             taken += 1
         self.queue = self.queue[taken:]
+        members = [c.request for c in self.members.values()]
+        self.group_bytes = self.llm.batch_bytes(members) if members else 0
         if self.queue and not len(self.group):  # it cannot run alone: the budget fell below it (an out-of-memory)
             c = self.queue.pop(0)
             c.job.emit(Event(error=ApiError(500, f"request failed: out of device memory; it needs "
@@ -236,7 +246,7 @@ class CanvasEngine:
             job.emit(event)
         with self.lock:
             self.queue = [*again, *self.queue]
-            self.members, self.group, self.running = {}, None, 0
+            self.members, self.group, self.running, self.group_bytes = {}, None, 0, 0
             self.lock.notify_all()
 
     def finish(self, choice: Choice, out) -> None:

@@ -132,11 +132,15 @@ class InProcessEngine:
     async def render_metrics(self, front: Metrics) -> str:
         # the loop records into ``front`` itself when the app made it share one Metrics
         metrics = front if front is self.loop.metrics else front.merged([self.loop.metrics])
-        engine = self.llm.engine
-        return metrics.render(self.loop.queue_depth(), self.loop.num_running(),
-                              (engine.memory_budget, engine.cache_bytes, engine.waiting_for_memory),
-                              None if (store := engine.prefix_store) is None else (store.nbytes, store.hit_rate),
+        store = self.llm.engine.prefix_store
+        return metrics.render(self.loop.queue_depth(), self.loop.num_running(), self.memory(),
+                              None if store is None else (store.nbytes, store.hit_rate),
                               process_memory(self.llm.device))
+
+    def memory(self) -> tuple[int | None, int, int]:
+        """(the memory budget in bytes or None, bytes the KV pools hold, sequences waiting for memory)."""
+        engine = self.llm.engine
+        return engine.memory_budget, engine.cache_bytes, engine.waiting_for_memory
 
 
 def local_engine(llm, max_queue: int = 256, metrics: Metrics | None = None):

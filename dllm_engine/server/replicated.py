@@ -79,6 +79,10 @@ class ReplicaOptions:
     # --tensor-parallel-size: each replica is rank 0 of its own group, its other ranks processes
     # it spawns on its node (``engine/parallel.py``)
     tensor_parallel_size: int = 1
+    # --kv-cache-memory, --gpu-memory-utilization: each replica's own budget (a replica is a
+    # process with its own pools, on its own GPUs on CUDA), as LLM's options
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -137,6 +141,8 @@ class ReplicaReport:
     queue_depth: int
     running: int
     ongoing: int  # requests in its hands (what Ray Serve routes on)
+    # (its memory budget in bytes or None, bytes its KV pools hold, sequences waiting for memory)
+    memory: tuple[int | None, int, int] = (None, 0, 0)
     time: float = field(default_factory=time.time)
 
 
@@ -165,7 +171,9 @@ class EngineReplica:
                        compile=options.compile, fixed_shapes=options.fixed_shapes,
                        compile_step=options.compile_step, revision=options.revision,
                        quantization=options.quantization, prefix_cache=options.prefix_cache,
-                       tensor_parallel_size=options.tensor_parallel_size)
+                       tensor_parallel_size=options.tensor_parallel_size,
+                       kv_cache_memory=options.kv_cache_memory,
+                       gpu_memory_utilization=options.gpu_memory_utilization)
         self.metrics = Metrics()
         self.engine = local_engine(self.llm, options.max_queue, self.metrics)  # a canvas model: its own loop
         self.engine.start()
@@ -191,7 +199,7 @@ class EngineReplica:
 
     def report(self) -> ReplicaReport:
         return ReplicaReport(self.replica, os.getpid(), self.metrics.merged([]), self.engine.queue_depth(),
-                             self.engine.num_running(), self.ongoing)
+                             self.engine.num_running(), self.ongoing, self.engine.memory())
 
     async def report_forever(self) -> None:
         while True:
@@ -281,7 +289,7 @@ class RayServeEngine:
         reports = await self.board.reports.remote()
         fresh = [r for r in reports if time.time() - r.time < STALE_S]
         text = front.merged([r.metrics for r in reports]).render(
-            sum(r.queue_depth for r in fresh), sum(r.running for r in fresh))
+            sum(r.queue_depth for r in fresh), sum(r.running for r in fresh), summed_memory(fresh))
         lines = replica_lines(reports, fresh) + self.routing_lines(await self.replica_states())
         return text + "\n".join(lines) + "\n"
 
@@ -297,6 +305,13 @@ class RayServeEngine:
                                 [f"dllm_router_retried_requests_total {self.retried}"])]
 
 
+def summed_memory(reports: list[ReplicaReport]) -> tuple[int | None, int, int]:
+    """The replicas' memory figures summed: the budget is None when no replica has one."""
+    budgets = [r.memory[0] for r in reports if r.memory[0] is not None]
+    return (sum(budgets) if budgets else None, sum(r.memory[1] for r in reports),
+            sum(r.memory[2] for r in reports))
+
+
 def replica_lines(reports: list[ReplicaReport], fresh: list[ReplicaReport]) -> list[str]:
     """Per-replica figures (label ``replica``)."""
     up = {r.replica for r in fresh}
@@ -310,6 +325,12 @@ def replica_lines(reports: list[ReplicaReport], fresh: list[ReplicaReport]) -> l
              lambda r: r.running),
             ("replica_queue_depth", "gauge", "Sequences waiting for a slot in the replica.",
              lambda r: r.queue_depth),
+            ("replica_kv_cache_memory_budget_bytes", "gauge",
+             "The replica's memory budget for KV pools and step temporaries (-1: none).",
+             lambda r: -1 if r.memory[0] is None else r.memory[0]),
+            ("replica_kv_cache_bytes", "gauge", "Bytes the replica's KV pools hold.", lambda r: r.memory[1]),
+            ("replica_waiting_for_memory", "gauge", "Sequences waiting in the replica because its budget is full.",
+             lambda r: r.memory[2]),
             ("replica_output_tokens_total", "counter", "Tokens the replica returned to users.",
              lambda r: r.metrics.totals.output_tokens),
             ("replica_engine_steps_total", "counter", "Engine steps of the replica.", lambda r: r.metrics.steps)]:
