@@ -589,6 +589,26 @@ def test_an_out_of_memory_in_a_server_group_requeues_its_requests_under_a_lower_
     assert llm.budget < llm.batch_bytes(three)
 
 
+def test_a_dead_rank_ends_the_server_loop_with_503s(folder, monkeypatch):
+    """A ``WorkerDied`` in a canvas (a tensor-parallel rank exited): the running request, and
+    every later one, gets the step loop's 503 naming the cause; ``/health`` answers 503."""
+    from dllm_engine.decoding.diffusion_gemma import CanvasBatch
+    from dllm_engine.engine.parallel import WorkerDied
+
+    def dead(run):
+        raise WorkerDied("rank 1 exited")
+    monkeypatch.setattr(CanvasBatch, "run_canvas", dead)
+    body = {"model": "tiny", "prompt": "w5 w6 w7", "seed": 4, "max_tokens": 12}
+    with serving(LLM(folder)) as (url, app):
+        first = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        later = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        health = httpx.get(f"{url}/health", timeout=60)
+        assert not app.state.server.engine.alive()
+    for r in (first, later):
+        assert r.status_code == 503 and r.json()["error"]["message"] == "engine unavailable: rank 1 exited"
+    assert health.status_code == 503
+
+
 def test_the_server_loop_reports_its_group_bytes_and_the_requests_waiting_for_the_budget(folder, monkeypatch):
     """A budget that fits one row: while the first request's second canvas runs, the second
     request waits for memory, and ``memory()`` (what ``/metrics`` shows) says so."""

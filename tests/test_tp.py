@@ -193,6 +193,8 @@ def test_llm_refuses_before_starting_any_process(tmp_path, monkeypatch):
     no_process_may_start(monkeypatch)
     with pytest.raises(ValueError, match="num_heads 4 is not divisible by tensor_parallel_size 3"):
         LLM(folder, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="num_heads 4 is not divisible by tensor_parallel_size 3"):
+        LLM(folder, device="meta", tensor_parallel_size=3)  # a weights-free front (serve --replicas)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         LLM(folder, tensor_parallel_size=0)
 

@@ -133,6 +133,8 @@ def test_shapes_that_do_not_split_are_refused_before_any_process_starts(tmp_path
     monkeypatch.setattr(parallel.mp, "get_context", lambda *a: pytest.fail("a process started"))
     with pytest.raises(UserError, match=message):
         LLM(folder, tensor_parallel_size=size)
+    with pytest.raises(UserError, match=message):
+        LLM(folder, device="meta", tensor_parallel_size=size)  # a weights-free front (serve --replicas)
 
 
 def test_a_dead_rank_is_an_error_not_a_hang(pair):

@@ -142,17 +142,15 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
                              prefix_cache=args.prefix_cache, tensor_parallel_size=args.tensor_parallel_size,
                              kv_cache_memory=budget, gpu_memory_utilization=args.gpu_memory_utilization)
     defaults = sampling_params(args)
-    # reads no weights (an id is fetched here once); refuses a bad default, and what a canvas
-    # model (DiffusionGemma) does not run (compiling, fixed shapes) before any replica starts
+    # reads no weights (an id is fetched here once); refuses a bad default, shapes that do not
+    # split over --tensor-parallel-size, and what a canvas model (DiffusionGemma) does not run
+    # (compiling, fixed shapes), before any replica starts
     canvas = {"compile": args.compile, "fixed_shapes": args.fixed_shapes, "compile_step": args.compile_step}
     path = resolve_model(model, args.revision)
     front = LLM(model, dtype=args.dtype, device="meta", revision=args.revision, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size, kv_cache_memory=budget,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 **(canvas if is_canvas_checkpoint(path) else {}))
-    if args.tensor_parallel_size > 1:  # shapes that do not split fail here, not in every replica
-        from ..engine.parallel import check_weights_shardable
-        check_weights_shardable(str(path), args.tensor_parallel_size)
     common.check_method_family(args, front)
     front.resolve(defaults)
     # a quantization the replicas' device cannot run fails here (the front may have no GPU)

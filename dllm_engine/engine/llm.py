@@ -216,6 +216,9 @@ class LLM:
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
         self.parallel = None
+        if tensor_parallel_size > 1 and self.device.type == "meta":  # a front: shapes that do not split fail here
+            from .parallel import check_weights_shardable
+            check_weights_shardable(str(self.path), tensor_parallel_size)
         if tensor_parallel_size > 1 and self.device.type != "meta":
             from .parallel import TensorParallel, Weights
             self.parallel = TensorParallel.start(Weights(str(self.path), dtype, quantization), self.device,

@@ -124,7 +124,7 @@ class CanvasEngine:
                            f"(--max-num-seqs + --max-queue)", "prompt")
         with self.lock:
             if not self.accepting:
-                raise ApiError(503, "server is shutting down", kind="server_error")
+                raise ApiError(503, self.failure or "server is shutting down", kind="server_error")
             if len(self.queue) + self.running + len(choices) > capacity:
                 raise ApiError(429, f"server full: {len(self.queue) + self.running} choices in flight, this "
                                f"request needs {len(choices)} more, the limit is {capacity} (--max-num-seqs "
@@ -229,7 +229,9 @@ class CanvasEngine:
         """The running group ends. Out of device memory, later groups are held below the bytes
         this one needed, and with more than one row its choices that have sent nothing yet queue
         again at the front (they start over in smaller groups: nothing is lost); every other
-        choice gets the error."""
+        choice gets the error. A dead tensor-parallel rank ends the engine (``fail``)."""
+        if isinstance(error, WorkerDied):
+            return self.fail(error)
         members = list(self.members.values())
         oom = isinstance(error, torch.OutOfMemoryError)
         if oom:
@@ -238,8 +240,6 @@ class CanvasEngine:
                         len(members), limit / 2**20)
         else:
             log.exception("canvas group failed")
-        if isinstance(error, WorkerDied):
-            self.failure = f"engine unavailable: {error}"
         again = [c for c in members if oom and len(members) > 1 and not c.sent and not c.ids]
         event = Event(error=ApiError(500, f"request failed: {type(error).__name__}: {error}", kind="server_error"))
         for job in {id(c.job): c.job for c in members if not any(c is a for a in again)}.values():
@@ -248,6 +248,21 @@ class CanvasEngine:
             self.queue = [*again, *self.queue]
             self.members, self.group, self.running, self.group_bytes = {}, None, 0, 0
             self.lock.notify_all()
+
+    def fail(self, error: Exception) -> None:
+        """As the step loop's ``EngineLoop.fail``: the engine cannot run a group again, so it
+        refuses new requests and ends the running and queued ones with 503; ``/health`` and the
+        replica's health check fail."""
+        log.error("engine unavailable: %s", error)
+        with self.lock:
+            self.accepting = False
+            self.failure = f"engine unavailable: {error}"
+            ended = [*self.members.values(), *self.queue]
+            self.queue, self.members, self.group, self.running, self.group_bytes = [], {}, None, 0, 0
+            self.lock.notify_all()
+        event = Event(error=ApiError(503, self.failure, kind="server_error"))
+        for job in {id(c.job): c.job for c in ended}.values():
+            job.emit(event)
 
     def finish(self, choice: Choice, out) -> None:
         """A finished choice's answer: the rest of its text (streamed) and its result."""
