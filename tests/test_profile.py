@@ -43,6 +43,8 @@ def test_sync_counter_counts_host_reads_and_data_sized_outputs():
     assert counted(lambda: (x > 2).nonzero()).total == 1
     assert counted(lambda: x[torch.tensor([0, 2])]).total == 0  # integer indexing does not
     assert counted(lambda: (x * 2 + 1).sum(0)).ops == 3  # every aten op, synchronising or not
+    rows = [torch.arange(n) for n in range(1, 9)]  # on a GPU: a fill and a copy per row
+    assert counted(lambda: torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)).ops == 9
 
 
 def test_syncs_inside_the_layer_loop_are_counted_apart(llada):

@@ -13,7 +13,8 @@ deterministic, so every pass makes the same steps:
    Recording a call costs a pre-hook and a hook-free twin of its context (``dataclasses.replace``
    of a frozen context, a few percent of a tiny model's step), which is why the timed pass runs
    without it;
-3. syncs: a ``TorchDispatchMode`` counts host synchronisations (ops whose result the host
+3. syncs: a ``TorchDispatchMode`` counts the aten ops (``pad_sequence`` as one per sequence
+   and one more: on a GPU it launches a copy per sequence) and host synchronisations (ops whose result the host
    reads, or whose output shape depends on data: ``aten._local_scalar_dense`` / ``aten.item`` /
    ``aten.is_nonzero`` behind ``.item()``, ``int()``, ``bool()``, ``nonzero``, boolean indexing, ``equal``, ...), a
    ``TorchFunctionMode`` adds ``.tolist()`` and ``.numpy()``; the ones inside the layer loop (between the
@@ -90,6 +91,9 @@ class DispatchSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count.add_op()
+        if func.overloadpacket is aten.pad_sequence:  # one op here, a copy per sequence on a GPU
+            for _ in args[0]:
+                self.count.add_op()
         if is_sync(func, args):
             self.count.add()
         return func(*args, **(kwargs or {}))

@@ -116,7 +116,7 @@ def sent_rows(rows: list[HostRow], device: torch.device | None) -> list[StepPlan
         plans.append(StepPlan(positions, limit, wanted, logit_slots=logit_slots, slots=slots, token_ids=tokens,
                               host_positions=r.positions, host_limit=r.limit, host_logits=r.wanted,
                               host_slots=r.positions if r.slots is None else r.slots,
-                              host_logit_slots=r.logit_slots, host_key_mask=r.key_mask))
+                              host_logit_slots=r.logit_slots, host_key_mask=r.key_mask, host_tokens=r.tokens))
     return plans
 
 

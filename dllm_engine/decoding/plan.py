@@ -32,6 +32,7 @@ class StepPlan:
     host_logits: np.ndarray | None = None  # [N] ``logit_positions`` on the host, where planned there
     host_slots: np.ndarray | None = None  # [T] ``slots`` (or ``positions`` when it has none) on the host
     host_logit_slots: np.ndarray | None = None  # [N] ``logit_slots`` on the host, where planned there
+    host_tokens: np.ndarray | None = None  # [T] ``token_ids`` on the host, where planned there
     # [T, S] bool on the host: the keys each token sees, overriding key_limit (jump-share's
     # isolated copies); the runner builds the step's mask from it with the others' host limits
     host_key_mask: np.ndarray | None = None
@@ -47,7 +48,7 @@ class StepPlan:
         pick = {name: getattr(self, name)[at] for name in ("positions", "key_limit", "slots", "token_ids",
                                                            "key_mask") if getattr(self, name) is not None}
         host = {name: None if getattr(self, name) is None else getattr(self, name)[keep]
-                for name in ("host_positions", "host_limit", "host_key_mask", "host_slots")}
+                for name in ("host_positions", "host_limit", "host_key_mask", "host_slots", "host_tokens")}
         return replace(self, **pick, **host)
 
     def predicting(self, positions: np.ndarray, slots: np.ndarray, sent: tuple[Tensor, Tensor]) -> "StepPlan":

@@ -43,6 +43,7 @@ class StepInputs:
     # changed the token set without saying on the host what it kept
     host_slots: list | None = None
     host_logit_slots: list | None = None
+    logit_positions: Tensor | None = None  # [len(plans), N] canvas position of each wanted logit (padding 0)
 
 
 class Runner:
@@ -120,37 +121,41 @@ class Runner:
             hooks.pad_to(rows, step.positions.shape[1])
         flat, counts, logits, processed = self.run(step, self.context(step, cache, hooks))
         work = processed or [n * self.num_layers for n in step.lengths]
-        positions = pad_stack([p.logit_positions for p in plans], 0).reshape(-1)[flat]
+        positions = step.logit_positions.reshape(-1)[flat]
         outputs = list(zip(positions.split(counts), logits.split(counts)))
         return outputs[: len(seqs)], work[: len(seqs)]  # not padding rows
 
     def inputs(self, plans: list[StepPlan], rows: int | None = None, fixed: bool = False) -> StepInputs:
         """The step's tensors: [B, T] from the plans, or ``fixed`` [rows, bucket(T)] (padding
-        rows and tokens: position 0, slot 0, invalid)."""
+        rows and tokens: position 0, slot 0, invalid). Plans built on the host (every plan the
+        decoders and strategies make) give them in one copy of their host arrays (``host_grids``);
+        plans built with tensors only are padded on the device, a copy per row and field."""
         lengths = [len(p) for p in plans]
         rows = rows or len(plans)
         width = bucket(max(lengths)) if fixed else max(lengths)
-
-        def stack(parts: list[Tensor], value: int) -> Tensor:
-            x = pad_stack(parts, value)
-            return pad_to(x, rows, width, value) if fixed else x
-
-        positions = stack([p.positions for p in plans], 0)
-        dev = positions.device
         lengths += [0] * (rows - len(plans))
-        valid = torch.arange(width, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
-        slots = stack([p.slots for p in plans], 0)
         whole = not fixed and min(lengths) == width  # no row padded: the write may be a slice
-        num_keys, mask, span = self.attention_keys(plans, stack([p.key_limit for p in plans], 1), valid,
-                                                   slots if whole else None, fixed)
-        logit_slots = pad_stack([p.logit_slots for p in plans], num_keys)
-        if fixed:
-            logit_slots = pad_to(logit_slots, rows, logit_slots.shape[1], num_keys)
+        grids = host_grids(plans, rows, width, next(self.model.parameters()).device)
+        if grids is not None:
+            token_ids, positions, slots, limit, valid, logit_slots, logit_positions = grids
+        else:
+            def stack(parts: list[Tensor], value: int) -> Tensor:
+                x = pad_stack(parts, value)
+                return pad_to(x, rows, width, value) if fixed else x
+
+            positions = stack([p.positions for p in plans], 0)
+            token_ids, slots, limit = (stack([getattr(p, name) for p in plans], value)
+                                       for name, value in (("token_ids", 0), ("slots", 0), ("key_limit", 1)))
+            valid = torch.arange(width, device=positions.device)[None] < torch.tensor(lengths, device=positions.device)[:, None]
+            logit_slots = pad_stack([p.logit_slots for p in plans], -1)  # -1: no slot
+            logit_slots = pad_to(logit_slots, rows, logit_slots.shape[1], -1)
+            logit_positions = pad_stack([p.logit_positions for p in plans], 0)
+        num_keys, mask, span = self.attention_keys(plans, limit, valid, slots if whole else None, fixed)
         known = all(p.host_slots is not None and p.host_logit_slots is not None for p in plans)
-        return StepInputs(stack([p.token_ids for p in plans], 0), positions, valid, mask, num_keys,
-                          slots, lengths, logit_slots, span, fixed,
+        return StepInputs(token_ids, positions, valid, mask, num_keys, slots, lengths, logit_slots, span, fixed,
                           host_slots=[p.host_slots for p in plans] if known else None,
-                          host_logit_slots=[p.host_logit_slots for p in plans] if known else None)
+                          host_logit_slots=[p.host_logit_slots for p in plans] if known else None,
+                          logit_positions=logit_positions)
 
     def context(self, step: StepInputs, cache, hooks: LayerHooks | None) -> ForwardContext:
         """The step's forward context (frozen: the layer loop derives any narrower one)."""
@@ -267,6 +272,37 @@ class Runner:
         flat = nonzero_index(ok.reshape(-1), sum(counts))
         rows = flat // ok.shape[1]
         return flat, counts, self.model.logits(hidden[rows, src.reshape(-1)[flat]])
+
+
+# the plans' host arrays ``host_grids`` lays out as [rows, T] grids: (field, padding value)
+HOST_GRIDS = (("host_tokens", 0), ("host_positions", 0), ("host_slots", 0), ("host_limit", 1))
+
+
+def host_grids(plans: list[StepPlan], rows: int, width: int, device: torch.device) -> tuple[Tensor, ...] | None:
+    """The step's [rows, width] token ids, positions, cache slots, key limits and validity, its
+    [rows, N] wanted logit slots (padding -1) and [len(plans), N] their canvas positions (padding
+    0), laid out on the host from the plans' host arrays and sent in one copy (``runner.inputs``
+    pads each on the device otherwise: on a GPU a copy kernel per row); None when a plan has no
+    host arrays."""
+    names = [name for name, _ in HOST_GRIDS] + ["host_logit_slots", "host_logits"]
+    if not plans or any(getattr(p, name) is None for p in plans for name in names):
+        return None
+    n = max(len(p.host_logit_slots) for p in plans)
+    grid = np.zeros((len(HOST_GRIDS) + 1, rows, width), dtype=np.int64)
+    for j, (_, value) in enumerate(HOST_GRIDS):
+        grid[j] = value
+    wanted = np.full((2, rows, n), -1, dtype=np.int64)
+    wanted[1] = 0
+    for i, p in enumerate(plans):
+        t, k = len(p.host_positions), len(p.host_logit_slots)
+        for j, (name, _) in enumerate(HOST_GRIDS):
+            grid[j, i, :t] = getattr(p, name)
+        grid[len(HOST_GRIDS), i, :t] = 1  # valid
+        wanted[0, i, :k], wanted[1, i, :k] = p.host_logit_slots, p.host_logits
+    sent = to_device(np.concatenate([grid.reshape(-1), wanted.reshape(-1)]), device)
+    tokens, positions, slots, limit, valid = sent[: grid.size].view(grid.shape).unbind(0)
+    logit_slots, logit_positions = sent[grid.size:].view(wanted.shape).unbind(0)
+    return tokens, positions, slots, limit, valid.bool(), logit_slots, logit_positions[: len(plans)]
 
 
 def host_key_mask(plans: list[StepPlan], shape: tuple[int, int], fixed: bool, device: torch.device

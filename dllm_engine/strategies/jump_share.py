@@ -409,7 +409,8 @@ def sent_plans(hosts: list[HostPlan], device: torch.device) -> list[StepPlan]:
     for j, h in enumerate(hosts):
         t = dict(zip(fields, views[j * len(fields): (j + 1) * len(fields)]))
         out.append(StepPlan(**t, host_positions=h.positions, host_limit=h.key_limit, host_logits=h.logit_positions,
-                            host_key_mask=h.key_mask, host_slots=h.slots, host_logit_slots=h.logit_slots))
+                            host_key_mask=h.key_mask, host_slots=h.slots, host_logit_slots=h.logit_slots,
+                            host_tokens=h.token_ids))
     return out
 
 
