@@ -341,3 +341,37 @@ def test_tokenizer_warnings_are_not_muted(tmp_path, monkeypatch, hf_warnings):
 def test_the_engine_model_type_gives_no_tokenizer_warning(tmp_path, hf_warnings):
     LLM(write_checkpoint(tmp_path / "tok", "llada"))
     assert not [m for m in hf_warnings if "model of type" in m]
+
+
+# -- the per-sequence step's inputs ----------------------------------------------------------
+@pytest.mark.parametrize("family,spec,fixed", [
+    ("sdar", "block+focus", False), ("sdar", "block+focus", True), ("Dream", "dual-cache+early-skip", False),
+    ("llada", "dual-cache+early-skip", True), ("llada", "dual-cache+adaptive-length+jump-share", False),
+    ("llada", "reference:steps=8,cfg_scale=1.0", False), ("llada", "dual-cache:commit_rule=credit", True)])
+def test_inputs_sent_from_host_arrays_equal_those_padded_on_the_device(llms, monkeypatch, family, spec, fixed):
+    """``Runner.inputs`` lays the plans' host arrays out in one copy (``host_grids``); plans
+    built with tensors only are padded on the device: the same step tensors either way."""
+    import dataclasses
+
+    from dllm_engine.engine.runner import Runner
+    from dllm_engine.spec import parse_spec
+    llm, params = llms[family], parse_spec(spec, **OPTIONS)
+    original, checked = Runner.inputs, []
+
+    def both(self, plans, rows=None, fixed=False):
+        sent = original(self, plans, rows, fixed)
+        padded = original(self, [dataclasses.replace(p, host_tokens=None) for p in plans], rows, fixed)
+        for name in ("token_ids", "positions", "valid", "mask", "slots", "logit_slots", "logit_positions"):
+            a, b = getattr(sent, name), getattr(padded, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+        assert (sent.num_keys, sent.lengths, sent.slot_span) == (padded.num_keys, padded.lengths, padded.slot_span)
+        checked.append(len(plans))
+        return sent
+
+    monkeypatch.setattr(Runner, "inputs", both)
+    llm.engine.runner.set_step_shapes(fixed)
+    try:
+        llm.generate(PROMPTS * 3, params)
+    finally:
+        llm.engine.runner.set_step_shapes(False)
+    assert checked and max(checked) == 6
