@@ -70,3 +70,34 @@ def test_bench_runs_each_spec_eager_then_compiled(llms, tmp_path):
     assert records[0].output_tokens == records[1].output_tokens and not is_compiled(llm.model)
     ratio = records[1].throughput / records[0].throughput
     assert f"{ratio:.2f}×" in table(records).splitlines()[-1]  # over the same spec eager
+
+
+def test_a_diffusion_gemma_model_compiles_its_norms_and_dense_mlps(tmp_path):
+    """``LLM(..., compile=True)`` on DiffusionGemma: its Gemma RMSNorms and dense GeGLU MLPs run
+    compiled, its experts eager; both passes' logits stay within 1e-4 of eager (sampled tokens
+    can then differ: a draw near a boundary flips); ``dllm bench --compile`` runs the spec eager,
+    then compiled, with its token agreement, and leaves the model eager."""
+    from dllm_engine.bench import run_bench
+    from dllm_engine.bench.prompts import PromptExample
+    from dllm_engine.models.diffusion_gemma import GatedMLP, GemmaExperts, GemmaRMSNorm
+    from tiny_diffusion_gemma import CANVAS, write_checkpoint as write_diffusion_gemma
+    folder = write_diffusion_gemma(tmp_path)
+    eager, compiled = LLM(folder), LLM(folder, compile=True)
+    layer = compiled.model.layers[0]
+    assert all("forward" in m.__dict__ for m in layer.modules() if isinstance(m, (GemmaRMSNorm, GatedMLP)))
+    assert not any("forward" in m.__dict__ for m in layer.modules() if isinstance(m, GemmaExperts))
+    prompt, canvas = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[10 + i for i in range(CANVAS)]])
+    with torch.inference_mode():
+        hidden, logits = [], []
+        for model in (eager.model, compiled.model):
+            cache = model.new_cache()
+            hidden.append(model.encode(prompt, cache))
+            first = model.decode(canvas, cache)
+            logits += [first, model.decode(canvas, cache, first)]  # self-conditioned
+    assert (hidden[0] - hidden[1]).abs().max() < 1e-4
+    assert (logits[0] - logits[2]).abs().max() < 1e-4 and (logits[1] - logits[3]).abs().max() < 1e-4
+    prompts = [PromptExample(prompt=r, task="prompt") for r in ("w5 w6 w7", "w8 w9", "w10 w11 w12 w13")]
+    records = run_bench(eager, ["diffusion-gemma:seed=0"], [3], prompts, tmp_path / "bench",
+                        progress=lambda row: None, compare_compiled=True)
+    assert [r.method for r in records] == ["diffusion-gemma:seed=0", "diffusion-gemma:seed=0 [compiled]"]
+    assert 0 <= records[1].agreement <= 1 and records[1].output_tokens > 0 and not is_compiled(eager.model)

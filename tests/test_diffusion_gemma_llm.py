@@ -215,8 +215,10 @@ def test_out_of_memory_halves_the_batch_and_lowers_the_budget(folder, llm, monke
 
 
 def test_engine_options_that_do_not_apply_are_refused(folder):
-    with pytest.raises(UserError, match="compile, fixed_shapes: not available for diffusion_gemma yet"):
-        LLM(folder, compile=True, fixed_shapes=True)
+    with pytest.raises(UserError, match="fixed_shapes, compile_step: not available for diffusion_gemma yet"):
+        LLM(folder, fixed_shapes=True, compile_step=True)
+    with pytest.raises(UserError, match="compile is for one process"):
+        LLM(folder, compile=True, tensor_parallel_size=2)
     with pytest.raises(UserError, match="quantization int4 runs on CUDA only"):
         LLM(folder, quantization="int4")
     with pytest.raises(UserError, match="prompt token 96 is not an id in"):
@@ -305,8 +307,8 @@ def test_dllm_bench_measures_its_sampler_at_each_batch_size(folder, llm, tmp_pat
         plain, int8 = json.loads((out / "x" / "results.json").read_text())
         assert (plain["method"], int8["method"]) == (METHOD, f"{METHOD} [int8]")
         assert 0 < int8["weight_mb"] < 0.5 * plain["weight_mb"] and int8["output_tokens"] > 0
-    assert main([*with_flags, "--compile"]) == 2
-    assert "--compile: not available for diffusion_gemma" in capsys.readouterr().err
+    assert main([*with_flags, "--fixed-shapes"]) == 2
+    assert "--fixed-shapes: not available for diffusion_gemma" in capsys.readouterr().err
     assert main(["bench", "--model", str(folder), "--methods", "block", "--prompts", str(file),
                  "--out", str(out / "y")]) == 2
     assert "spec 'block': 'block': a diffusion_gemma model runs its own sampler" in capsys.readouterr().err

@@ -338,8 +338,8 @@ def test_bad_replica_options_exit_2_naming_the_option(args, message, capsys):
 def test_diffusion_gemma_replicas_refuse_what_its_sampler_does_not_run_before_starting(tmp_path, capsys):
     from tiny_diffusion_gemma import write_checkpoint
     folder = write_checkpoint(tmp_path)
-    assert main(["serve", "--model", str(folder), "--replicas", "1", "--compile"]) == 2
-    assert "compile: not available for diffusion_gemma" in capsys.readouterr().err
+    assert main(["serve", "--model", str(folder), "--replicas", "1", "--fixed-shapes"]) == 2
+    assert "fixed_shapes: not available for diffusion_gemma" in capsys.readouterr().err
 
 def test_each_replica_admits_by_its_own_memory_budget(cluster, offline):
     """``--kv-cache-memory`` with ``--replicas``: the application gives way to one replica whose

@@ -96,6 +96,6 @@ def check_canvas_bench(args: argparse.Namespace, defaults: dict) -> dict:
     has); the engine variants, which its sampler does not run, refused naming them."""
     from ..bench.offline import resolve_specs
     from ..engine.canvas_llm import parse_canvas_spec, refuse_options
-    refuse_options({"--compile": args.compile, "--fixed-shapes": args.fixed_shapes, "--compile-step": args.compile_step,
+    refuse_options({"--fixed-shapes": args.fixed_shapes, "--compile-step": args.compile_step,
                     "--per-sequence-step": args.per_sequence_step})
     return resolve_specs(args.methods, lambda params: params, defaults, parse_canvas_spec)

@@ -147,8 +147,8 @@ class CanvasLLM:
                  fixed_shapes: bool = False, compile_step: bool = False, revision: str | None = None,
                  seed: int | None = 0, kv_cache_memory=None, gpu_memory_utilization: float = 0.9,
                  quantization: str | None = None, prefix_cache: bool = True, path=None) -> None:
-        refuse_options({"compile": compile, "fixed_shapes": fixed_shapes, "compile_step": compile_step})
-        check_options(device, tensor_parallel_size, False, False, quantization)
+        refuse_options({"fixed_shapes": fixed_shapes, "compile_step": compile_step})
+        check_options(device, tensor_parallel_size, compile, False, quantization)
         if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
             raise UserError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         self.device = parse_device(device)
@@ -171,6 +171,9 @@ class CanvasLLM:
             self.device = self.model.embed_tokens.weight.device
         else:
             self.model = load_diffusion_gemma(self.path, dtype=dtype, device=self.device, quantization=quantization)
+        if compile:  # its norms and dense MLPs (``models/compiled.py``; one process: check_options)
+            from ..models.compiled import compile_model
+            compile_model(self.model)
         # bytes a batch may take (None: no cap, a CPU's default): after the weights, as LLM's
         self.budget = memory_budget(self.device, parse_bytes(kv_cache_memory), gpu_memory_utilization)
         cfg = self.model.config

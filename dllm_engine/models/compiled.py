@@ -2,7 +2,8 @@
 
 Applied to a finished model from outside (no model file changes): every RMSNorm and every dense
 SwiGLU MLP of the stack gets a forward that calls one shared compiled function with the
-module's weights as arguments. One compilation, with dynamic shapes, serves every layer and
+module's weights as arguments; a DiffusionGemma stack's Gemma RMSNorms (q/k norms included) and
+its dense GeGLU MLPs likewise (its routed experts stay eager, as MoE layers do). One compilation, with dynamic shapes, serves every layer and
 every token count, so a step's changing shapes (a block, a canvas, a shrunk set) do not
 recompile it. Attention (SDPA with its masks and row groups), the K/V cache, strategy hooks
 and MoE layers stay eager: they read the forward context, which changes every step.
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UserError
+from .diffusion_gemma import GatedMLP, GemmaRMSNorm, gelu_tanh, gemma_rms_norm
 from .layers import MLP, DiffusionLM, MoE, RMSNorm, rms_norm
 
 
@@ -32,7 +34,14 @@ def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-KERNELS: dict[str, Callable[..., Tensor]] = {"rms_norm": rms_norm, "swiglu": swiglu}  # eager originals
+def geglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """DiffusionGemma's GatedMLP.forward as a function of its weights: down(gelu_tanh(gate x) * up x)."""
+    return F.linear(gelu_tanh(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+# eager originals
+KERNELS: dict[str, Callable[..., Tensor]] = {"rms_norm": rms_norm, "swiglu": swiglu,
+                                             "gemma_rms_norm": gemma_rms_norm, "geglu": geglu}
 
 # Process-wide on purpose: one compiled function per kernel serves every layer of every model in
 # the process (weights are arguments, shapes dynamic), so a second LLM or a re-``compile_model``
@@ -60,6 +69,11 @@ def on_rows(fn, x: Tensor, *args, **kwargs) -> Tensor:
 
 def compiled_forward(module: nn.Module):
     """A forward for ``module`` that calls the shared compiled function, or None to keep eager."""
+    if isinstance(module, GemmaRMSNorm):  # before RMSNorm: its subclass, scaled in Gemma's order
+        return partial(on_rows, kernel("gemma_rms_norm"), weight=module.weight, eps=module.eps)
+    if isinstance(module, GatedMLP):
+        return lambda x: on_rows(kernel("geglu"), x, module.gate_proj.weight, module.up_proj.weight,
+                                 module.down_proj.weight)
     if isinstance(module, RMSNorm):
         return partial(on_rows, kernel("rms_norm"), weight=module.weight, eps=module.eps)
     if isinstance(module, MLP):
@@ -119,7 +133,7 @@ def step_recompile_limit() -> dict[str, int]:
 
 def compile_model(model: DiffusionLM) -> None:
     """Give the per-token blocks of ``model``'s layers (and its final norm) compiled forwards
-    (see the module docstring)."""
+    (see the module docstring); ``model`` a masked family's ``DiffusionLM`` or a ``DiffusionGemma``."""
     for layer in model.layers:
         for module in layer.modules():
             if isinstance(module, MLP) and module is not layer.mlp:
