@@ -23,6 +23,13 @@ Writes DIR/gpu_check.json and DIR/gpu_check.md. Two parts:
    and with compiled layers, each row with its weights' size. ``--tiny`` shrinks the shapes
    and runs each model's base decoder and one strategy, without compiling, to run anywhere in
    seconds.
+3. **DiffusionGemma's step cost.** A random checkpoint of google/diffusiongemma-26B-A4B-it's
+   widths (hidden 2,816, 128 experts of 704, top 8, vocabulary 262,144, canvases of 256) with
+   two layers, a sliding one and a global one (2.4B parameters: the vocabulary's embedding is a
+   third of them), in bfloat16 through the engine (``dllm profile``'s canvas profile): per
+   denoising step the time, the forwards alone, the share outside them, host reads and ops, and
+   tokens/s, at batch 1 and 32 (its [batch, canvas, vocab] logits and self-conditioning take
+   about 0.5 GB a row), eager and compiled (``--compile``).
 
 Nothing is downloaded; the random checkpoints are written to a temporary folder.
 """
@@ -45,12 +52,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]  # the engine and the lab of this checkout
 
 from dllm_engine import LLM  # noqa: E402
+from dllm_engine.bench.canvas_profile import run_canvas_profile  # noqa: E402
 from dllm_engine.bench.offline import check_prompts, resolve_specs  # noqa: E402
 from dllm_engine.bench.profile import run_profile  # noqa: E402
 from dllm_engine.config import ModelConfig, MoEConfig  # noqa: E402
 from dllm_engine.models.quantize import weight_bytes  # noqa: E402
 from dllm_lab.tasks import load_split  # noqa: E402
-from scripts.random_checkpoint import IDS, random_checkpoint  # noqa: E402
+from scripts.random_checkpoint import DIFFUSION_GEMMA_SHAPES, IDS, random_checkpoint, random_diffusion_gemma  # noqa: E402
 
 CHECKPOINTS = {"tiny-llada": ["dual-cache:threshold=0.9", "dual-cache+focus:threshold=0.9",
                               "dual-cache+early-skip:threshold=0.9",
@@ -147,7 +155,7 @@ def fused_attention(device: str, tiny: bool) -> list[dict]:
 
 
 def diffusion_gemma(device: str, tiny: bool) -> list[dict]:
-    """DiffusionGemma's model and sampler (from Python; not yet in the engine) on ``device``
+    """DiffusionGemma's model and sampler (from Python, below the engine) on ``device``
     against the CPU: a random model of the released layer pattern (five sliding layers, then a
     full one; MoE beside a dense MLP), three left-padded prompts, seeded draws, the batch-invariant
     loop. Sampled tokens: a near-tie may flip one between devices, so the row counts them."""
@@ -217,6 +225,56 @@ def step_cost(device: str, tiny: bool, layers: int, batch_sizes: list[int], root
     return rows
 
 
+def diffusion_gemma_config(tiny: bool, layers: int = 2) -> dict:
+    """config.json of the DiffusionGemma step-cost model: the release's widths (tests/
+    test_diffusion_gemma.py's ``released_config``) with ``layers`` layers, the last one global;
+    ``tiny``: ``diffusion-gemma-small``'s at toy widths, canvases of 8."""
+    from dllm_engine.models.diffusion_gemma import FULL, SLIDING
+    hf = json.loads(json.dumps(DIFFUSION_GEMMA_SHAPES["diffusion-gemma-small"]))  # a copy
+    text = hf["text_config"]
+    text["layer_types"] = [SLIDING] * (layers - 1) + [FULL]
+    text["num_hidden_layers"] = layers
+    if tiny:
+        text.update(hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_experts=4, top_k_experts=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1, head_dim=8,
+                    global_head_dim=16)
+        hf["canvas_length"] = 8
+    else:
+        text.update(vocab_size=262_144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
+                    num_experts=128, top_k_experts=8, num_attention_heads=16, num_key_value_heads=8,
+                    num_global_key_value_heads=2, head_dim=256, global_head_dim=512, rms_norm_eps=1e-6)
+        hf["canvas_length"] = 256
+    return hf
+
+
+def diffusion_gemma_cost(device: str, tiny: bool, root: Path, layers: int = 2) -> list[dict]:
+    """The canvas profile of a random DiffusionGemma of the release's widths on ``device``, in
+    bfloat16, eager and compiled (not with ``tiny``), one canvas with the release's 48 denoising
+    steps (tiny: 4), each batch size its own prompts (the held-out ones, repeated)."""
+    hf = diffusion_gemma_config(tiny, layers)
+    folder = random_diffusion_gemma(hf, root / "diffusion-gemma", torch.bfloat16)
+    canvas = hf["canvas_length"]
+    spec = f"diffusion-gemma:seed=0,stop_at_eos=false,steps={4 if tiny else 48}"
+    examples = load_split("worked", limit=1 if tiny else 4)
+    rows = []
+    for variant, options in {"bf16": {}, **({} if tiny else {"compiled": {"compile": True}})}.items():
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        llm = LLM(folder, device=device, dtype="bfloat16", **options)
+        prompts = [llm.check_ids(llm.apply_chat_template(e.chat())) for e in examples]
+        for batch in [2] if tiny else [1, 32]:
+            chosen = [prompts[i % len(prompts)] for i in range(batch)]
+            record, = run_canvas_profile(llm, [spec], [batch], chosen, {"max_new_tokens": canvas},
+                                         progress=lambda line: None)
+            rows.append({"model": "diffusiongemma-26B-A4B-shaped", "layers": layers, "variant": variant,
+                         "weights_mb": round(weight_bytes(llm.model) / 2**20, 3), **asdict(record),
+                         "overhead": round(record.overhead, 4)})
+        llm.close()
+        if device.startswith("cuda"):
+            rows[-1]["peak_memory_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return rows
+
+
 def markdown(report: dict) -> str:
     """The report's tables."""
     lines = [f"*`scripts/gpu_check.py` on {report['device_name']}, commit {report['commit']}, {report['date']}; "
@@ -240,6 +298,16 @@ def markdown(report: dict) -> str:
                      f"{r['step_ms']} | {r['floor_ms']} | {r['overhead']:.1%} | {r['syncs_per_step']} "
                      f"({r['layer_syncs_per_step']}) | "
                      f"{r['ops_per_step']} | {r['throughput']} | {r['weights_mb']} |")
+    lines += ["", "| model | weights | method | batch | ms per denoising step | in the forwards | outside | "
+                  "host reads / step (in the forwards) | ops outside the forwards | tok/s | weights MB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    if "diffusion_gemma_cost_error" in report:
+        lines.append(f"| failed: {report['diffusion_gemma_cost_error']} | | | | | | | | | | |")
+    for r in report.get("diffusion_gemma_cost", []):
+        lines.append(f"| {r['model']} ({r['layers']} layers) | {r['variant']} | `{r['method']}` | {r['batch_size']} | "
+                     f"{r['step_ms']} | {r['forward_ms']} | {r['overhead']:.1%} | "
+                     f"{round(r['syncs_outside'] + r['syncs_inside'], 2)} ({r['syncs_inside']}) | {r['ops_outside']} | "
+                     f"{r['tokens_per_second']} | {r['weights_mb']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -273,6 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     report["diffusion_gemma"] = diffusion_gemma(args.device, args.tiny)
     with tempfile.TemporaryDirectory() as tmp:
         report["step_cost"] = step_cost(args.device, args.tiny, layers, batch_sizes, Path(tmp))
+    with tempfile.TemporaryDirectory() as tmp:
+        try:  # last, and on its own: a failure here (a 2.4B-parameter checkpoint on a small card) keeps the rest
+            report["diffusion_gemma_cost"] = diffusion_gemma_cost(args.device, args.tiny, Path(tmp))
+        except Exception as e:  # noqa: BLE001 -- reported in the JSON, the table and stderr
+            report["diffusion_gemma_cost_error"] = f"{type(e).__name__}: {e}"[:500]
+            print(f"gpu_check: DiffusionGemma's step cost failed: {report['diffusion_gemma_cost_error']}",
+                  file=sys.stderr)
     report["seconds"] = round(time.perf_counter() - started, 1)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     (out / "gpu_check.md").write_text(markdown(report))

@@ -33,8 +33,12 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(tmp_path):
     by_variant = {r["variant"]: r for r in cost if r["model"] == "llada-8b-shaped"}
     assert set(by_variant) == {"bf16", "int8"}  # int4 is CUDA's; --tiny leaves compiling out
     assert by_variant["int8"]["weights_mb"] < by_variant["bf16"]["weights_mb"]
+    gemma_cost, = report["diffusion_gemma_cost"]  # --tiny: batch 2, eager only
+    assert gemma_cost["variant"] == "bf16" and gemma_cost["batch_size"] == 2 and gemma_cost["steps"] > 0
+    assert 0 < gemma_cost["forward_ms"] < gemma_cost["step_ms"] and gemma_cost["tokens_per_second"] > 0
     table = (tmp_path / "gpu_check.md").read_text()
     assert table.count("\n| llada") == len(cost) and "rows equal to the CPU's" in table
+    assert table.count("\n| diffusiongemma-26B-A4B-shaped (2 layers) | bf16 |") == 1
 
 
 def test_the_gpu_check_says_when_there_is_no_gpu(tmp_path):
