@@ -456,24 +456,24 @@ def test_the_server_refuses_what_does_not_apply_and_names_the_family(served):
     assert "dllm_requests_total" in httpx.get(f"{served}/metrics", timeout=60).text
 
 
-def test_the_server_batches_by_canvas_a_late_request_joins_and_leaves_first(folder, monkeypatch):
-    """Continuous batching by canvas: a gate holds the loop before each canvas, so the schedule is
-    the test's. A four-canvas request runs alone; a one-canvas request sent during its second
-    canvas joins before its third (the loop takes queued requests between two canvases), runs
-    its one canvas in the same forwards, and is answered while the first waits for its fourth.
-    Both answers are whole; the late one's tokens are its sampler's in that batch
+def test_the_server_batches_by_step_a_late_request_joins_at_the_next_step(folder, monkeypatch):
+    """Continuous batching by denoising step: a gate holds the loop before each step, so the
+    schedule is the test's. A four-canvas request runs alone; a one-canvas request sent while
+    its second step is held joins before its third (the loop takes queued requests between two
+    steps, not only between two canvases), runs in the same forwards, and is answered while the
+    first goes on. Both answers are whole; the late one's tokens are its sampler's in that batch
     (docs/models/diffusion-gemma.md#batch-invariance)."""
     import threading
 
     from dllm_engine.decoding.diffusion_gemma import CanvasBatch
     gate, entered = threading.Semaphore(0), []
-    real = CanvasBatch.run_canvas
+    real = CanvasBatch.run_step
 
     def gated(run):
-        entered.append(len(run))  # the rows live or joining at this canvas
+        entered.append(len(run))  # the rows live or joining at this step
         assert gate.acquire(timeout=60)
         return real(run)
-    monkeypatch.setattr(CanvasBatch, "run_canvas", gated)
+    monkeypatch.setattr(CanvasBatch, "run_step", gated)
 
     def wait_for(check, what):
         for _ in range(1200):
@@ -492,20 +492,21 @@ def test_the_server_batches_by_canvas_a_late_request_joins_and_leaves_first(fold
         engine = app.state.server.engine
         first = threading.Thread(target=ask, args=("long",), kwargs=dict(prompt="w5 w6 w7", max_tokens=24, seed=1))
         first.start()
-        wait_for(lambda: len(entered) == 1, "the first canvas")
-        gate.release()  # canvas 0 of the long request, alone
-        wait_for(lambda: len(entered) == 2, "the second canvas")
+        wait_for(lambda: len(entered) == 1, "the first step")
+        gate.release()  # step 0 of the long request's first canvas, alone
+        wait_for(lambda: len(entered) == 2, "the second step")
         late = threading.Thread(target=ask, args=("short",), kwargs=dict(prompt="w8 w9", max_tokens=6, seed=2))
         late.start()
         wait_for(lambda: engine.queue_depth() == 1, "the late request to queue")
-        gate.release()  # canvas 1 of the long one; the late one waits in the queue
-        wait_for(lambda: len(entered) == 3, "the third canvas")
-        assert entered == [1, 1, 2] and engine.num_running() == 2 and engine.queue_depth() == 0  # it joined
-        gate.release()  # canvas 2 of the long request and canvas 0 of the short one, in one batch
-        late.join(timeout=60)
-        wait_for(lambda: len(entered) == 4, "the fourth canvas")
-        assert not late.is_alive() and first.is_alive() and entered[3] == 1  # it left, answered
-        gate.release()
+        gate.release()  # step 1 of the long one; the late one waits in the queue
+        wait_for(lambda: len(entered) == 3, "the third step")
+        assert entered == [1, 1, 2] and engine.num_running() == 2 and engine.queue_depth() == 0  # it joined mid-canvas
+        while late.is_alive():  # step by step until the late one is answered
+            gate.release()
+            count = len(entered)
+            wait_for(lambda: len(entered) > count or not late.is_alive(), "the next step")
+        assert first.is_alive() and entered[-1] == 1  # answered; the long one goes on alone
+        gate.release(1000)
         first.join(timeout=60)
     assert not first.is_alive()
     for name, most in (("long", 24), ("short", 6)):  # answers cut at their first EOS, as every answer is
@@ -513,18 +514,18 @@ def test_the_server_batches_by_canvas_a_late_request_joins_and_leaves_first(fold
         assert 0 <= answers[name]["usage"]["completion_tokens"] <= most and choice["finish_reason"] in ("stop", "length")
 
 
-def test_a_client_that_leaves_frees_its_row_before_the_next_canvas(folder, monkeypatch):
+def test_a_client_that_leaves_frees_its_row_before_the_next_step(folder, monkeypatch):
     import threading
 
     from dllm_engine.decoding.diffusion_gemma import CanvasBatch
     gate, entered = threading.Semaphore(0), []
-    real = CanvasBatch.run_canvas
+    real = CanvasBatch.run_step
 
     def gated(run):
         entered.append(len(run))
         assert gate.acquire(timeout=60)
         return real(run)
-    monkeypatch.setattr(CanvasBatch, "run_canvas", gated)
+    monkeypatch.setattr(CanvasBatch, "run_step", gated)
     gone = []
 
     def ask():  # gives up after 2 s, while its first canvas is held
@@ -541,26 +542,26 @@ def test_a_client_that_leaves_frees_its_row_before_the_next_canvas(folder, monke
         client.join(timeout=60)
         assert gone and entered == [1] and engine.num_running() == 1
         threading.Event().wait(1.0)  # the server polls for a departed client (POLL_S)
-        gate.release()  # its first canvas runs; before the second it leaves the group
+        gate.release()  # its first step runs; before the second it leaves the group
         for _ in range(600):
             if len(entered) == 2:
                 break
             threading.Event().wait(0.05)
-        assert entered == [1, 0] and engine.num_running() == 0  # its row left: a four-canvas request ran one
+        assert entered == [1, 0] and engine.num_running() == 0  # its row left: a four-canvas request ran one step
         gate.release()
 
 def test_an_out_of_memory_in_a_server_group_requeues_its_requests_under_a_lower_budget(folder, monkeypatch):
-    """An injected ``torch.OutOfMemoryError`` in a canvas of three rows: the budget falls below
+    """An injected ``torch.OutOfMemoryError`` in a step of three rows: the budget falls below
     their bytes, the three (nothing sent yet) queue again and run in smaller groups; every
     request is answered."""
     import threading
 
     from dllm_engine.decoding.diffusion_gemma import CanvasBatch
-    real, calls = CanvasBatch.run_canvas, []
+    real, calls = CanvasBatch.run_step, []
 
     def failing(run):
         calls.append(len(run))
-        if len(calls) == 1:  # hold the first canvas until the other two requests queue
+        if len(calls) == 1:  # hold the first step until the other two requests queue
             for _ in range(1200):
                 if engine.queue_depth() == 2:
                     break
@@ -568,7 +569,7 @@ def test_an_out_of_memory_in_a_server_group_requeues_its_requests_under_a_lower_
         if len(run) == 3 and 3 not in calls[:-1]:
             raise torch.OutOfMemoryError("injected")
         return real(run)
-    monkeypatch.setattr(CanvasBatch, "run_canvas", failing)
+    monkeypatch.setattr(CanvasBatch, "run_step", failing)
     answers = []
 
     def ask(prompt):
@@ -599,7 +600,7 @@ def test_a_dead_rank_ends_the_server_loop_with_503s(folder, monkeypatch):
 
     def dead(run):
         raise WorkerDied("rank 1 exited")
-    monkeypatch.setattr(CanvasBatch, "run_canvas", dead)
+    monkeypatch.setattr(CanvasBatch, "run_step", dead)
     body = {"model": "tiny", "prompt": "w5 w6 w7", "seed": 4, "max_tokens": 12}
     with serving(LLM(folder)) as (url, app):
         first = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
@@ -612,22 +613,22 @@ def test_a_dead_rank_ends_the_server_loop_with_503s(folder, monkeypatch):
 
 
 def test_the_server_loop_reports_its_group_bytes_and_the_requests_waiting_for_the_budget(folder, monkeypatch):
-    """A budget that fits one row: while the first request's second canvas runs, the second
+    """A budget that fits one row: while the first request's second step runs, the second
     request waits for memory, and ``memory()`` (what ``/metrics`` shows) says so."""
     import threading
 
     from dllm_engine.decoding.diffusion_gemma import CanvasBatch
-    real, seen = CanvasBatch.run_canvas, []
+    real, seen = CanvasBatch.run_step, []
 
     def held(run):
-        if not seen:  # the first canvas: until the second request queues
+        if not seen:  # the first step: until the second request queues
             for _ in range(1200):
                 if engine.queue_depth() == 1:
                     break
                 threading.Event().wait(0.05)
         seen.append(engine.memory())
         return real(run)
-    monkeypatch.setattr(CanvasBatch, "run_canvas", held)
+    monkeypatch.setattr(CanvasBatch, "run_step", held)
     params = SamplingParams(max_new_tokens=12, stop_at_eos=False)
     probe = LLM(folder)
     first, second = (Request(0, ids, probe.resolve(params)) for ids in ([5, 6, 7], [8, 9]))

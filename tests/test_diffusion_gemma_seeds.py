@@ -211,6 +211,34 @@ def test_seeds_and_padding_are_checked(model):
         generate(model, ids, SETTINGS, SeededDraws([1, 2]), attention_mask=mask, batch_invariant=True)
 
 
+def test_rows_joining_at_any_denoising_step_get_their_tokens_alone(model):
+    """``CanvasBatch.run_step`` (the server's loop): rows join a running batch between any two
+    denoising steps, each row ends its canvas when it stops (not when the slowest row does),
+    encodes it alone and goes on to its next while the others denoise (its cache rows grown and
+    merged back right-aligned), and leaves when done: each row gets its tokens alone."""
+    rows, seeds = [prompt(5, 1), prompt(9, 2), prompt(3, 3), prompt(20, 4)], [11, 12, 13, 14]
+    limits = [3 * CANVAS, 2 * CANVAS, 3 * CANVAS, CANVAS]
+    steps = []  # (canvas index, denoising step) of each row in each decoder step
+    run = CanvasBatch(model, SETTINGS, SeededDraws(seeds[:1]),
+                      observe=lambda canvas, _, state: steps.append(list(zip(canvas.tolist(), state.num_steps.tolist()))))
+    assert run.add(rows[:1], limits[:1]) == [0]
+    left = run.run_step() + run.run_step()
+    assert run.add(rows[1:3], limits[1:3], seeds=seeds[1:3]) == [1, 2]  # mid-canvas: row 0 is at its third step
+    left += run.run_step()
+    assert run.add(rows[3:], limits[3:], seeds=seeds[3:]) == [3]
+    while len(run):
+        left += run.run_step()
+    assert sorted(left) == [0, 1, 2, 3]
+    assert any(len({s for _, s in rows_at}) > 1 for rows_at in steps)  # rows at different steps in one forward
+    assert any(len({c for c, _ in rows_at}) > 1 for rows_at in steps)  # and at different canvases
+    for i, (row, seed, limit) in enumerate(zip(rows, seeds, limits)):
+        want = alone(model, row, seed, dataclasses.replace(SETTINGS, max_new_tokens=limit))
+        got = run.rows[i]
+        assert got.num_steps == want.num_steps[0].tolist()[:len(got.num_steps)]
+        assert [t for c in got.token_ids for t in c] == want.token_ids[0].tolist()[:CANVAS * len(got.token_ids)]
+        assert len(got.token_ids) == got.canvases or got.finished
+
+
 def test_rows_joining_and_leaving_between_canvases_get_their_tokens_alone(model):
     """Continuous batching by canvas (``CanvasBatch``, the server's loop): rows join a running
     batch at a canvas boundary (their cache rows merged right-aligned beside rows one or two

@@ -63,23 +63,23 @@ def test_seeded_tokens_counts_and_traces_equal_one_process(pair):
 
 
 def run_group(llm, joins: dict[int, list[int]], leaves: dict[int, list[int]]) -> dict[int, list[int]]:
-    """Requests joining a ``CanvasGroup`` before the canvas ``joins`` names, others leaving
-    before theirs (as the server's loop runs them): request index -> its tokens."""
+    """Requests joining a ``CanvasGroup`` before the denoising step ``joins`` names, others
+    leaving before theirs (as the server's loop runs them): request index -> its tokens."""
     requests = [Request(i, ROWS[i], llm.resolve(SamplingParams(seed=SEEDS[i]))) for i in range(len(ROWS))]
     group = CanvasGroup(llm, group_key(requests[0].params))
-    out, canvas = {}, 0
-    while canvas == 0 or len(group) or any(c >= canvas for c in joins):
-        for i in joins.get(canvas, []):
+    out, step = {}, 0
+    while step == 0 or len(group) or any(s >= step for s in joins):
+        for i in joins.get(step, []):
             group.add(requests[i])
-        group.leave([requests[i] for i in leaves.get(canvas, [])])
-        out.update({r.index: o.token_ids for r, o in group.run_canvas()})
-        canvas += 1
+        group.leave([requests[i] for i in leaves.get(step, [])])
+        out.update({r.index: o.token_ids for r, o in group.run_step()})
+        step += 1
     return out
 
 
-def test_rows_joining_and_leaving_between_canvases_move_on_every_rank(pair):
+def test_rows_joining_and_leaving_between_steps_move_on_every_rank(pair):
     one, two = pair
-    joins, leaves = {0: [0, 1], 1: [2, 3], 2: [4]}, {1: [1]}
+    joins, leaves = {0: [0, 1], 3: [2, 3], 7: [4]}, {4: [1]}
     want = run_group(one, joins, leaves)
     assert set(want) == {0, 2, 3, 4} and want == run_group(two, joins, leaves)
 

@@ -364,6 +364,30 @@ class CanvasState:
                            sc, *(t.index_select(0, index) for t in (self.num_repeats, self.num_steps, self.finished)))
 
 
+def cat_states(a: CanvasState, b: CanvasState) -> CanvasState:
+    """``a``'s rows, then ``b``'s; a side without self-conditioning (a canvas's first step) gets
+    zeros there, which the decoder's signal mask drops."""
+    sc = None
+    if a.self_conditioning is not None or b.self_conditioning is not None:
+        like = a.self_conditioning if a.self_conditioning is not None else b.self_conditioning
+        sc = torch.cat([x.self_conditioning if x.self_conditioning is not None else
+                        like.new_zeros(len(x.num_steps), *like.shape[1:]) for x in (a, b)])
+    fields = ("canvas_ids", "accepted", "argmax_ids", "num_repeats", "num_steps", "finished")
+    merged = {f: torch.cat([getattr(a, f), getattr(b, f)]) for f in fields}
+    return CanvasState(merged["canvas_ids"], merged["accepted"], merged["argmax_ids"], sc,
+                       merged["num_repeats"], merged["num_steps"], merged["finished"])
+
+
+def set_rows(state: CanvasState, index: Tensor, fresh: CanvasState) -> CanvasState:
+    """``state`` with its rows ``index`` replaced by ``fresh`` (new canvases: no
+    self-conditioning, whose rows here are zeroed in place for the decoder's signal mask)."""
+    for f in ("canvas_ids", "accepted", "argmax_ids", "num_repeats", "num_steps", "finished"):
+        getattr(state, f)[index] = getattr(fresh, f)
+    if state.self_conditioning is not None:
+        state.self_conditioning.index_fill_(0, index, 0)
+    return state
+
+
 def new_canvas(keys: DrawKeys, canvas_length: int, vocab_size: int, draws: Draws) -> CanvasState:
     """A canvas of uniform random tokens, every position undecided."""
     ids = draws.canvas_tokens(keys, canvas_length, vocab_size)
@@ -559,6 +583,32 @@ def merge_caches(old: EncoderCache, new: EncoderCache) -> tuple[EncoderCache, in
     return EncoderCache(keys, values, length, key_valid), length - old.length, length - new.length
 
 
+def merge_rows(cache: EncoderCache, index: Tensor, grown: EncoderCache) -> tuple[EncoderCache, int, int]:
+    """``cache`` with its rows ``index`` replaced by ``grown`` (the same rows, encoded further),
+    rows in their order, right-aligned as ``merge_caches`` aligns them: (the cache, the columns
+    added on the left of the other rows, of the grown ones)."""
+    length = max(cache.length, grown.length)
+
+    def left_pad(t: Tensor, width: int) -> Tensor:
+        return t if t.shape[2] == width else torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
+
+    def valid(c: EncoderCache, batch: int, device) -> Tensor:
+        v = c.key_valid if c.key_valid is not None else torch.ones(batch, c.length, dtype=torch.bool, device=device)
+        return torch.nn.functional.pad(v, (length - c.length, 0), value=False)
+
+    keys, values = [], []
+    for ka, va, kb, vb in zip(cache.keys, cache.values, grown.keys, grown.values):
+        width = max(ka.shape[2], kb.shape[2])
+        k, v = left_pad(ka, width), left_pad(va, width)  # ``cache`` is replaced: written in place
+        k[index], v[index] = left_pad(kb, width), left_pad(vb, width)
+        keys.append(k)
+        values.append(v)
+    a = cache.keys[0]
+    key_valid = valid(cache, a.shape[0], a.device)
+    key_valid[index] = valid(grown, len(index), a.device)
+    return EncoderCache(keys, values, length, key_valid), length - cache.length, length - grown.length
+
+
 @dataclass
 class CanvasRow:
     """One row of a ``CanvasBatch``, on the host: the canvases it may run, what it kept of each
@@ -593,6 +643,8 @@ class CanvasBatch:
         self.last: Tensor | None = None  # [n] the live rows' last kept canvas: encoded before the next
         self.finished: Tensor | None = None  # [n] bool: the live rows that have written EOS
         self.canvas: Tensor | None = None  # [n] int64: the live rows' next canvas index
+        # ``run_step``: the live rows' current canvases, each at its own step (None: run_canvas's loop)
+        self.state: CanvasState | None = None
 
     def __len__(self) -> int:
         """Rows live or queued."""
@@ -682,10 +734,84 @@ class CanvasBatch:
         going = torch.tensor([k for k in range(len(self.live.index)) if k not in out], dtype=torch.int64,
                              device=self.live.index.device)
         if going.numel() == 0:
-            self.live = self.cache = self.last = self.finished = self.canvas = None
+            self.live = self.cache = self.last = self.finished = self.canvas = self.state = None
             return
         self.live, self.cache = self.live.select(going), self.cache.rows(going)
-        self.last, self.finished, self.canvas = self.last[going], self.finished[going], self.canvas[going]
+        self.finished, self.canvas = self.finished[going], self.canvas[going]
+        self.last = None if self.last is None else self.last[going]
+        self.state = None if self.state is None else self.state.rows(going)
+
+    def run_step(self) -> list[int]:
+        """One denoising step of every live row, rows joining and leaving at any step (what the
+        server runs; ``run_canvas`` runs a canvas of every row in step): first the rows whose
+        canvas stopped at the step before keep it (``finish_canvas``), and those done leave,
+        as ``run_canvas`` decides; the others encode it (their cache rows grow alone, merged back
+        right-aligned: ``merge_rows``) and start their next canvas. Then the queued prompts join
+        (``admit``), and one decoder forward runs every live row, each at its own canvas and step
+        (a row at its canvas's first step without self-conditioning: its signal is masked).
+        A row's draws are keyed by its own canvas and step, so it gets the tokens ``run_canvas``
+        gives it, up to the kernels' rounding. Returns the generation indices of the rows that left."""
+        left = self.end_canvases() if self.state is not None else []
+        if self.pending:
+            joining = len(self.pending)
+            self.admit()
+            fresh = self.fresh_canvases(torch.arange(len(self.live.index) - joining, len(self.live.index),
+                                                     device=self.live.index.device))
+            self.state = fresh if self.state is None else cat_states(self.state, fresh)
+        if self.live is None:
+            return left
+        model, state = self.model, self.state
+        started = state.num_steps > 0
+        signal = None if state.self_conditioning is None else started
+        logits = model.decode(state.canvas_ids, self.cache, state.self_conditioning, signal,
+                              positions=self.live.positions(self.cache.length, model.config.canvas_length))
+        keys = DrawKeys.at(self.live.index, self.canvas, state.num_steps)
+        self.state = denoise_step(state, logits, self.settings, self.draws, keys, model.embed_tokens.weight.dtype,
+                                  self.chunk_elements)
+        if self.observe is not None:
+            self.observe(self.canvas, self.live.index, self.state)
+        return left
+
+    def fresh_canvases(self, positions: Tensor) -> CanvasState:
+        """New canvases for the live rows at ``positions``, at their canvas index."""
+        return new_canvas(DrawKeys.at(self.live.index[positions], self.canvas[positions], 0),
+                          self.model.config.canvas_length, self.model.config.vocab_size, self.draws)
+
+    def end_canvases(self) -> list[int]:
+        """``run_step``'s first part: the rows whose canvas stopped keep it, leave or go on to
+        their next canvas; returns the generation indices of those that left."""
+        state = self.state
+        stopped = (state.finished | (state.num_steps >= self.settings.max_denoising_steps)).nonzero()[:, 0]
+        if stopped.numel() == 0:  # the step's host read (with the one below when some stopped)
+            return []
+        ids, finished = finish_canvas(state.argmax_ids[stopped], self.finished[stopped], self.settings)
+        self.finished[stopped] = finished
+        positions, kept, steps = stopped.tolist(), ids.tolist(), state.num_steps[stopped].tolist()
+        rows, everyone = self.live.index[stopped].tolist(), bool(self.finished.all())
+        leaving, going_on = [], []
+        for k, i, row_ids, row_steps, f in zip(positions, rows, kept, steps, finished.tolist()):
+            row = self.rows[i]
+            row.token_ids.append(row_ids)
+            row.num_steps.append(row_steps)
+            row.finished = f
+            done = len(row.token_ids) == row.canvases or (f and (self.settings.pad_token_id is not None or everyone))
+            (leaving if done else going_on).append(k)
+        if going_on:  # their canvas into the cache, then their next canvas
+            on = torch.tensor(going_on, dtype=torch.int64, device=stopped.device)
+            grown = self.cache.rows(on)
+            sub = self.live.select(on)
+            canvas = ids[[positions.index(k) for k in going_on]]
+            self.model.encode(canvas, grown, positions=sub.positions(grown.length, self.model.config.canvas_length))
+            self.cache, shift, grown_shift = merge_rows(self.cache, on, grown)
+            padding = self.live.padding + shift
+            padding[on] = sub.padding + grown_shift
+            self.live = LiveRows(self.live.index, padding)
+            self.canvas[on] += 1
+            self.state = set_rows(self.state, on, self.fresh_canvases(on))
+        out = [rows[positions.index(k)] for k in leaving]
+        if leaving:
+            self.drop(leaving)
+        return out
 
     def leave(self, indices: list[int]) -> None:
         """Rows whose requests went away leave before the next canvas (by generation index)."""

@@ -536,12 +536,12 @@ def group_key(params: CanvasParams) -> GenerationSettings:
 
 
 class CanvasGroup:
-    """Requests of one ``group_key`` sampled together, joining and leaving between canvases
-    (``decoding.diffusion_gemma.CanvasBatch``): the server's continuous batching for this
-    family. ``add`` queues a request for the next canvas; ``run_canvas`` runs one canvas of every
-    row and returns the requests that finished with their outputs; ``leave`` drops requests
-    whose clients went away. ``on_canvas(request, argmax_ids)``: the canvases of the requests
-    added with ``stream``, each as it ends."""
+    """Requests of one ``group_key`` sampled together, joining and leaving between any two
+    denoising steps (``decoding.diffusion_gemma.CanvasBatch.run_step``): the server's continuous
+    batching for this family. ``add`` queues a request for the next step; ``run_step`` runs one
+    denoising step of every row and returns the requests that finished with their outputs;
+    ``leave`` drops requests whose clients went away. ``on_canvas(request, argmax_ids)``: the
+    canvases of the requests added with ``stream``, each as it ends."""
 
     def __init__(self, llm: CanvasLLM, key: GenerationSettings,
                  on_canvas: Callable[[Request, list[int]], None] | None = None) -> None:
@@ -572,17 +572,17 @@ class CanvasGroup:
         self.watcher.watch(row, request.params.record_steps, stream)
 
     def leave(self, requests: list[Request]) -> None:
-        """``requests`` leave before the next canvas (their clients went away)."""
+        """``requests`` leave before the next step (their clients went away)."""
         gone = [row for row, r in self.requests.items() if any(r is q for q in requests)]
         self.run.leave(gone)
         for row in gone:
             self.watcher.forget(row)
             del self.requests[row], self.started[row]
 
-    def run_canvas(self) -> list[tuple[Request, RequestOutput]]:
-        """One canvas of every row (the queued ones joining first); the requests that finished."""
+    def run_step(self) -> list[tuple[Request, RequestOutput]]:
+        """One denoising step of every row (the queued ones joining first); the requests that finished."""
         done = []
-        for row in self.run.run_canvas():
+        for row in self.run.run_step():
             trace = self.watcher.forget(row)
             request, started = self.requests.pop(row), self.started.pop(row)
             canvases = self.run.rows[row]

@@ -4,12 +4,12 @@ mirrored on every rank.
 The masked families' rank 0 sends every step's inputs (engine/parallel.py). A canvas model's
 sampler is its own loop (``decoding.diffusion_gemma.CanvasBatch``), and every input of that loop
 is plain data: the prompts, each row's ``max_new_tokens`` and seed, the settings. So rank 0 sends
-the calls that change a batch (``new``: the settings; ``add``, ``run_canvas``, ``leave``: their
-arguments), and every other rank runs the same ``CanvasBatch`` on its slice of the model. The
+the calls that change a batch (``new``: the settings; ``add``, ``run_canvas``, ``run_step``,
+``leave``: their arguments), and every other rank runs the same ``CanvasBatch`` on its slice of the model. The
 model's all-reduces give every rank the same hidden states and the same full logits (the
 embedding and its tied head are whole on each rank), the draws are keyed by the rows' seeds, so
 every rank makes the same decisions and reaches the next collective with the others: one small
-message per call, none per denoising step. Only rank 0 observes the steps (traces, streaming).
+message per call (a canvas, or with ``run_step`` a denoising step). Only rank 0 observes the steps (traces, streaming).
 
 Failure: as the masked families' (``TensorParallel.guard``): a call that fails on rank 0, or a
 collective that fails or times out, shuts the group down with ``WorkerDied``; a worker's batches
@@ -50,6 +50,9 @@ class MirroredBatch(CanvasBatch):
 
     def run_canvas(self) -> list[int]:
         return self.call("run_canvas")  # the model's passes run under no_grad (see CanvasWorker)
+
+    def run_step(self) -> list[int]:
+        return self.call("run_step")
 
     def leave(self, indices: list[int]) -> None:
         return self.call("leave", list(indices))

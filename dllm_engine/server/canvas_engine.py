@@ -1,6 +1,6 @@
 """The server's engine for a canvas model (DiffusionGemma; ``engine.canvas_llm``): an
 ``EngineClient`` whose one thread runs the queued choices through a ``CanvasGroup``, continuous
-batching by canvas: between two canvases of the running rows, queued choices join (in arrival
+batching by denoising step: between two steps of the running rows, queued choices join (in arrival
 order, while they share its settings, fit ``max_num_seqs`` and the memory budget; an older choice
 of other settings stops the joining, so the group drains and that choice's group runs next),
 finished ones leave with their answers, and the choices of clients that went away leave too.
@@ -111,7 +111,7 @@ class CanvasEngine:
 
     def cancel(self, job: CanvasJob) -> None:
         """The job's queued choices leave the queue, its running ones the group before its next
-        canvas; it is sent nothing more."""
+        step; it is sent nothing more."""
         with self.lock:
             job.cancelled = True
             self.queue = [c for c in self.queue if c.job is not job]
@@ -156,7 +156,7 @@ class CanvasEngine:
 
     def memory(self) -> tuple[int | None, int, int]:
         """As ``InProcessEngine.memory``: the budget, the running group's peak bytes, the choices
-        waiting for the budget (as the last join between two canvases left them)."""
+        waiting for the budget (as the last join between two steps left them)."""
         return self.llm.budget, self.group_bytes, self.waiting_for_memory
 
     # -- the loop thread ------------------------------------------------------------------------
@@ -184,7 +184,7 @@ class CanvasEngine:
             try:
                 if failure is not None:
                     raise failure
-                finished = self.group.run_canvas()
+                finished = self.group.run_step()
                 self.metrics.observe_step(time.perf_counter() - start)
                 for request, out in finished:
                     self.finish(self.members.pop(id(request)), out)
@@ -198,7 +198,7 @@ class CanvasEngine:
                 self.lock.notify_all()
 
     def join(self) -> None:
-        """Between two canvases (lock held): the choices of clients that went away leave the
+        """Between two denoising steps (lock held): the choices of clients that went away leave the
         group; queued choices join it in arrival order (see the module docstring)."""
         gone = [c for c in self.members.values() if c.job.cancelled]
         if gone:
