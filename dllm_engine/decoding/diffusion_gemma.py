@@ -620,9 +620,9 @@ class CanvasRow:
 
 
 class CanvasBatch:
-    """A batch-invariant sampler run whose rows join and leave between canvases: continuous
-    batching by canvas, what the server runs (``generate(..., batch_invariant=True)`` is one
-    whose rows all join at the start). ``add`` queues prompts; each ``run_canvas`` then encodes
+    """A batch-invariant sampler run whose rows join and leave as it runs: by canvas
+    (``run_canvas``: ``generate(..., batch_invariant=True)`` is one whose rows all join at the
+    start) or by denoising step (``run_step``, what the server runs). ``add`` queues prompts; each ``run_canvas`` then encodes
     every continuing row's last canvas, encodes the queued prompts in one forward and merges their
     cache rows in (right-aligned: each row's left padding masked, its positions counted from its
     first token), denoises the next canvas of every live row (each at its own canvas index; a
