@@ -226,9 +226,14 @@ def test_rows_joining_at_any_denoising_step_get_their_tokens_alone(model):
     assert run.add(rows[1:3], limits[1:3], seeds=seeds[1:3]) == [1, 2]  # mid-canvas: row 0 is at its third step
     left += run.run_step()
     assert run.add(rows[3:], limits[3:], seeds=seeds[3:]) == [3]
+    widths = []
     while len(run):
         left += run.run_step()
+        if run.live is not None:  # no column is padding in every row: a long row's leave trims them
+            assert int(run.live.padding.min()) == 0
+            widths.append(run.cache.length)
     assert sorted(left) == [0, 1, 2, 3]
+    assert any(b < a for a, b in zip(widths, widths[1:]))  # the cache narrowed when the long prompt's row left
     assert any(len({s for _, s in rows_at}) > 1 for rows_at in steps)  # rows at different steps in one forward
     assert any(len({c for c, _ in rows_at}) > 1 for rows_at in steps)  # and at different canvases
     for i, (row, seed, limit) in enumerate(zip(rows, seeds, limits)):

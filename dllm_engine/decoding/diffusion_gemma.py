@@ -737,9 +737,18 @@ class CanvasBatch:
             self.live = self.cache = self.last = self.finished = self.canvas = self.state = None
             return
         self.live, self.cache = self.live.select(going), self.cache.rows(going)
+        self.trim()
         self.finished, self.canvas = self.finished[going], self.canvas[going]
         self.last = None if self.last is None else self.last[going]
         self.state = None if self.state is None else self.state.rows(going)
+
+    def trim(self) -> None:
+        """Drop the cache's columns that are padding in every live row (a long row's that left, or
+        a row that grew beside others: ``merge_rows`` widens by a canvas): the rows attend over
+        the longest row's columns only. One host read."""
+        columns = int(self.live.padding.min())
+        if columns:
+            self.cache, self.live = self.cache.trim(columns), LiveRows(self.live.index, self.live.padding - columns)
 
     def run_step(self) -> list[int]:
         """One denoising step of every live row, rows joining and leaving at any step (what the
@@ -806,6 +815,7 @@ class CanvasBatch:
             padding = self.live.padding + shift
             padding[on] = sub.padding + grown_shift
             self.live = LiveRows(self.live.index, padding)
+            self.trim()
             self.canvas[on] += 1
             self.state = set_rows(self.state, on, self.fresh_canvases(on))
         out = [rows[positions.index(k)] for k in leaving]

@@ -475,6 +475,19 @@ class EncoderCache:
         new = valid.bool() if valid is not None else torch.ones(batch, num_new, dtype=torch.bool, device=device)
         self.key_valid = torch.cat([old, new], dim=1)
 
+    def trim(self, columns: int) -> EncoderCache:
+        """Without its first ``columns`` columns (padding in every row, the caller knows: masked
+        keys, so every row attends as before); views, no copy."""
+        if columns <= 0:
+            return self
+        length = self.length - columns
+
+        def cut(t: Tensor | None) -> Tensor | None:  # a sliding layer may hold fewer columns already
+            return t if t is None or t.shape[2] <= length else t[:, :, t.shape[2] - length:]
+
+        return EncoderCache([cut(k) for k in self.keys], [cut(v) for v in self.values], length,
+                            None if self.key_valid is None else self.key_valid[:, columns:])
+
     def rows(self, index: Tensor) -> EncoderCache:
         """The cache of some rows, ``index`` [b] into the batch (a copy of their K/V): what a
         forward that leaves the other rows out reads."""
