@@ -211,6 +211,16 @@ def test_seeds_and_padding_are_checked(model):
         generate(model, ids, SETTINGS, SeededDraws([1, 2]), attention_mask=mask, batch_invariant=True)
 
 
+def assert_rows_alone(model, run: CanvasBatch, rows, seeds, limits) -> None:
+    """Each of ``run``'s rows kept the canvases, and took the steps, it gets alone."""
+    for i, (row, seed, limit) in enumerate(zip(rows, seeds, limits)):
+        want = alone(model, row, seed, dataclasses.replace(SETTINGS, max_new_tokens=limit))
+        got = run.rows[i]
+        assert got.num_steps == want.num_steps[0].tolist()[:len(got.num_steps)]
+        assert [t for c in got.token_ids for t in c] == want.token_ids[0].tolist()[:CANVAS * len(got.token_ids)]
+        assert len(got.token_ids) == got.canvases or got.finished
+
+
 def test_rows_joining_at_any_denoising_step_get_their_tokens_alone(model):
     """``CanvasBatch.run_step`` (the server's loop): rows join a running batch between any two
     denoising steps, each row ends its canvas when it stops (not when the slowest row does),
@@ -236,12 +246,7 @@ def test_rows_joining_at_any_denoising_step_get_their_tokens_alone(model):
     assert any(b < a for a, b in zip(widths, widths[1:]))  # the cache narrowed when the long prompt's row left
     assert any(len({s for _, s in rows_at}) > 1 for rows_at in steps)  # rows at different steps in one forward
     assert any(len({c for c, _ in rows_at}) > 1 for rows_at in steps)  # and at different canvases
-    for i, (row, seed, limit) in enumerate(zip(rows, seeds, limits)):
-        want = alone(model, row, seed, dataclasses.replace(SETTINGS, max_new_tokens=limit))
-        got = run.rows[i]
-        assert got.num_steps == want.num_steps[0].tolist()[:len(got.num_steps)]
-        assert [t for c in got.token_ids for t in c] == want.token_ids[0].tolist()[:CANVAS * len(got.token_ids)]
-        assert len(got.token_ids) == got.canvases or got.finished
+    assert_rows_alone(model, run, rows, seeds, limits)
 
 
 def test_rows_joining_and_leaving_between_canvases_get_their_tokens_alone(model):
@@ -262,9 +267,4 @@ def test_rows_joining_and_leaving_between_canvases_get_their_tokens_alone(model)
         left += run.run_canvas()
     assert sorted(left) == [0, 1, 2, 3]
     assert any(len(set(canvases)) > 1 for canvases in steps)  # decoder steps held rows of two canvases
-    for i, (row, seed, limit) in enumerate(zip(rows, seeds, limits)):
-        want = alone(model, row, seed, dataclasses.replace(SETTINGS, max_new_tokens=limit))
-        got = run.rows[i]
-        assert got.num_steps == want.num_steps[0].tolist()[:len(got.num_steps)]
-        assert [t for c in got.token_ids for t in c] == want.token_ids[0].tolist()[:CANVAS * len(got.token_ids)]
-        assert len(got.token_ids) == got.canvases or got.finished
+    assert_rows_alone(model, run, rows, seeds, limits)
