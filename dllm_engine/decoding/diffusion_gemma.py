@@ -622,7 +622,8 @@ class CanvasRow:
 class CanvasBatch:
     """A batch-invariant sampler run whose rows join and leave as it runs: by canvas
     (``run_canvas``: ``generate(..., batch_invariant=True)`` is one whose rows all join at the
-    start) or by denoising step (``run_step``, what the server runs). ``add`` queues prompts; each ``run_canvas`` then encodes
+    start) or by denoising step (``run_step``, what the server runs); a run takes one of the two
+    throughout. ``add`` queues prompts; each ``run_canvas`` then encodes
     every continuing row's last canvas, encodes the queued prompts in one forward and merges their
     cache rows in (right-aligned: each row's left padding masked, its positions counted from its
     first token), denoises the next canvas of every live row (each at its own canvas index; a
@@ -824,7 +825,7 @@ class CanvasBatch:
         return out
 
     def leave(self, indices: list[int]) -> None:
-        """Rows whose requests went away leave before the next canvas (by generation index)."""
+        """Rows whose requests went away leave before the next canvas, or step (by generation index)."""
         gone = set(indices)
         self.pending = [(i, ids) for i, ids in self.pending if i not in gone]
         if self.live is not None:
