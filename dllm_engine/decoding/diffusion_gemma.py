@@ -558,28 +558,30 @@ def check_draws(draws: Draws, batch: int) -> None:
 Observer = Callable[[Tensor, Tensor, "CanvasState"], None]
 
 
+def left_pad(t: Tensor, width: int) -> Tensor:
+    """K or V [B, H, n, D] with zero columns on the left up to ``width`` (itself when as wide)."""
+    return t if t.shape[2] == width else torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
+
+
+def padded_valid(cache: EncoderCache, length: int) -> Tensor:
+    """``cache.key_valid`` [B, length]: its columns right-aligned, the added ones padding."""
+    k = cache.keys[0]
+    v = cache.key_valid if cache.key_valid is not None else torch.ones(k.shape[0], cache.length, dtype=torch.bool,
+                                                                      device=k.device)
+    return torch.nn.functional.pad(v, (length - cache.length, 0), value=False)
+
+
 def merge_caches(old: EncoderCache, new: EncoderCache) -> tuple[EncoderCache, int, int]:
     """One cache of ``old``'s rows then ``new``'s, right-aligned (every row's last token in the
     last column; the shorter side's missing columns padding, masked): (the cache, the columns
     added on the left of ``old``'s rows, of ``new``'s)."""
     length = max(old.length, new.length)
-
-    def left_pad(t: Tensor, width: int) -> Tensor:
-        return t if t.shape[2] == width else torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
-
     keys, values = [], []
     for ka, va, kb, vb in zip(old.keys, old.values, new.keys, new.values):
         width = max(ka.shape[2], kb.shape[2])
         keys.append(torch.cat([left_pad(ka, width), left_pad(kb, width)]))
         values.append(torch.cat([left_pad(va, width), left_pad(vb, width)]))
-
-    def valid(cache: EncoderCache, batch: int, device) -> Tensor:
-        v = cache.key_valid if cache.key_valid is not None else torch.ones(batch, cache.length, dtype=torch.bool,
-                                                                          device=device)
-        return torch.nn.functional.pad(v, (length - cache.length, 0), value=False)
-
-    a, b = old.keys[0], new.keys[0]
-    key_valid = torch.cat([valid(old, a.shape[0], a.device), valid(new, b.shape[0], b.device)])
+    key_valid = torch.cat([padded_valid(old, length), padded_valid(new, length)])
     return EncoderCache(keys, values, length, key_valid), length - old.length, length - new.length
 
 
@@ -588,14 +590,6 @@ def merge_rows(cache: EncoderCache, index: Tensor, grown: EncoderCache) -> tuple
     rows in their order, right-aligned as ``merge_caches`` aligns them: (the cache, the columns
     added on the left of the other rows, of the grown ones)."""
     length = max(cache.length, grown.length)
-
-    def left_pad(t: Tensor, width: int) -> Tensor:
-        return t if t.shape[2] == width else torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
-
-    def valid(c: EncoderCache, batch: int, device) -> Tensor:
-        v = c.key_valid if c.key_valid is not None else torch.ones(batch, c.length, dtype=torch.bool, device=device)
-        return torch.nn.functional.pad(v, (length - c.length, 0), value=False)
-
     keys, values = [], []
     for ka, va, kb, vb in zip(cache.keys, cache.values, grown.keys, grown.values):
         width = max(ka.shape[2], kb.shape[2])
@@ -603,9 +597,8 @@ def merge_rows(cache: EncoderCache, index: Tensor, grown: EncoderCache) -> tuple
         k[index], v[index] = left_pad(kb, width), left_pad(vb, width)
         keys.append(k)
         values.append(v)
-    a = cache.keys[0]
-    key_valid = valid(cache, a.shape[0], a.device)
-    key_valid[index] = valid(grown, len(index), a.device)
+    key_valid = padded_valid(cache, length)
+    key_valid[index] = padded_valid(grown, length)
     return EncoderCache(keys, values, length, key_valid), length - cache.length, length - grown.length
 
 
