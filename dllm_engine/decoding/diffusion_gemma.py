@@ -357,11 +357,13 @@ class CanvasState:
     num_steps: Tensor  # [B] denoising steps (decoder forwards) run on this canvas
     finished: Tensor  # [B] bool: stopped early (stable and confident)
 
+    # the per-row tensors beside ``self_conditioning`` (which a canvas's first step lacks)
+    ROWS = ("canvas_ids", "accepted", "argmax_ids", "num_repeats", "num_steps", "finished")
+
     def rows(self, index: Tensor) -> CanvasState:
         """The state of some rows (``index`` [b]; a copy)."""
         sc = None if self.self_conditioning is None else self.self_conditioning.index_select(0, index)
-        return CanvasState(*(t.index_select(0, index) for t in (self.canvas_ids, self.accepted, self.argmax_ids)),
-                           sc, *(t.index_select(0, index) for t in (self.num_repeats, self.num_steps, self.finished)))
+        return CanvasState(self_conditioning=sc, **{f: getattr(self, f).index_select(0, index) for f in self.ROWS})
 
 
 def cat_states(a: CanvasState, b: CanvasState) -> CanvasState:
@@ -372,16 +374,13 @@ def cat_states(a: CanvasState, b: CanvasState) -> CanvasState:
         like = a.self_conditioning if a.self_conditioning is not None else b.self_conditioning
         sc = torch.cat([x.self_conditioning if x.self_conditioning is not None else
                         like.new_zeros(len(x.num_steps), *like.shape[1:]) for x in (a, b)])
-    fields = ("canvas_ids", "accepted", "argmax_ids", "num_repeats", "num_steps", "finished")
-    merged = {f: torch.cat([getattr(a, f), getattr(b, f)]) for f in fields}
-    return CanvasState(merged["canvas_ids"], merged["accepted"], merged["argmax_ids"], sc,
-                       merged["num_repeats"], merged["num_steps"], merged["finished"])
+    return CanvasState(self_conditioning=sc, **{f: torch.cat([getattr(a, f), getattr(b, f)]) for f in CanvasState.ROWS})
 
 
 def set_rows(state: CanvasState, index: Tensor, fresh: CanvasState) -> CanvasState:
     """``state`` with its rows ``index`` replaced by ``fresh`` (new canvases: no
     self-conditioning, whose rows here are zeroed in place for the decoder's signal mask)."""
-    for f in ("canvas_ids", "accepted", "argmax_ids", "num_repeats", "num_steps", "finished"):
+    for f in CanvasState.ROWS:
         getattr(state, f)[index] = getattr(fresh, f)
     if state.self_conditioning is not None:
         state.self_conditioning.index_fill_(0, index, 0)
