@@ -32,7 +32,6 @@ import json
 import logging
 import numbers
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -159,14 +158,11 @@ class CanvasLLM:
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
         self.parallel = None  # tensor parallelism: rank 0's handle (engine/canvas_parallel.py)
-        if tensor_parallel_size > 1 and self.device.type == "meta":  # a front: shapes that do not split fail here
-            from .parallel import check_weights_shardable
-            check_weights_shardable(str(self.path), tensor_parallel_size)
-        if tensor_parallel_size > 1 and self.device.type != "meta":
-            from .parallel import TensorParallel, Weights
-            self.parallel = TensorParallel.start(Weights(str(self.path), dtype, quantization), self.device,
-                                                 tensor_parallel_size, keep_freed_memory)
-            weakref.finalize(self, self.parallel.close)
+        if tensor_parallel_size > 1:
+            from .parallel import TensorParallel
+            self.parallel = TensorParallel.of_llm(self, self.path, dtype, quantization, self.device,
+                                                  tensor_parallel_size, keep_freed_memory)
+        if self.parallel is not None:
             self.model: DiffusionGemma = self.parallel.model
             self.device = self.model.embed_tokens.weight.device
         else:

@@ -5,7 +5,6 @@ import inspect
 import itertools
 import numbers
 import time
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,14 +215,11 @@ class LLM:
         if keep_freed_memory and self.device.type == "cpu":
             host_memory.keep_freed_memory()
         self.parallel = None
-        if tensor_parallel_size > 1 and self.device.type == "meta":  # a front: shapes that do not split fail here
-            from .parallel import check_weights_shardable
-            check_weights_shardable(str(self.path), tensor_parallel_size)
-        if tensor_parallel_size > 1 and self.device.type != "meta":
-            from .parallel import TensorParallel, Weights
-            self.parallel = TensorParallel.start(Weights(str(self.path), dtype, quantization), self.device,
-                                                 tensor_parallel_size, keep_freed_memory)
-            weakref.finalize(self, self.parallel.close)
+        if tensor_parallel_size > 1:
+            from .parallel import TensorParallel
+            self.parallel = TensorParallel.of_llm(self, self.path, dtype, quantization, self.device,
+                                                  tensor_parallel_size, keep_freed_memory)
+        if self.parallel is not None:
             self.model = self.parallel.model
         else:
             self.model = load_model(self.path, dtype=dtype, device=self.device, quantization=quantization)

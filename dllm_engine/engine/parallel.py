@@ -180,6 +180,21 @@ class TensorParallel:
 
     # -- starting ----------------------------------------------------------------------------
     @classmethod
+    def of_llm(cls, owner, path, dtype, quantization, device: torch.device, size: int,
+               keep_freed_memory: bool) -> "TensorParallel | None":
+        """An ``LLM``'s (or ``CanvasLLM``'s) group of ``size`` ranks, closed when ``owner`` is
+        collected; None for one process, and on the meta device (a weights-free front, as
+        ``dllm serve --replicas`` has), where only the check that the shapes split runs."""
+        if size == 1:
+            return None
+        if device.type == "meta":
+            check_weights_shardable(str(path), size)
+            return None
+        parallel = cls.start(Weights(str(path), dtype, quantization), device, size, keep_freed_memory)
+        weakref.finalize(owner, parallel.close)
+        return parallel
+
+    @classmethod
     def start(cls, weights: Weights, device: str | torch.device, size: int,
               keep_freed_memory: bool = False) -> "TensorParallel":
         """Rank 0 of ``size`` ranks: spawn the workers, or join torchrun's group."""
