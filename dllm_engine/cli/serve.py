@@ -144,7 +144,7 @@ def run_serve_replicated(args: argparse.Namespace) -> None:
     defaults = sampling_params(args)
     # reads no weights (an id is fetched here once); refuses a bad default, shapes that do not
     # split over --tensor-parallel-size, and what a canvas model (DiffusionGemma) does not run
-    # (compiling, fixed shapes), before any replica starts
+    # (fixed shapes, a compiled step), before any replica starts
     canvas = {"compile": args.compile, "fixed_shapes": args.fixed_shapes, "compile_step": args.compile_step}
     path = resolve_model(model, args.revision)
     front = LLM(model, dtype=args.dtype, device="meta", revision=args.revision, seed=args.seed,
