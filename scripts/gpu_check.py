@@ -67,6 +67,11 @@ CHECKPOINTS = {"tiny-llada": ["dual-cache:threshold=0.9", "dual-cache+focus:thre
                "tiny-sdar": ["block:threshold=0.9", "block+focus:threshold=0.9",
                              "block:commit_rule=joint-threshold,preset=S"]}
 
+# the widths of --tiny's DiffusionGemma models (the sampler's check and the engine's step cost)
+TINY_DIFFUSION_GEMMA = dict(hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=8, global_head_dim=16, num_global_key_value_heads=1, num_experts=4,
+                            top_k_experts=2, moe_intermediate_size=12)
+
 
 def shapes(tiny: bool, layers: int) -> dict[str, tuple[ModelConfig, list[str]]]:
     """The step-cost models and the methods each runs (their real widths unless ``tiny``)."""
@@ -164,9 +169,7 @@ def diffusion_gemma(device: str, tiny: bool) -> list[dict]:
     types = [SLIDING] * 5 + [FULL]
     text = dict(model_type="diffusion_gemma_text", num_hidden_layers=len(types), layer_types=types,
                 max_position_embeddings=4096, **(
-                    dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
-                         sliding_window=4, num_experts=4, top_k_experts=2, moe_intermediate_size=12) if tiny else
+                    dict(vocab_size=96, sliding_window=4, **TINY_DIFFUSION_GEMMA) if tiny else
                     dict(vocab_size=32768, hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
                          num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2,
                          sliding_window=128, num_experts=32, top_k_experts=4, moe_intermediate_size=256)))
@@ -235,9 +238,7 @@ def diffusion_gemma_config(tiny: bool, layers: int = 2) -> dict:
     text["layer_types"] = [SLIDING] * (layers - 1) + [FULL]
     text["num_hidden_layers"] = layers
     if tiny:
-        text.update(hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_experts=4, top_k_experts=2,
-                    num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1, head_dim=8,
-                    global_head_dim=16)
+        text.update(TINY_DIFFUSION_GEMMA)
         hf["canvas_length"] = 8
     else:
         text.update(vocab_size=262_144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
