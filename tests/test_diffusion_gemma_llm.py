@@ -456,6 +456,20 @@ def test_the_server_refuses_what_does_not_apply_and_names_the_family(served):
     assert "dllm_requests_total" in httpx.get(f"{served}/metrics", timeout=60).text
 
 
+def wait_for(check, what: str | None = None, seconds: float = 60) -> bool:
+    """Poll ``check()`` every 50 ms for up to ``seconds``; whether it came true. With ``what``,
+    not coming true is an AssertionError naming it (inside the engine's thread, give none: the
+    caller's assertions then say what went wrong)."""
+    import threading
+    for _ in range(int(seconds / 0.05)):
+        if check():
+            return True
+        threading.Event().wait(0.05)
+    if what is not None:
+        raise AssertionError(f"timed out waiting for {what}")
+    return False
+
+
 def test_the_server_batches_by_step_a_late_request_joins_at_the_next_step(folder, monkeypatch):
     """Continuous batching by denoising step: a gate holds the loop before each step, so the
     schedule is the test's. A four-canvas request runs alone; a one-canvas request sent while
@@ -474,14 +488,6 @@ def test_the_server_batches_by_step_a_late_request_joins_at_the_next_step(folder
         assert gate.acquire(timeout=60)
         return real(run)
     monkeypatch.setattr(CanvasBatch, "run_step", gated)
-
-    def wait_for(check, what):
-        for _ in range(1200):
-            if check():
-                return
-            threading.Event().wait(0.05)
-        raise AssertionError(f"timed out waiting for {what}")
-
     answers = {}
 
     def ask(name, **fields):
@@ -543,10 +549,7 @@ def test_a_client_that_leaves_frees_its_row_before_the_next_step(folder, monkeyp
         assert gone and entered == [1] and engine.num_running() == 1
         threading.Event().wait(1.0)  # the server polls for a departed client (POLL_S)
         gate.release()  # its first step runs; before the second it leaves the group
-        for _ in range(600):
-            if len(entered) == 2:
-                break
-            threading.Event().wait(0.05)
+        wait_for(lambda: len(entered) == 2, seconds=30)
         assert entered == [1, 0] and engine.num_running() == 0  # its row left: a four-canvas request ran one step
         gate.release()
 
@@ -562,10 +565,7 @@ def test_an_out_of_memory_in_a_server_group_requeues_its_requests_under_a_lower_
     def failing(run):
         calls.append(len(run))
         if len(calls) == 1:  # hold the first step until the other two requests queue
-            for _ in range(1200):
-                if engine.queue_depth() == 2:
-                    break
-                threading.Event().wait(0.05)
+            wait_for(lambda: engine.queue_depth() == 2)
         if len(run) == 3 and 3 not in calls[:-1]:
             raise torch.OutOfMemoryError("injected")
         return real(run)
@@ -622,10 +622,7 @@ def test_the_server_loop_reports_its_group_bytes_and_the_requests_waiting_for_th
 
     def held(run):
         if not seen:  # the first step: until the second request queues
-            for _ in range(1200):
-                if engine.queue_depth() == 1:
-                    break
-                threading.Event().wait(0.05)
+            wait_for(lambda: engine.queue_depth() == 1)
         seen.append(engine.memory())
         return real(run)
     monkeypatch.setattr(CanvasBatch, "run_step", held)
